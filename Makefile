@@ -1,0 +1,39 @@
+# vkvagent developer entry points. `make dev` once, then `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY39 ?= $(shell pyenv prefix 3.9.18 2>/dev/null)/bin/python3
+PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
+
+.PHONY: dev test lint typecheck unit test-pythons bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+dev: $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+
+# The README's test command: style, types, then every test.
+test: dev lint typecheck unit
+
+lint:
+	$(BIN)/ruff check vkvagent tests bench
+	$(BIN)/ruff format --check vkvagent tests bench
+
+typecheck:
+	$(BIN)/mypy
+
+unit:
+	$(BIN)/pytest -q
+
+# The oldest and newest supported Pythons (RHEL 9's 3.9, and 3.13), each in its own venv.
+test-pythons:
+	$(MAKE) VENV=.venv-3.9 PYTHON=$(PY39) dev unit
+	$(MAKE) VENV=.venv-3.13 PYTHON=$(PY313) dev unit
+
+bench: dev
+	$(BIN)/python bench/scrape.py
+
+clean:
+	rm -rf $(VENV) .venv-3.9 .venv-3.13 .mypy_cache .pytest_cache .ruff_cache build dist *.egg-info

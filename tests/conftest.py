@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+METRIC_PAGES = FIXTURES / "metrics"
+
+
+def read_page(name: str) -> str:
+    return (METRIC_PAGES / name).read_text(encoding="utf-8")
+
+
+def page(*families: str) -> str:
+    """A small exposition page from family blocks; every line newline-terminated."""
+    return "".join(block.strip("\n") + "\n" for block in families)
+
+
+def counter(name: str, value: float, labels: str = 'model_name="m"') -> str:
+    return f"# HELP {name} help\n# TYPE {name} counter\n{name}{{{labels}}} {value}\n"
+
+
+def gauge(name: str, value: float, labels: str = 'model_name="m"') -> str:
+    return f"# HELP {name} help\n# TYPE {name} gauge\n{name}{{{labels}}} {value}\n"
+
+
+@pytest.fixture
+def fixtures_dir() -> Path:
+    return FIXTURES

@@ -1,0 +1,328 @@
+"""The normaliser against real pages of every flavour and against broken ones."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import METRIC_PAGES, counter, gauge, page, read_page
+from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
+
+V0_07 = "v0-0.7-aibrix-doc-qwen2.5-coder-1.5b.prom"
+V1_08 = "v1-0.8-production-stack-318-qwen2.5-coder-32b.prom"
+
+
+def normalise(text: str, model: str = "") -> VllmMetrics:
+    return Normaliser(model).normalise(text)
+
+
+def test_real_v0_07_page() -> None:
+    m = normalise(read_page(V0_07))
+    assert m.flavor == "v0"
+    assert m.models == ("Qwen/Qwen2.5-Coder-1.5B-Instruct",)
+    assert m.model_name == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert m.engines == 1
+    assert m.kv_cache_usage == 0.0
+    assert m.num_requests_running == 0.0 and m.num_requests_waiting == 0.0
+    assert m.num_preemptions_total == 0.0
+    assert m.prompt_tokens_total == 148.0
+    assert m.generation_tokens_total == 955.0
+    assert m.request_success_total == 4.0
+    assert m.prefix_cache_hit_rate is None  # the gauge reads -1: no data yet
+    assert m.prefix_cache_queries_total is None  # V0 has no prefix-cache counters
+    # The published page stops inside iteration_tokens_total, before its _count line.
+    assert m.engine_steps_total is None
+    assert m.warnings == ()
+    assert m.cache_config["num_gpu_blocks"] == "81767"
+    assert m.cache_config["swap_space_bytes"] == "4294967296"
+    assert m.cache_config["enable_prefix_caching"] == "False"
+
+
+def test_real_v1_08_fragment() -> None:
+    m = normalise(read_page(V1_08))
+    assert m.flavor == "v1-0.8"  # gpu_prefix_cache_queries declared, no kv_cache_usage_perc
+    assert m.models == ("Qwen/Qwen2.5-Coder-32B-Instruct",)
+    assert m.kv_cache_usage == 0.0
+    assert m.process_start_time == pytest.approx(1.74262400557e9)
+    # Declared but cut off before its sample line: absent, not zero.
+    assert m.prefix_cache_queries_total is None
+    assert m.generation_tokens_total is None
+
+
+EXPECTED = sorted(METRIC_PAGES.glob("*.expected.json"))
+
+
+@pytest.mark.parametrize("expected_file", EXPECTED, ids=lambda p: p.name.split(".expected")[0])
+def test_pages_of_every_flavour(expected_file) -> None:  # type: ignore[no-untyped-def]
+    expected = json.loads(expected_file.read_text())
+    page_file = expected_file.with_name(expected_file.name.replace(".expected.json", ".prom"))
+    m = normalise(page_file.read_text())
+    got = m.to_json()
+    for key, value in expected.items():
+        if key in ("ttft_count", "itl_count"):
+            hist = m.time_to_first_token if key == "ttft_count" else m.inter_token_latency
+            assert (hist.count if hist else None) == pytest.approx(value), key
+        elif isinstance(value, float):
+            assert got[key] == pytest.approx(value), key
+        else:
+            assert got[key] == value, key
+
+
+def test_every_flavour_has_an_annotated_page() -> None:
+    flavors = {json.loads(p.read_text())["flavor"] for p in EXPECTED}
+    assert {"v0", "v1-0.10", "v1-latest"} <= flavors
+
+
+def test_created_series_are_never_read_as_counts() -> None:
+    text = page(
+        counter("vllm:num_preemptions_total", 7, 'engine="0",model_name="m"'),
+        gauge("vllm:num_preemptions_created", 1.7e9, 'engine="0",model_name="m"'),
+        gauge("vllm:kv_cache_usage_perc", 0.5, 'engine="0",model_name="m"'),
+    )
+    assert normalise(text).num_preemptions_total == 7
+
+
+def test_engines_are_summed_and_gauges_combined() -> None:
+    def two(name: str, a: float, b: float, kind: str = "gauge") -> str:
+        return (
+            f'# TYPE {name} {kind}\n{name}{{engine="0",model_name="m"}} {a}\n'
+            f'{name}{{engine="1",model_name="m"}} {b}\n'
+        )
+
+    m = normalise(
+        page(
+            two("vllm:kv_cache_usage_perc", 0.2, 0.6),
+            two("vllm:num_requests_running", 3, 4),
+            two("vllm:num_preemptions_total", 10, 5, "counter"),
+            two("vllm:generation_tokens_total", 100, 50, "counter"),
+        )
+    )
+    assert m.engines == 2
+    assert m.kv_cache_usage == pytest.approx(0.4)
+    assert m.kv_cache_usage_max == pytest.approx(0.6)
+    assert m.num_requests_running == 7
+    assert m.num_preemptions_total == 15
+    assert m.generation_tokens_total == 150
+    assert m.flavor == "v1-latest"
+
+
+def test_old_and_new_names_side_by_side_are_not_double_counted() -> None:
+    labels = 'engine="0",model_name="m"'
+    m = normalise(
+        page(
+            gauge("vllm:gpu_cache_usage_perc", 0.3, labels),
+            gauge("vllm:kv_cache_usage_perc", 0.3, labels),
+            counter("vllm:gpu_prefix_cache_queries_total", 1000, labels),
+            counter("vllm:gpu_prefix_cache_hits_total", 250, labels),
+            counter("vllm:prefix_cache_queries_total", 1000, labels),
+            counter("vllm:prefix_cache_hits_total", 250, labels),
+        )
+    )
+    assert m.flavor == "v1-0.10"
+    assert m.kv_cache_usage == pytest.approx(0.3)
+    assert (m.prefix_cache_queries_total, m.prefix_cache_hits_total) == (1000, 250)
+    assert m.prefix_cache_unit == "tokens"
+
+
+def test_early_v1_prefix_cache_counts_blocks() -> None:
+    text = page(
+        "# HELP vllm:gpu_prefix_cache_queries_total GPU prefix cache queries, in terms of "
+        "number of queried blocks.\n# TYPE vllm:gpu_prefix_cache_queries_total counter\n"
+        'vllm:gpu_prefix_cache_queries_total{model_name="m"} 64\n',
+        gauge("vllm:gpu_cache_usage_perc", 0.1),
+    )
+    m = normalise(text)
+    assert m.flavor == "v1-0.8"
+    assert m.prefix_cache_queries_total == 64
+    assert m.prefix_cache_unit == "blocks"
+
+
+def test_itl_prefers_the_new_name_and_falls_back_to_tpot() -> None:
+    def hist(name: str, counts: tuple[int, int, int]) -> str:
+        lines = [f"# TYPE {name} histogram"]
+        for le, c in zip(("0.01", "0.1", "+Inf"), counts):
+            lines.append(f'{name}_bucket{{le="{le}",model_name="m"}} {c}')
+        lines += [f'{name}_count{{model_name="m"}} {counts[-1]}', f'{name}_sum{{model_name="m"}} 1']
+        return "\n".join(lines)
+
+    new = hist("vllm:inter_token_latency_seconds", (1, 2, 3))
+    old = hist("vllm:time_per_output_token_seconds", (5, 6, 9))
+    kv = gauge("vllm:kv_cache_usage_perc", 0.1)
+    both = normalise(page(kv, new, old)).inter_token_latency
+    assert both is not None and both.count == 3
+    only_old = normalise(page(kv, old)).inter_token_latency
+    assert only_old is not None and only_old.count == 9
+    assert only_old.bounds == (0.01, 0.1, math.inf)
+    assert only_old.cumulative == (5, 6, 9)
+
+
+def test_model_filter_reads_one_model_of_several() -> None:
+    text = page(
+        "# TYPE vllm:generation_tokens_total counter\n"
+        'vllm:generation_tokens_total{model_name="a"} 10\n'
+        'vllm:generation_tokens_total{model_name="b"} 32\n',
+        gauge("vllm:gpu_cache_usage_perc", 0.1, 'model_name="a"'),
+    )
+    everything = normalise(text)
+    assert everything.models == ("a", "b") and everything.model_name is None
+    assert everything.generation_tokens_total == 42
+    assert normalise(text, model="b").generation_tokens_total == 32
+
+
+def test_v0_hit_rate_gauge() -> None:
+    text = page(
+        gauge("vllm:gpu_cache_usage_perc", 0.1),
+        gauge("vllm:gpu_prefix_cache_hit_rate", 0.42),
+        gauge("vllm:num_requests_swapped", 0),
+    )
+    m = normalise(text)
+    assert (m.flavor, m.prefix_cache_hit_rate) == ("v0", 0.42)
+
+
+GOOD = page(gauge("vllm:kv_cache_usage_perc", 0.5), counter("vllm:num_preemptions_total", 3))
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("", "empty page"),
+        ("<!DOCTYPE html><html><body>502 Bad Gateway</body></html>\n", "HTML"),
+        (GOOD.rstrip("\n"), "truncated page"),
+        (GOOD + 'vllm:num_requests_running{model_name="m"\n', "line 7: unclosed label set"),
+        (GOOD + 'vllm:num_requests_running{model_name="m} 1\n', "line 7: bad labels"),
+        (GOOD + "\x00\x01garbage\n", "line 7: not a metric sample"),
+        (GOOD + 'vllm:num_requests_running{model_name="m"} fast\n', "line 7: bad value"),
+        (GOOD + 'vllm:num_requests_running{model_name="m"}\n', "line 7: expected a value"),
+        (page(gauge("vllm:kv_cache_usage_perc", float("nan"))), "not a finite number"),
+        (page(gauge("vllm:num_requests_waiting", float("inf"))), "not a finite number"),
+        (page(counter("vllm:prompt_tokens_total", -5)), "negative"),
+        (page(gauge("vllm:kv_cache_usage_perc", 37)), "outside 0..1"),
+        (GOOD + 'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n', "duplicate series"),
+        (page(gauge("process_cpu_seconds_total", 3, "")), "no vLLM metrics"),
+    ],
+)
+def test_bad_pages_are_refused_with_a_one_line_reason(text: str, problem: str) -> None:
+    with pytest.raises(ExpositionError) as caught:
+        normalise(text)
+    assert problem in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("histogram", "problem"),
+    [
+        (
+            page(
+                "# TYPE vllm:time_to_first_token_seconds histogram\n"
+                'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3\n'
+            ),
+            'no le="+Inf" bucket',
+        ),
+        (
+            page(
+                "# TYPE vllm:time_to_first_token_seconds histogram\n"
+                'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3\n'
+                'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 2\n'
+            ),
+            "not cumulative",
+        ),
+        (
+            page(
+                "# TYPE vllm:time_to_first_token_seconds histogram\n"
+                'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 2\n'
+                'vllm:time_to_first_token_seconds_count{model_name="m"} 5\n'
+            ),
+            "differs from the +Inf bucket",
+        ),
+    ],
+)
+def test_an_inconsistent_histogram_costs_that_signal_only(histogram: str, problem: str) -> None:
+    m = normalise(GOOD + histogram)
+    assert m.time_to_first_token is None
+    assert m.num_preemptions_total == 3
+    assert len(m.warnings) == 1
+    assert problem in m.warnings[0] and "time_to_first_token" in m.warnings[0]
+
+
+def test_duplicates_are_found_whatever_the_label_order() -> None:
+    text = page(
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 1\n'
+        'vllm:num_requests_running{model_name="m",engine="0"} 2\n'
+    )
+    with pytest.raises(ExpositionError, match="duplicate series"):
+        normalise(text)
+
+
+def test_a_reused_normaliser_gives_the_same_answer_and_bounds_its_cache() -> None:
+    normaliser = Normaliser(cache_limit=10)
+    text = read_page(V0_07)
+    first = normaliser.normalise(text)
+    for _ in range(3):
+        assert normaliser.normalise(text) == first
+    assert len(normaliser._series) <= 10 + 60  # cleared once over the limit, then refilled
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=400))
+def test_any_text_is_either_read_or_refused_cleanly(text: str) -> None:
+    try:
+        normalise(text)
+    except ExpositionError as exc:
+        assert "\n" not in str(exc)
+
+
+LINES = [
+    line for line in read_page(V0_07).splitlines(keepends=True) if not line.startswith("# ---")
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mangled_real_pages_are_either_read_or_refused_cleanly(data: st.DataObject) -> None:
+    lines = list(LINES)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(lines) - 1))
+        action = data.draw(st.sampled_from(["cut", "drop", "dup", "garble"]))
+        if action == "cut":
+            lines[i] = lines[i][: data.draw(st.integers(0, len(lines[i])))]
+        elif action == "drop":
+            del lines[i]
+        elif action == "dup":
+            lines.insert(i, lines[i])
+        else:
+            lines[i] = data.draw(st.text(max_size=30)) + lines[i]
+        if not lines:
+            break
+    try:
+        m = normalise("".join(lines))
+    except ExpositionError as exc:
+        assert "\n" not in str(exc)
+    else:
+        assert m.flavor == "v0"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(st.integers(0, 10**12), min_size=1, max_size=6),
+    kv=st.lists(st.floats(0, 1), min_size=1, max_size=6),
+    shuffle=st.randoms(use_true_random=False),
+)
+def test_counters_sum_and_kv_combines_over_any_number_of_engines(values, kv, shuffle) -> None:  # type: ignore[no-untyped-def]
+    lines = ["# TYPE vllm:generation_tokens_total counter"]
+    for engine, value in enumerate(values):
+        labels = [f'engine="{engine}"', 'model_name="m"']
+        shuffle.shuffle(labels)
+        lines.append(f"vllm:generation_tokens_total{{{','.join(labels)}}} {value}")
+    lines.append("# TYPE vllm:kv_cache_usage_perc gauge")
+    for engine, usage in enumerate(kv):
+        lines.append(f'vllm:kv_cache_usage_perc{{engine="{engine}",model_name="m"}} {usage!r}')
+    m = normalise("\n".join(lines) + "\n")
+    assert m.generation_tokens_total == sum(values)
+    assert m.kv_cache_usage == pytest.approx(sum(kv) / len(kv))
+    assert m.kv_cache_usage_max == max(kv)
+    assert m.engines == max(len(values), len(kv))

@@ -1,0 +1,3 @@
+from vkvagent.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,300 @@
+"""The ``vkvagent`` command line. Runs in-process in tests: ``main(argv, stdout, stderr)``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from enum import IntEnum
+from pathlib import Path
+from typing import Callable, TextIO
+
+from vkvagent import __version__, config
+from vkvagent.gpu import GpuReader, GpuReading, NvmlBackend, RecordedBackend, record
+from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
+from vkvagent.vllm import ScrapeError, VllmClient
+
+
+class ExitCode(IntEnum):
+    """Documented exit codes (README, "Exit codes")."""
+
+    OK = 0
+    FAILURE = 1  # what was asked could not be done: unreadable vLLM, bad page, bad config
+    USAGE = 2  # the command line itself is wrong
+
+
+class CommandError(Exception):
+    """A one-line reason the command failed; printed as ``vkvagent: <reason>``."""
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    out, err = stdout or sys.stdout, stderr or sys.stderr
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed its message
+        return int(exc.code or 0)
+    command: Callable[[argparse.Namespace, TextIO], int] = args.command
+    try:
+        return command(args, out)
+    except (CommandError, config.ConfigError, ScrapeError, ExpositionError) as exc:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            print(f"vkvagent: {line}", file=err)
+        return ExitCode.FAILURE
+    except KeyboardInterrupt:
+        return ExitCode.FAILURE
+    except Exception as exc:  # a bug: say so in one line unless asked for the traceback
+        if os.environ.get("VKVAGENT_DEBUG"):
+            raise
+        print(
+            f"vkvagent: internal error: {type(exc).__name__}: {exc} "
+            "(set VKVAGENT_DEBUG=1 for a traceback)",
+            file=err,
+        )
+        return ExitCode.FAILURE
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vkvagent",
+        description="Keeps a self-hosted vLLM server fast: reads its metrics and GPUs, "
+        "diagnoses degradation, restarts or re-tunes it only when that helps.",
+    )
+    parser.add_argument("--version", action="version", version=f"vkvagent {__version__}")
+    parser.set_defaults(command=_usage(parser))
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    scrape = commands.add_parser(
+        "scrape", help="read vLLM's /metrics once and print the normalised signals"
+    )
+    source = scrape.add_mutually_exclusive_group()
+    source.add_argument("--url", help="vLLM base URL or full /metrics URL (default: config)")
+    source.add_argument("--file", type=Path, help="a saved /metrics page ('-' for stdin)")
+    scrape.add_argument("--model", help="read only this model_name (default: config, or all)")
+    scrape.add_argument("--json", action="store_true", help="print one JSON object")
+    _config_option(scrape)
+    scrape.set_defaults(command=_scrape)
+
+    gpu = commands.add_parser("gpu", help="read the GPUs through NVML once")
+    gpu.add_argument("--json", action="store_true", help="print one JSON object")
+    gpu_source = gpu.add_mutually_exclusive_group()
+    gpu_source.add_argument(
+        "--record",
+        type=Path,
+        metavar="FILE",
+        help="save NVML's raw values to FILE (for bug reports and tests)",
+    )
+    gpu_source.add_argument(
+        "--replay",
+        type=Path,
+        metavar="FILE",
+        help="read from a file made by --record instead of NVML",
+    )
+    gpu.set_defaults(command=_gpu)
+
+    config_cmd = commands.add_parser("config", help="configuration")
+    config_sub = config_cmd.add_subparsers(metavar="ACTION")
+    check = config_sub.add_parser(
+        "check", help="validate the configuration and print the effective result"
+    )
+    check.add_argument(
+        "path",
+        nargs="?",
+        type=Path,
+        help="a file, or a directory with config.toml and conf.d/ (default: /etc/vkvagent)",
+    )
+    check.set_defaults(command=_config_check)
+    config_cmd.set_defaults(command=_usage(config_cmd))
+    return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace, TextIO], int]:
+    def show(_args: argparse.Namespace, out: TextIO) -> int:
+        parser.print_help(out)
+        return ExitCode.USAGE
+
+    return show
+
+
+def _config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="config file or directory (default: /etc/vkvagent)",
+    )
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def _config_check(args: argparse.Namespace, out: TextIO) -> int:
+    loaded = config.load(args.path)
+    files = config.config_files(args.path)
+    print(
+        f"# configuration OK; read: {', '.join(map(str, files)) or 'no file, defaults only'}",
+        file=out,
+    )
+    out.write(config.render(loaded))
+    return ExitCode.OK
+
+
+def _scrape(args: argparse.Namespace, out: TextIO) -> int:
+    settings = config.load(args.config).vllm
+    settings = dataclasses.replace(
+        settings,
+        url=args.url or settings.url,
+        model=settings.model if args.model is None else args.model,
+    )
+    if args.file is not None:
+        metrics = Normaliser(settings.model).normalise(
+            _read_page(args.file, settings.max_page_bytes), settings.version or None
+        )
+    else:
+        client = VllmClient.from_config(settings)
+        try:
+            metrics = client.scrape(settings.version or client.version())
+        finally:
+            client.close()
+    if args.json:
+        json.dump(metrics.to_json(), out, indent=2, sort_keys=False)
+        out.write("\n")
+    else:
+        out.write(describe_metrics(metrics))
+    return ExitCode.OK
+
+
+def _read_page(path: Path, limit: int) -> str:
+    try:
+        if str(path) == "-":
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with path.open("rb") as handle:
+                data = handle.read(limit + 1)
+    except OSError as exc:
+        raise CommandError(f"{path}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise CommandError(f"{path}: page exceeds the {limit}-byte limit")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _gpu(args: argparse.Namespace, out: TextIO) -> int:
+    if args.replay:
+        try:
+            backend = RecordedBackend.load(str(args.replay))
+        except (OSError, ValueError, KeyError) as exc:
+            raise CommandError(f"{args.replay}: not a GPU recording: {exc}") from None
+        reader = GpuReader(open=lambda: backend)
+    else:
+        reader = GpuReader()
+    if args.record:
+        try:
+            recording = record(NvmlBackend())
+        except Exception as exc:  # NvmlUnavailable, or an NVML error mid-way
+            raise CommandError(f"cannot record: {exc}") from None
+        args.record.write_text(json.dumps(recording, indent=1) + "\n", encoding="utf-8")
+        print(f"recorded {len(recording['devices'])} GPU(s) to {args.record}", file=out)
+        return ExitCode.OK
+    readings, problem = reader.read()
+    if args.json:
+        json.dump({"gpus": [r.to_json() for r in readings], "error": problem}, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(describe_gpus(readings, problem))
+    return ExitCode.FAILURE if problem and not readings else ExitCode.OK
+
+
+# -- human-readable output ---------------------------------------------------------------------
+
+
+def describe_metrics(m: VllmMetrics) -> str:
+    def num(value: float | None, unit: str = "") -> str:
+        return "-" if value is None else f"{value:,.0f}{unit}"
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value * 100:.1f} %"
+
+    lines = [
+        f"vLLM {m.version or 'version unknown'}, metrics flavour {m.flavor}, "
+        f"model {', '.join(m.models) or '-'}, {m.engines} engine(s)",
+        f"  requests      running {num(m.num_requests_running)}, "
+        f"waiting {num(m.num_requests_waiting)}",
+        f"  KV cache      usage {pct(m.kv_cache_usage)} "
+        f"(fullest engine {pct(m.kv_cache_usage_max)})",
+        f"  preemptions   {num(m.num_preemptions_total)} since start",
+        f"  tokens        prompt {num(m.prompt_tokens_total)}, "
+        f"generated {num(m.generation_tokens_total)}, "
+        f"requests finished {num(m.request_success_total)}",
+    ]
+    if m.prefix_cache_queries_total is not None:
+        ratio = (
+            (m.prefix_cache_hits_total or 0) / m.prefix_cache_queries_total
+            if m.prefix_cache_queries_total
+            else None
+        )
+        lines.append(
+            f"  prefix cache  {num(m.prefix_cache_hits_total)} hits of "
+            f"{num(m.prefix_cache_queries_total)} {m.prefix_cache_unit} queried "
+            f"({pct(ratio)})"
+        )
+    elif m.prefix_cache_hit_rate is not None:
+        lines.append(f"  prefix cache  hit rate {pct(m.prefix_cache_hit_rate)}")
+    for label, hist in (("TTFT", m.time_to_first_token), ("ITL", m.inter_token_latency)):
+        if hist is not None and hist.count:
+            lines.append(
+                f"  {label:<13} mean {hist.sum / hist.count * 1000:.1f} ms over "
+                f"{hist.count:,.0f} since start"
+            )
+    if m.cache_config:
+        shown = (
+            "block_size",
+            "gpu_memory_utilization",
+            "enable_prefix_caching",
+            "cache_dtype",
+            "num_gpu_blocks",
+        )
+        lines.append(
+            "  cache config  "
+            + ", ".join(f"{k}={m.cache_config[k]}" for k in shown if k in m.cache_config)
+        )
+    return "\n".join(lines) + "\n"
+
+
+def describe_gpus(readings: Sequence[GpuReading], problem: str | None) -> str:
+    lines = []
+    for r in readings:
+
+        def show(value: float | None, unit: str) -> str:
+            return "-" if value is None else f"{value:.0f}{unit}"
+
+        memory = (
+            "-"
+            if r.memory_used_bytes is None or not r.memory_total_bytes
+            else f"{r.memory_used_bytes / 2**30:.1f}/{r.memory_total_bytes / 2**30:.1f} GiB"
+        )
+        lines.append(
+            f"GPU {r.index} {r.name}: {show(r.utilization_percent, ' %')} busy, mem {memory}, "
+            f"{show(r.temperature_c, ' C')}, {show(r.power_w, ' W')}/"
+            f"{show(r.power_limit_w, ' W')}, SM {show(r.sm_clock_mhz, '')}/"
+            f"{show(r.sm_clock_max_mhz, ' MHz')}, "
+            f"throttled: {', '.join(r.throttled_by) or 'no'}"
+            + (f", XID {list(r.xid_errors)}" if r.xid_errors else "")
+            + (
+                f", uncorrected ECC {r.ecc_uncorrected_volatile}"
+                if r.ecc_uncorrected_volatile
+                else ""
+            )
+        )
+    if problem:
+        lines.append(problem)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,370 @@
+"""The agent's configuration: TOML files parsed once into frozen, typed sections.
+
+Files are read in order (main file, then ``conf.d/*.toml`` by name; later files win key by key).
+Every problem is reported as ``file:line: key: problem (allowed: ...)`` and all problems are
+collected before failing, so one ``vkvagent config check`` run shows everything to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import stat
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised by the Python 3.9 CI run
+    import tomli as tomllib
+
+DEFAULT_DIR = Path("/etc/vkvagent")
+MAIN_FILE = "config.toml"
+DROPIN_DIR = "conf.d"
+
+
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    choices: Sequence[str] | None = None,
+    item: type | None = None,
+) -> Any:
+    """A config key: its default (whose type is the key's type), its doc and its limits."""
+    meta = {"doc": doc, "min": min, "max": max, "choices": choices, "item": item}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def section(cls: type, doc: str) -> Any:
+    """A config table whose keys are the fields of ``cls``."""
+    return dataclasses.field(default_factory=cls, metadata={"doc": doc, "section": cls})
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    state_dir: str = setting(
+        "/var/lib/vkvagent", "Directory for the history database and the agent's state."
+    )
+    sample_interval: float = setting(
+        10.0, "Seconds between two samples of vLLM, the GPUs and the unit.", min=1, max=3600
+    )
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    unit: str = setting("vllm.service", "The systemd unit that runs vLLM.")
+    url: str = setting(
+        "http://127.0.0.1:8000",
+        "Base URL of vLLM's OpenAI server; /metrics and /version are read below it.",
+    )
+    model: str = setting(
+        "", "Read only series whose model_name is this; empty reads every model, summed."
+    )
+    version: str = setting(
+        "", "vLLM version to assume when GET /version does not answer; empty: detect it."
+    )
+    connect_timeout: float = setting(
+        2.0, "Seconds to wait for vLLM to accept the connection.", min=0.05, max=60
+    )
+    read_timeout: float = setting(
+        5.0,
+        "Seconds allowed for the whole response, however slowly it trickles.",
+        min=0.1,
+        max=300,
+    )
+    max_page_bytes: int = setting(
+        8 * 1024 * 1024,
+        "Largest /metrics page accepted, in bytes; a larger one is refused, not truncated.",
+        min=64 * 1024,
+        max=512 * 1024 * 1024,
+    )
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    enabled: bool = setting(True, "Read the GPUs through NVML (nvidia-ml-py).")
+    devices: tuple[int, ...] = setting(
+        (), "Indices of the GPUs vLLM uses; empty watches every GPU.", item=int, min=0, max=255
+    )
+
+
+@dataclass(frozen=True)
+class HistoryConfig:
+    retention_days: float = setting(
+        8.0, "Days of samples kept in the history database.", min=0.04, max=400
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    agent: AgentConfig = section(AgentConfig, "The daemon itself.")
+    vllm: VllmConfig = section(VllmConfig, "The vLLM server being watched.")
+    gpu: GpuConfig = section(GpuConfig, "GPU readings through NVML.")
+    history: HistoryConfig = section(HistoryConfig, "The sample history kept on disk.")
+
+
+class ConfigError(Exception):
+    """One or more problems in the configuration, one ``file:line: key: ...`` line each."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = tuple(problems)
+
+
+# -- finding and reading the files -------------------------------------------------------------
+
+
+def config_files(path: Path | None = None) -> list[Path]:
+    """The files to read, in order: ``path`` alone if it is a file, else ``DIR/config.toml``
+    (if present) then ``DIR/conf.d/*.toml`` by name, where DIR is ``path`` or /etc/vkvagent."""
+    if path is not None and not path.is_dir():
+        return [path]
+    directory = path if path is not None else DEFAULT_DIR
+    files = [directory / MAIN_FILE] if (directory / MAIN_FILE).exists() else []
+    dropins = directory / DROPIN_DIR
+    if dropins.is_dir():
+        files += sorted(p for p in dropins.iterdir() if p.suffix == ".toml" and p.is_file())
+    return files
+
+
+def insecure_reason(path: Path) -> str | None:
+    """Why a root daemon must not trust ``path``: it controls a root service's command line."""
+    st = path.stat()
+    if st.st_uid != 0:
+        return f"owned by uid {st.st_uid}, not root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def load(path: Path | None = None, *, as_root: bool | None = None) -> Config:
+    """Read, merge and check the configuration. Raises ConfigError listing every problem.
+
+    ``as_root`` (default: whether this process is root) refuses files and directories that
+    someone other than root could have written."""
+    if as_root is None:
+        as_root = os.geteuid() == 0
+    if path is not None and not path.exists():
+        raise ConfigError([f"{path}: no such file or directory"])
+    files = config_files(path)
+    problems: list[str] = []
+    if as_root:
+        for checked in _with_parents(files):
+            reason = insecure_reason(checked)
+            if reason:
+                problems.append(f"{checked}: refused: {reason}; it controls a root service")
+    merged: dict[str, Any] = {}
+    for file in files:
+        problems += _merge_file(file, merged)
+    if problems:
+        raise ConfigError(problems)
+    built: Config = _build(Config, merged)
+    return built
+
+
+def _with_parents(files: Sequence[Path]) -> Iterator[Path]:
+    seen: set[Path] = set()
+    for file in files:
+        for candidate in (file, file.parent):
+            if candidate not in seen:
+                seen.add(candidate)
+                yield candidate
+
+
+def _merge_file(file: Path, merged: dict[str, Any]) -> list[str]:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return [f"{file}: cannot read: {exc}"]
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        return [_syntax_problem(file, str(exc))]
+    locate = _Locator(text)
+    problems: list[str] = []
+    _merge_table(Config, data, merged, (), lambda key: f"{file}:{locate(key)}", problems)
+    return problems
+
+
+def _syntax_problem(file: Path, message: str) -> str:
+    found = re.search(r"\(at line (\d+), column \d+\)", message)
+    line = found.group(1) if found else "1"
+    return f"{file}:{line}: syntax error: {re.sub(r' *[(]at line.*', '', message)}"
+
+
+def _merge_table(
+    schema: type,
+    data: dict[str, Any],
+    merged: dict[str, Any],
+    prefix: tuple[str, ...],
+    where: Any,
+    problems: list[str],
+) -> None:
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in data.items():
+        path = (*prefix, key)
+        dotted = ".".join(path)
+        spec = fields.get(key)
+        if spec is None:
+            kind = "section" if isinstance(value, dict) else "key"
+            problems.append(
+                f"{where(path)}: {dotted}: unknown {kind} (allowed: {', '.join(sorted(fields))})"
+            )
+        elif "section" in spec.metadata:
+            if not isinstance(value, dict):
+                problems.append(f"{where(path)}: {dotted}: expected a table [{dotted}]")
+                continue
+            sub = merged.setdefault(key, {})
+            _merge_table(spec.metadata["section"], value, sub, path, where, problems)
+        else:
+            problem = _check_value(value, spec)
+            if problem:
+                problems.append(f"{where(path)}: {dotted}: {problem}")
+            else:
+                merged[key] = _coerce(value, spec)
+
+
+def _allowed(spec: dataclasses.Field[Any]) -> str:
+    meta = spec.metadata
+    if meta["choices"]:
+        return ", ".join(meta["choices"])
+    low, high = meta["min"], meta["max"]
+    if low is not None and high is not None:
+        return f"{low:g} to {high:g}"
+    return _type_name(spec.default, meta["item"])
+
+
+def _type_name(default: Any, item: type | None) -> str:
+    if isinstance(default, tuple):
+        return f"a list of {_type_name(item(), None) if item else 'values'}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[
+        type(default)
+    ]
+
+
+def _check_value(value: Any, spec: dataclasses.Field[Any]) -> str | None:
+    default, meta = spec.default, spec.metadata
+    if isinstance(default, tuple):
+        if not isinstance(value, list):
+            return f"expected {_type_name(default, meta['item'])}, got {_show(value)}"
+        for element in value:
+            problem = _check_scalar(element, meta["item"](), spec)
+            if problem:
+                return f"list item {_show(element)}: {problem}"
+        return None
+    return _check_scalar(value, default, spec)
+
+
+def _check_scalar(value: Any, default: Any, spec: dataclasses.Field[Any]) -> str | None:
+    meta = spec.metadata
+    wanted = type(default)
+    ok = (
+        isinstance(value, bool)
+        if wanted is bool
+        else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if wanted is float
+        else isinstance(value, wanted) and not isinstance(value, bool)
+    )
+    if not ok:
+        return (
+            f"expected {_type_name(default, None)}, got {_show(value)} (allowed: {_allowed(spec)})"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be finite, got {value} (allowed: {_allowed(spec)})"
+    if meta["choices"] and value not in meta["choices"]:
+        return f"{_show(value)} is not allowed (allowed: {_allowed(spec)})"
+    if wanted in (int, float) and (
+        (meta["min"] is not None and value < meta["min"])
+        or (meta["max"] is not None and value > meta["max"])
+    ):
+        return f"{value} is out of range (allowed: {_allowed(spec)})"
+    return None
+
+
+def _coerce(value: Any, spec: dataclasses.Field[Any]) -> Any:
+    if isinstance(spec.default, tuple):
+        return tuple(value)
+    if isinstance(spec.default, float):
+        return float(value)
+    return value
+
+
+def _show(value: Any) -> str:
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list"}
+    return f"{kind.get(type(value), type(value).__name__)} {json.dumps(value, default=str)}"
+
+
+def _build(schema: type, merged: dict[str, Any]) -> Any:
+    values: dict[str, Any] = {}
+    for spec in dataclasses.fields(schema):
+        if spec.name in merged:
+            sub = spec.metadata.get("section")
+            values[spec.name] = _build(sub, merged[spec.name]) if sub else merged[spec.name]
+    return schema(**values)
+
+
+class _Locator:
+    """Finds the line that sets a dotted key, since TOML parsers do not report positions."""
+
+    _HEADER = re.compile(r"^\s*\[\s*([^\[\]]+?)\s*\]\s*(#.*)?$")
+    _KEY = re.compile(r"^\s*([A-Za-z0-9_\-.\"' ]+?)\s*=")
+
+    def __init__(self, text: str) -> None:
+        self._lines: dict[tuple[str, ...], int] = {}
+        table: tuple[str, ...] = ()
+        for number, line in enumerate(text.splitlines(), start=1):
+            header = self._HEADER.match(line)
+            if header:
+                table = _split_key(header.group(1))
+                self._lines.setdefault(table, number)
+                continue
+            key = self._KEY.match(line)
+            if key:
+                self._lines.setdefault((*table, *_split_key(key.group(1))), number)
+
+    def __call__(self, path: tuple[str, ...]) -> int:
+        for length in range(len(path), 0, -1):
+            if path[:length] in self._lines:
+                return self._lines[path[:length]]
+        return 1
+
+
+def _split_key(key: str) -> tuple[str, ...]:
+    return tuple(part.strip().strip("\"'") for part in key.split("."))
+
+
+# -- showing it --------------------------------------------------------------------------------
+
+
+def render(config: Config, *, with_docs: bool = False) -> str:
+    """The configuration as TOML; with docs, the commented reference file."""
+    out: list[str] = []
+    for spec in dataclasses.fields(Config):
+        if with_docs:
+            out.append(f"# {spec.metadata['doc']}")
+        out.append(f"[{spec.name}]")
+        table = getattr(config, spec.name)
+        for key in dataclasses.fields(table):
+            if with_docs:
+                out.append(f"# {key.metadata['doc']} Allowed: {_allowed(key)}.")
+            out.append(f"{key.name} = {_toml_value(getattr(table, key.name))}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+    return repr(value)

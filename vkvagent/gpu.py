@@ -1,0 +1,329 @@
+"""GPU readings through NVML, behind a small backend so the logic runs without a GPU.
+
+``NvmlBackend`` is the only code that calls pynvml (nvidia-ml-py). ``RecordedBackend`` replays
+a recording of the same raw values (``vkvagent gpu --record FILE`` makes one on a GPU host), so
+decoding, units and error handling are tested anywhere. No driver or no GPU is not an error for
+the agent: ``GpuReader`` reports "unavailable" and everything else keeps working.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Protocol
+
+# nvmlClocksEventReason* bits from nvml.h (named ClocksThrottleReason* before driver 535).
+CLOCK_EVENT_REASONS: tuple[tuple[int, str], ...] = (
+    (0x001, "gpu_idle"),
+    (0x002, "applications_clocks_setting"),
+    (0x004, "sw_power_cap"),
+    (0x008, "hw_slowdown"),
+    (0x010, "sync_boost"),
+    (0x020, "sw_thermal_slowdown"),
+    (0x040, "hw_thermal_slowdown"),
+    (0x080, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+)
+# The reasons that mean the GPU is being slowed against the workload's will.
+THROTTLE_REASONS = frozenset(
+    {
+        "sw_power_cap",
+        "hw_slowdown",
+        "sw_thermal_slowdown",
+        "hw_thermal_slowdown",
+        "hw_power_brake_slowdown",
+    }
+)
+
+# What the reader asks a backend for, per device. Units are NVML's own.
+QUERIES = (
+    "uuid",
+    "name",
+    "memory_used",
+    "memory_total",
+    "utilization_gpu",
+    "temperature",
+    "power_mw",
+    "power_limit_mw",
+    "sm_clock",
+    "sm_clock_max",
+    "clock_event_reasons",
+    "ecc_uncorrected_volatile",
+)
+
+
+class NvmlUnsupported(Exception):
+    """This device or driver does not report the value (e.g. ECC on a consumer GPU)."""
+
+
+class NvmlUnavailable(Exception):
+    """NVML cannot be used at all: no library, no driver, no GPU, or no permission."""
+
+
+def decode_clock_event_reasons(mask: int) -> tuple[str, ...]:
+    """Names of the bits set in a clocks-event (throttle) reason mask; unknown bits by value."""
+    names = [name for bit, name in CLOCK_EVENT_REASONS if mask & bit]
+    unknown = mask & ~sum(bit for bit, _name in CLOCK_EVENT_REASONS)
+    if unknown:
+        names.append(f"unknown_0x{unknown:x}")
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One GPU at one moment; None where the device does not report a value."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_used_bytes: int | None
+    memory_total_bytes: int | None
+    utilization_percent: float | None
+    temperature_c: float | None
+    power_w: float | None
+    power_limit_w: float | None
+    sm_clock_mhz: float | None
+    sm_clock_max_mhz: float | None
+    clock_event_reasons: tuple[str, ...]
+    ecc_uncorrected_volatile: int | None
+    xid_errors: tuple[int, ...]  # XID codes NVML reported since the previous reading
+
+    @property
+    def throttled_by(self) -> tuple[str, ...]:
+        return tuple(r for r in self.clock_event_reasons if r in THROTTLE_REASONS)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["clock_event_reasons"] = list(self.clock_event_reasons)
+        out["xid_errors"] = list(self.xid_errors)
+        out["throttled_by"] = list(self.throttled_by)
+        return out
+
+
+class Backend(Protocol):
+    def device_count(self) -> int: ...
+
+    def query(self, index: int, what: str) -> Any:
+        """One raw value (see QUERIES); raises NvmlUnsupported when not reported."""
+
+    def xid_events(self) -> list[tuple[int, int]]:
+        """(device index, XID) pairs that happened since the last call."""
+
+
+class NvmlBackend:
+    """The real thing: pynvml calls and nothing else."""
+
+    def __init__(self) -> None:
+        try:
+            import pynvml  # noqa: PLC0415 - only hosts with a GPU need it loaded
+
+            pynvml.nvmlInit()
+        except Exception as exc:  # pynvml raises NVMLError subclasses, or ImportError/OSError
+            raise NvmlUnavailable(_nvml_message(exc)) from None
+        self._nvml = pynvml
+        self._handles: dict[int, Any] = {}
+        self._events: Any = None
+        self._open_xid_events()
+
+    def close(self) -> None:
+        try:
+            if self._events is not None:
+                self._nvml.nvmlEventSetFree(self._events)
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError:
+            pass
+
+    def device_count(self) -> int:
+        return int(self._call(self._nvml.nvmlDeviceGetCount))
+
+    def _handle(self, index: int) -> Any:
+        if index not in self._handles:
+            self._handles[index] = self._call(self._nvml.nvmlDeviceGetHandleByIndex, index)
+        return self._handles[index]
+
+    def query(self, index: int, what: str) -> Any:
+        n, handle = self._nvml, self._handle(index)
+        if what == "clock_event_reasons":
+            read = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            read = read or n.nvmlDeviceGetCurrentClocksThrottleReasons  # drivers before 535
+            return int(self._call(read, handle))
+        calls: dict[str, Callable[[], Any]] = {
+            "uuid": lambda: _text(n.nvmlDeviceGetUUID(handle)),
+            "name": lambda: _text(n.nvmlDeviceGetName(handle)),
+            "memory_used": lambda: int(n.nvmlDeviceGetMemoryInfo(handle).used),
+            "memory_total": lambda: int(n.nvmlDeviceGetMemoryInfo(handle).total),
+            "utilization_gpu": lambda: n.nvmlDeviceGetUtilizationRates(handle).gpu,
+            "temperature": lambda: n.nvmlDeviceGetTemperature(handle, n.NVML_TEMPERATURE_GPU),
+            "power_mw": lambda: n.nvmlDeviceGetPowerUsage(handle),
+            "power_limit_mw": lambda: n.nvmlDeviceGetEnforcedPowerLimit(handle),
+            "sm_clock": lambda: n.nvmlDeviceGetClockInfo(handle, n.NVML_CLOCK_SM),
+            "sm_clock_max": lambda: n.nvmlDeviceGetMaxClockInfo(handle, n.NVML_CLOCK_SM),
+            "ecc_uncorrected_volatile": lambda: n.nvmlDeviceGetTotalEccErrors(
+                handle, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC
+            ),
+        }
+        return self._call(calls[what])
+
+    def xid_events(self) -> list[tuple[int, int]]:
+        found: list[tuple[int, int]] = []
+        if self._events is None:
+            return found
+        uuids = {self.query(i, "uuid"): i for i in self._handles}
+        while True:
+            try:
+                event = self._nvml.nvmlEventSetWait_v2(self._events, 0)
+            except self._nvml.NVMLError:  # NVML_ERROR_TIMEOUT: nothing pending
+                return found
+            try:
+                index = uuids.get(_text(self._nvml.nvmlDeviceGetUUID(event.device)), -1)
+            except self._nvml.NVMLError:
+                index = -1
+            found.append((index, int(event.eventData)))
+
+    def _open_xid_events(self) -> None:
+        n = self._nvml
+        try:
+            self._events = n.nvmlEventSetCreate()
+            for index in range(self.device_count()):
+                n.nvmlDeviceRegisterEvents(
+                    self._handle(index), n.nvmlEventTypeXidCriticalError, self._events
+                )
+        except (n.NVMLError, NvmlUnsupported):  # not every device or driver supports events
+            self._events = None
+
+    def _call(self, function: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return function(*args)
+        except self._nvml.NVMLError as exc:
+            if exc.value == self._nvml.NVML_ERROR_NOT_SUPPORTED:
+                raise NvmlUnsupported(str(exc)) from None
+            if exc.value in (self._nvml.NVML_ERROR_GPU_IS_LOST, self._nvml.NVML_ERROR_UNKNOWN):
+                raise NvmlUnavailable(_nvml_message(exc)) from None
+            raise NvmlUnsupported(str(exc)) from None
+
+
+class RecordedBackend:
+    """Replays ``record()`` output: ``{"devices": [{query: value | {"error": "..."}}],
+    "xid_events": [[index, xid], ...]}``; XID events are delivered on the first read."""
+
+    def __init__(self, recording: dict[str, Any]) -> None:
+        self._devices: list[dict[str, Any]] = recording["devices"]
+        self._xids = [(int(i), int(x)) for i, x in recording.get("xid_events", [])]
+
+    @classmethod
+    def load(cls, path: str) -> RecordedBackend:
+        with open(path, encoding="utf-8") as handle:
+            return cls(json.load(handle))
+
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def query(self, index: int, what: str) -> Any:
+        value = self._devices[index].get(what, {"error": "not recorded"})
+        if isinstance(value, dict):
+            raise NvmlUnsupported(str(value.get("error")))
+        return value
+
+    def xid_events(self) -> list[tuple[int, int]]:
+        found, self._xids = self._xids, []
+        return found
+
+
+def record(backend: Backend) -> dict[str, Any]:
+    """Every raw value the reader uses, from every device, as JSON-ready data."""
+    devices = []
+    for index in range(backend.device_count()):
+        values: dict[str, Any] = {}
+        for what in QUERIES:
+            try:
+                values[what] = backend.query(index, what)
+            except NvmlUnsupported as exc:
+                values[what] = {"error": str(exc)}
+        devices.append(values)
+    return {"devices": devices, "xid_events": [list(e) for e in backend.xid_events()]}
+
+
+class GpuReader:
+    """Turns backend values into ``GpuReading``s.
+
+    ``open`` is the backend factory (NvmlBackend by default). If it fails, the reason is kept
+    and returned by every ``read()`` without retrying, until ``reset()``: a host without a
+    driver costs nothing per sample and is reported once, not once per tick."""
+
+    def __init__(
+        self,
+        devices: Sequence[int] = (),
+        open: Callable[[], Backend] = NvmlBackend,
+    ) -> None:
+        self._wanted = tuple(devices)
+        self._open = open
+        self._backend: Backend | None = None
+        self.unavailable: str | None = None
+
+    def reset(self) -> None:
+        close = getattr(self._backend, "close", None)
+        if close:
+            close()
+        self._backend, self.unavailable = None, None
+
+    def read(self) -> tuple[tuple[GpuReading, ...], str | None]:
+        """The watched GPUs' readings, and why they are missing or partial (or None)."""
+        if self.unavailable:
+            return (), self.unavailable
+        try:
+            if self._backend is None:
+                self._backend = self._open()
+            backend = self._backend
+            count = backend.device_count()
+            xids: dict[int, list[int]] = {}
+            for index, xid in backend.xid_events():
+                xids.setdefault(index, []).append(xid)
+            indices = [i for i in (self._wanted or range(count)) if i < count]
+            missing = [i for i in self._wanted if i >= count]
+            readings = tuple(_reading(backend, i, tuple(xids.get(i, ()))) for i in indices)
+        except NvmlUnavailable as exc:
+            self.reset()
+            self.unavailable = f"NVML unavailable: {exc}"
+            return (), self.unavailable
+        problem = f"GPU index {missing} not present ({count} GPUs)" if missing else None
+        return readings, problem
+
+
+def _reading(backend: Backend, index: int, xids: tuple[int, ...]) -> GpuReading:
+    def get(what: str) -> Any:
+        try:
+            return backend.query(index, what)
+        except NvmlUnsupported:
+            return None
+
+    def scaled(what: str, factor: float) -> float | None:
+        value = get(what)
+        return None if value is None else float(value) * factor
+
+    mask = get("clock_event_reasons")
+    return GpuReading(
+        index=index,
+        uuid=str(get("uuid") or ""),
+        name=str(get("name") or ""),
+        memory_used_bytes=get("memory_used"),
+        memory_total_bytes=get("memory_total"),
+        utilization_percent=scaled("utilization_gpu", 1.0),
+        temperature_c=scaled("temperature", 1.0),
+        power_w=scaled("power_mw", 1e-3),
+        power_limit_w=scaled("power_limit_mw", 1e-3),
+        sm_clock_mhz=scaled("sm_clock", 1.0),
+        sm_clock_max_mhz=scaled("sm_clock_max", 1.0),
+        clock_event_reasons=decode_clock_event_reasons(mask) if mask is not None else (),
+        ecc_uncorrected_volatile=get("ecc_uncorrected_volatile"),
+        xid_errors=xids,
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml_message(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0][:200]

@@ -1,0 +1,407 @@
+"""vLLM's Prometheus exposition, normalised across versions into one ``VllmMetrics`` value.
+
+vLLM renamed, split and removed metrics between V0 (0.6-0.10), early V1 (0.8), V1 0.9.2-0.11
+(old and new names side by side) and V1 0.12+; see docs/metrics.md for the table this module
+implements. Counters are summed and gauges combined across the ``engine`` label (data-parallel
+ranks); ``_created`` series are never read.
+
+Speed: a page of several engines with full histograms is 100-300 KB, of which the agent needs
+about one line in six. Each line's metric name is matched first and only wanted series are
+parsed; their label sets (parsed by prometheus_client) are cached, since the same server
+exposes the same series on every scrape. bench/README.md has the figures.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from prometheus_client.parser import parse_labels
+
+FLAVORS = ("v0", "v1-0.8", "v1-0.10", "v1-latest")
+FLAVOR_DOC = {
+    "v0": "V0 engine (0.6-0.10): gpu_cache_usage_perc, prefix-cache hit-rate gauges",
+    "v1-0.8": "early V1 (0.8-0.9.1): gpu_cache_usage_perc, gpu_prefix_cache_* counters",
+    "v1-0.10": "V1 0.9.2-0.11: kv_cache_usage_perc beside the deprecated gpu_* names",
+    "v1-latest": "V1 0.11+: kv_cache_usage_perc, prefix_cache_*, inter_token_latency",
+}
+
+_P = "vllm:"
+RUNNING = _P + "num_requests_running"
+WAITING = _P + "num_requests_waiting"
+KV_USAGE = _P + "kv_cache_usage_perc"
+KV_USAGE_OLD = _P + "gpu_cache_usage_perc"
+PREEMPTIONS = _P + "num_preemptions_total"
+GENERATION_TOKENS = _P + "generation_tokens_total"
+PROMPT_TOKENS = _P + "prompt_tokens_total"
+REQUEST_SUCCESS = _P + "request_success_total"
+PREFIX_QUERIES = _P + "prefix_cache_queries_total"
+PREFIX_HITS = _P + "prefix_cache_hits_total"
+PREFIX_QUERIES_OLD = _P + "gpu_prefix_cache_queries_total"
+PREFIX_HITS_OLD = _P + "gpu_prefix_cache_hits_total"
+PREFIX_HIT_RATE_V0 = _P + "gpu_prefix_cache_hit_rate"
+# A histogram of tokens per engine step: its count is the number of steps, which must advance
+# while requests run (the liveness signal vLLM's /health lacks). Only the count is read.
+ENGINE_STEPS = _P + "iteration_tokens_total_count"
+CACHE_CONFIG = _P + "cache_config_info"
+PROCESS_START = "process_start_time_seconds"
+TTFT = _P + "time_to_first_token_seconds"
+ITL = _P + "inter_token_latency_seconds"
+ITL_OLD = _P + "time_per_output_token_seconds"
+HISTOGRAMS = (TTFT, ITL, ITL_OLD)
+
+_COUNTERS = (
+    PREEMPTIONS,
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+    REQUEST_SUCCESS,
+    PREFIX_QUERIES,
+    PREFIX_HITS,
+    PREFIX_QUERIES_OLD,
+    PREFIX_HITS_OLD,
+    ENGINE_STEPS,
+)
+_GAUGES = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD, PREFIX_HIT_RATE_V0, PROCESS_START)
+WANTED: frozenset[str] = frozenset(
+    (
+        *_COUNTERS,
+        *_GAUGES,
+        CACHE_CONFIG,
+        *(h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_count", "_sum")),
+    )
+)
+# Names that only exist on the V1 engine: they tell V1 from V0 when /version is unavailable.
+_V1_MARKERS = (PREFIX_QUERIES, PREFIX_QUERIES_OLD)
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+Labels = dict[str, str]
+SeriesKey = tuple[str, frozenset[tuple[str, str]]]
+
+
+class ExpositionError(ValueError):
+    """The page is not a usable vLLM exposition; the message is one line naming the problem."""
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A cumulative histogram: ``cumulative[i]`` observations were ``<= bounds[i]``."""
+
+    bounds: tuple[float, ...]  # ascending upper bounds, the last one +Inf
+    cumulative: tuple[float, ...]
+    sum: float
+
+    @property
+    def count(self) -> float:
+        return self.cumulative[-1]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "sum": self.sum,
+            "buckets": {_format_le(b): c for b, c in zip(self.bounds, self.cumulative)},
+        }
+
+
+@dataclass(frozen=True)
+class VllmMetrics:
+    """One scrape of one vLLM server, in version-independent terms.
+
+    ``None`` means the page does not carry that signal (the version lacks it, or the page is
+    partial); counters are cumulative since the vLLM process started."""
+
+    flavor: str
+    models: tuple[str, ...]
+    engines: int
+    kv_cache_usage: float | None  # 0..1, mean over engines (equal-sized pools)
+    kv_cache_usage_max: float | None  # the fullest engine
+    num_requests_running: float | None
+    num_requests_waiting: float | None
+    num_preemptions_total: float | None
+    generation_tokens_total: float | None
+    prompt_tokens_total: float | None
+    request_success_total: float | None
+    prefix_cache_queries_total: float | None
+    prefix_cache_hits_total: float | None
+    prefix_cache_unit: str | None  # "tokens", or "blocks" on early V1
+    prefix_cache_hit_rate: float | None  # V0's gauge; -1 (no data) reads as None
+    engine_steps_total: float | None  # advances while the engine makes progress
+    process_start_time: float | None  # Unix time the serving process started
+    time_to_first_token: Histogram | None
+    inter_token_latency: Histogram | None
+    cache_config: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    version: str | None = None
+    warnings: tuple[str, ...] = ()  # signals dropped as inconsistent, each with its reason
+
+    @property
+    def model_name(self) -> str | None:
+        return self.models[0] if len(self.models) == 1 else None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "flavor": self.flavor,
+            "version": self.version,
+            "model_name": self.model_name,
+        }
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, Histogram):
+                value = value.to_json()
+            elif isinstance(value, (tuple, MappingProxyType)):
+                value = list(value) if isinstance(value, tuple) else dict(value)
+            out[name] = value
+        return out
+
+
+class Normaliser:
+    """Turns exposition text into ``VllmMetrics``.
+
+    Keep one per server: it caches the label sets it has parsed (bounded), which is what makes
+    repeated scrapes cheap. ``model`` restricts reading to one ``model_name``."""
+
+    def __init__(self, model: str = "", cache_limit: int = 50_000) -> None:
+        self.model = model
+        self._cache_limit = cache_limit
+        self._series: dict[str, tuple[Labels, SeriesKey]] = {}
+
+    def normalise(self, text: str, version: str | None = None) -> VllmMetrics:
+        page = self._scan(text)
+        return _reduce(page, version)
+
+    def _scan(self, text: str) -> _Page:
+        if not text.strip():
+            raise ExpositionError("empty page")
+        if text.lstrip()[:1] == "<":
+            raise ExpositionError("got an HTML or XML document, not a Prometheus exposition")
+        if not text.endswith("\n"):
+            raise ExpositionError("truncated page: the last line does not end with a newline")
+        if len(self._series) > self._cache_limit:
+            self._series.clear()
+        page = _Page()
+        rows, cache, model = page.rows, self._series, self.model
+        seen_keys: set[SeriesKey] = set()
+        for number, line in enumerate(text.split("\n"), start=1):
+            if not line or line[0] == "#":
+                if line.startswith(("# TYPE ", "# HELP ")):
+                    page.comment(line)
+                continue
+            match = _NAME.match(line)
+            if match is None:
+                raise ExpositionError(f"line {number}: not a metric sample: {line[:80]!r}")
+            name = match.group()
+            bucket = rows.get(name)
+            if bucket is None:
+                page.names.add(name)
+                continue
+            end = match.end()
+            if line[end : end + 1] == "{":
+                close = line.rfind("}")
+                if close < 0:
+                    raise ExpositionError(f"line {number}: unclosed label set: {line[:80]!r}")
+                series, rest = line[: close + 1], line[close + 1 :]
+            else:
+                series, rest = name, line[end:]
+            parsed = cache.get(series)
+            if parsed is None:
+                parsed = cache[series] = _parse_series(name, series, number)
+            labels, key = parsed
+            if key in seen_keys:
+                raise ExpositionError(f"line {number}: duplicate series {series[:120]}")
+            seen_keys.add(key)
+            value = _parse_value(rest, number)
+            model_name = labels.get("model_name")
+            if model_name is not None:
+                page.models.add(model_name)
+                if model and model_name != model:
+                    continue
+            engine = labels.get("engine")
+            if engine is not None:
+                page.engines.add(engine)
+            bucket.append((labels, value))
+        page.names.update(name for name, found in rows.items() if found)
+        return page
+
+
+@dataclass
+class _Page:
+    """What one scan found: wanted series, every family name, HELP texts, models, engines."""
+
+    rows: dict[str, list[tuple[Labels, float]]] = field(
+        default_factory=lambda: {name: [] for name in WANTED}
+    )
+    names: set[str] = field(default_factory=set)
+    help: dict[str, str] = field(default_factory=dict)
+    models: set[str] = field(default_factory=set)
+    engines: set[str] = field(default_factory=set)
+    warnings: list[str] = field(default_factory=list)
+
+    def comment(self, line: str) -> None:
+        parts = line.split(None, 3)
+        if len(parts) >= 3:
+            self.names.add(parts[2])
+            if parts[1] == "HELP" and len(parts) == 4:
+                self.help[parts[2]] = parts[3]
+
+
+def _parse_series(name: str, series: str, number: int) -> tuple[Labels, SeriesKey]:
+    labels: Labels = {}
+    if series != name:
+        try:
+            labels = parse_labels(series[len(name) + 1 : -1])
+        except ValueError as exc:
+            raise ExpositionError(f"line {number}: bad labels in {series[:120]!r}: {exc}") from None
+    return labels, (name, frozenset(labels.items()))
+
+
+def _parse_value(rest: str, number: int) -> float:
+    parts = rest.split()
+    if len(parts) not in (1, 2):  # value, then an optional timestamp
+        raise ExpositionError(f"line {number}: expected a value after the series, got {rest!r}")
+    try:
+        return float(parts[0])
+    except ValueError:
+        raise ExpositionError(f"line {number}: bad value {parts[0]!r}") from None
+
+
+# -- reduction to one normalised value ---------------------------------------------------------
+
+
+def _reduce(page: _Page, version: str | None) -> VllmMetrics:
+    rows = page.rows
+    if not any(name.startswith(_P) for name in page.names):
+        raise ExpositionError("no vLLM metrics on the page (is this a vLLM /metrics endpoint?)")
+    for name in (*_COUNTERS, RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD, PROCESS_START):
+        for _labels, value in rows[name]:
+            _check_finite_non_negative(name, value)
+    kv_name = KV_USAGE if rows[KV_USAGE] else KV_USAGE_OLD
+    kv_values = _per_engine(rows[kv_name])
+    for value in kv_values:
+        if value > 1.0 + 1e-6:
+            raise ExpositionError(f"{kv_name} = {value:g}, outside 0..1")
+    # Both generations of prefix-cache counters carry the same value while they coexist.
+    new_prefix = bool(rows[PREFIX_QUERIES])
+    queries = PREFIX_QUERIES if new_prefix else PREFIX_QUERIES_OLD
+    hits = PREFIX_HITS if new_prefix else PREFIX_HITS_OLD
+    itl = ITL if rows[ITL + "_bucket"] else ITL_OLD
+    return VllmMetrics(
+        flavor=_flavor(page),
+        models=tuple(sorted(page.models)),
+        engines=max(1, len(page.engines)),
+        kv_cache_usage=sum(kv_values) / len(kv_values) if kv_values else None,
+        kv_cache_usage_max=max(kv_values) if kv_values else None,
+        num_requests_running=_sum_per_engine(rows[RUNNING]),
+        num_requests_waiting=_sum_per_engine(rows[WAITING]),
+        num_preemptions_total=_sum(rows[PREEMPTIONS]),
+        generation_tokens_total=_sum(rows[GENERATION_TOKENS]),
+        prompt_tokens_total=_sum(rows[PROMPT_TOKENS]),
+        request_success_total=_sum(rows[REQUEST_SUCCESS]),
+        prefix_cache_queries_total=_sum(rows[queries]),
+        prefix_cache_hits_total=_sum(rows[hits]),
+        prefix_cache_unit=_prefix_unit(page, queries) if rows[queries] else None,
+        prefix_cache_hit_rate=_hit_rate(rows[PREFIX_HIT_RATE_V0]),
+        engine_steps_total=_sum(rows[ENGINE_STEPS]),
+        process_start_time=min((v for _l, v in rows[PROCESS_START]), default=None),
+        time_to_first_token=_histogram(page, TTFT),
+        inter_token_latency=_histogram(page, itl),
+        cache_config=_cache_config(rows[CACHE_CONFIG]),
+        version=version,
+        warnings=tuple(page.warnings),
+    )
+
+
+def _flavor(page: _Page) -> str:
+    names = page.names
+    if not (page.engines or any(marker in names for marker in _V1_MARKERS)):
+        return "v0"
+    if KV_USAGE in names:
+        return "v1-0.10" if KV_USAGE_OLD in names else "v1-latest"
+    return "v1-0.8"
+
+
+def _check_finite_non_negative(name: str, value: float) -> None:
+    if math.isnan(value) or math.isinf(value):
+        raise ExpositionError(f"{name} is {value}, not a finite number")
+    if value < 0:
+        raise ExpositionError(f"{name} is negative ({value:g})")
+
+
+def _sum(rows: list[tuple[Labels, float]]) -> float | None:
+    return sum(value for _labels, value in rows) if rows else None
+
+
+def _per_engine(rows: list[tuple[Labels, float]]) -> list[float]:
+    """One value per engine (and model). Multiprocess vLLM can print a gauge once per API-server
+    process (a ``pid`` label) with only one of them live: the largest is the engine's value."""
+    engines: dict[tuple[str | None, str | None], float] = {}
+    for labels, value in rows:
+        key = (labels.get("model_name"), labels.get("engine"))
+        engines[key] = max(value, engines.get(key, value))
+    return list(engines.values())
+
+
+def _sum_per_engine(rows: list[tuple[Labels, float]]) -> float | None:
+    return sum(_per_engine(rows)) if rows else None
+
+
+def _hit_rate(rows: list[tuple[Labels, float]]) -> float | None:
+    rates = [value for _labels, value in rows if value >= 0]  # -1 means "no data yet"
+    for value in rates:
+        if math.isnan(value) or value > 1.0 + 1e-6:
+            raise ExpositionError(f"{PREFIX_HIT_RATE_V0} = {value}, outside 0..1")
+    return sum(rates) / len(rates) if rates else None
+
+
+def _prefix_unit(page: _Page, name: str) -> str:
+    # Early V1 counted queried blocks; its HELP text says so. Everything later counts tokens.
+    return "blocks" if "block" in page.help.get(name, "").lower() else "tokens"
+
+
+def _histogram(page: _Page, name: str) -> Histogram | None:
+    """The histogram summed over series, or None (with a warning) when it is incomplete.
+
+    Published pages are often cut short, and multiprocess vLLM reads buckets and counts
+    without a lock, so an inconsistent histogram costs that signal, not the whole sample."""
+    bucket_rows = page.rows[name + "_bucket"]
+    if not bucket_rows:
+        return None
+    by_bound: dict[float, float] = {}
+    for labels, value in bucket_rows:
+        try:
+            bound = float(labels["le"])
+        except (KeyError, ValueError):
+            raise ExpositionError(f"{name}_bucket has a bad or missing le label") from None
+        if math.isnan(value) or value < 0 or math.isinf(value):
+            raise ExpositionError(f"{name}_bucket{{le={labels.get('le')}}} is {value:g}")
+        by_bound[bound] = by_bound.get(bound, 0.0) + value
+    bounds = tuple(sorted(by_bound))
+    cumulative = tuple(by_bound[b] for b in bounds)
+    count = _sum(page.rows[name + "_count"])
+    total = _sum(page.rows[name + "_sum"])
+    problem = None
+    if bounds[-1] != math.inf:
+        problem = 'no le="+Inf" bucket (page cut short?)'
+    elif any(later < earlier for earlier, later in zip(cumulative, cumulative[1:])):
+        problem = "buckets are not cumulative"
+    elif count is not None and not math.isclose(count, cumulative[-1], rel_tol=1e-9):
+        problem = f"_count {count:g} differs from the +Inf bucket {cumulative[-1]:g}"
+    elif total is not None and not math.isfinite(total):
+        problem = f"_sum is {total}"
+    if problem:
+        page.warnings.append(f"{name} ignored: {problem}")
+        return None
+    return Histogram(bounds=bounds, cumulative=cumulative, sum=total or 0.0)
+
+
+def _cache_config(rows: list[tuple[Labels, float]]) -> Mapping[str, str]:
+    if not rows:
+        return MappingProxyType({})
+    # One entry per engine in DP deployments; they describe the same configuration.
+    labels = min((labels for labels, _value in rows), key=lambda lab: lab.get("engine", ""))
+    return MappingProxyType({k: v for k, v in sorted(labels.items()) if k != "engine"})
+
+
+def _format_le(bound: float) -> str:
+    return "+Inf" if bound == math.inf else f"{bound:g}"
