@@ -5,14 +5,17 @@ BIN := $(VENV)/bin
 PY39 ?= $(shell pyenv prefix 3.9.18 2>/dev/null)/bin/python3
 PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
 
-.PHONY: dev test lint typecheck unit test-pythons bench clean
+.PHONY: dev test lint typecheck unit test-pythons bench config-example clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-dev: $(BIN)/python
+dev: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
 
 # The README's test command: style, types, then every test.
 test: dev lint typecheck unit
@@ -34,6 +37,10 @@ test-pythons:
 
 bench: dev
 	$(BIN)/python bench/scrape.py
+
+config-example: dev
+	$(BIN)/python -c 'from vkvagent import config; \
+	open("config.example.toml", "w").write(config.render(config.Config(), with_docs=True))'
 
 clean:
 	rm -rf $(VENV) .venv-3.9 .venv-3.13 .mypy_cache .pytest_cache .ruff_cache build dist *.egg-info

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from vkvagent.metrics import VllmMetrics
+
 FIXTURES = Path(__file__).parent / "fixtures"
 METRIC_PAGES = FIXTURES / "metrics"
 
@@ -28,3 +30,12 @@ def gauge(name: str, value: float, labels: str = 'model_name="m"') -> str:
 @pytest.fixture
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+def metrics(**values: object) -> VllmMetrics:
+    """A VllmMetrics with every signal absent except those given."""
+    fields = {name: None for name in VllmMetrics.__dataclass_fields__}
+    fields.update(flavor="v1-latest", models=("m",), engines=1, prefix_cache_unit=None)
+    del fields["cache_config"], fields["version"], fields["warnings"]
+    fields.update(values)
+    return VllmMetrics(**fields)  # type: ignore[arg-type]

@@ -57,7 +57,7 @@ EXPECTED = sorted(METRIC_PAGES.glob("*.expected.json"))
 
 
 @pytest.mark.parametrize("expected_file", EXPECTED, ids=lambda p: p.name.split(".expected")[0])
-def test_pages_of_every_flavour(expected_file) -> None:  # type: ignore[no-untyped-def]
+def test_pages_of_every_flavour(expected_file) -> None:
     expected = json.loads(expected_file.read_text())
     page_file = expected_file.with_name(expected_file.name.replace(".expected.json", ".prom"))
     m = normalise(page_file.read_text())
@@ -312,7 +312,7 @@ def test_mangled_real_pages_are_either_read_or_refused_cleanly(data: st.DataObje
     kv=st.lists(st.floats(0, 1), min_size=1, max_size=6),
     shuffle=st.randoms(use_true_random=False),
 )
-def test_counters_sum_and_kv_combines_over_any_number_of_engines(values, kv, shuffle) -> None:  # type: ignore[no-untyped-def]
+def test_counters_sum_and_kv_combines_over_any_number_of_engines(values, kv, shuffle) -> None:
     lines = ["# TYPE vllm:generation_tokens_total counter"]
     for engine, value in enumerate(values):
         labels = [f'engine="{engine}"', 'model_name="m"']

@@ -238,13 +238,15 @@ def _allowed(spec: dataclasses.Field[Any]) -> str:
         return ", ".join(meta["choices"])
     low, high = meta["min"], meta["max"]
     if low is not None and high is not None:
-        return f"{low:g} to {high:g}"
+        shown = "{:d}" if isinstance(spec.default, int) or meta["item"] is int else "{:g}"
+        return f"{shown.format(low)} to {shown.format(high)}"
     return _type_name(spec.default, meta["item"])
 
 
 def _type_name(default: Any, item: type | None) -> str:
     if isinstance(default, tuple):
-        return f"a list of {_type_name(item(), None) if item else 'values'}"
+        plural = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+        return f"a list of {plural.get(item, 'values') if item else 'values'}"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[
         type(default)
     ]

