@@ -37,6 +37,7 @@ test-pythons:
 
 bench: dev
 	$(BIN)/python bench/scrape.py
+	$(BIN)/python bench/sim.py
 
 config-example: dev
 	$(BIN)/python -c 'from vkvagent import config; \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from vkvagent.gpu import (
     NvmlUnavailable,
     RecordedBackend,
     decode_clock_event_reasons,
+    reader_for,
     record,
 )
 
@@ -160,3 +162,20 @@ def test_a_real_gpu(tmp_path: Path) -> None:
     replayed, _ = GpuReader(open=lambda: RecordedBackend.load(str(path))).read()
     static = [(r.uuid, r.name, r.memory_total_bytes, r.sm_clock_max_mhz) for r in readings]
     assert [(r.uuid, r.name, r.memory_total_bytes, r.sm_clock_max_mhz) for r in replayed] == static
+
+
+def test_a_recording_file_kept_current_by_another_process(tmp_path: Path) -> None:
+    path = tmp_path / "gpus.json"
+    reader = reader_for((), str(path))
+    readings, problem = reader.read()
+    assert readings == () and problem is not None and "No such file" in problem
+    recording = json.loads(RECORDING.read_text())
+    path.write_text(json.dumps(recording))
+    readings, problem = reader.read()  # the file appeared: read now, no restart needed
+    assert problem is None and len(readings) == 3 and readings[1].xid_errors == (79, 48)
+    assert reader.read()[0][1].xid_errors == ()  # the same file version: XIDs once
+    recording["devices"][0]["temperature"] = 95
+    recording["xid_events"] = []
+    path.write_text(json.dumps(recording))
+    os.utime(path, ns=(1, 2_000_000_000))  # a new mtime even on a coarse-grained filesystem
+    assert reader.read()[0][0].temperature_c == 95

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from vkvagent import __version__, config
-from vkvagent.gpu import GpuReader, GpuReading, NvmlBackend, RecordedBackend, record
+from vkvagent.gpu import (
+    GpuReader,
+    GpuReading,
+    NvmlBackend,
+    RecordedBackend,
+    reader_for,
+    record,
+)
 from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
 from vkvagent.vllm import ScrapeError, VllmClient
 
@@ -36,6 +43,12 @@ def main(
     stderr: TextIO | None = None,
 ) -> int:
     out, err = stdout or sys.stdout, stderr or sys.stderr
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["sim", "serve"]:
+        # vLLM's flags follow: they are parsed as vllm serve parses them, not by this parser.
+        from vkvagent.sim.cli import serve_main  # noqa: PLC0415 - the agent never loads the sim
+
+        return serve_main(argv[2:], err)
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -97,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="read from a file made by --record instead of NVML",
     )
+    _config_option(gpu)
     gpu.set_defaults(command=_gpu)
 
     config_cmd = commands.add_parser("config", help="configuration")
@@ -112,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(command=_config_check)
     config_cmd.set_defaults(command=_usage(config_cmd))
+
+    sim = commands.add_parser(
+        "sim",
+        help="a vLLM stand-in for tests and the demo: `vkvagent sim serve MODEL [vLLM flags]` "
+        "(`vkvagent sim serve --help` lists its options)",
+    )
+    sim.set_defaults(command=_usage(sim))
     return parser
 
 
@@ -196,7 +217,8 @@ def _gpu(args: argparse.Namespace, out: TextIO) -> int:
             raise CommandError(f"{args.replay}: not a GPU recording: {exc}") from None
         reader = GpuReader(open=lambda: backend)
     else:
-        reader = GpuReader()
+        settings = config.load(args.config).gpu
+        reader = reader_for(settings.devices, settings.recording)
     if args.record:
         try:
             recording = record(NvmlBackend())

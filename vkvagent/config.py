@@ -94,6 +94,11 @@ class GpuConfig:
     devices: tuple[int, ...] = setting(
         (), "Indices of the GPUs vLLM uses; empty watches every GPU.", item=int, min=0, max=255
     )
+    recording: str = setting(
+        "",
+        "Read GPU values from this file (made by `vkvagent gpu --record`, or kept current by "
+        "`vkvagent sim serve --gpu-recording`) instead of NVML; empty: NVML.",
+    )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ the agent: ``GpuReader`` reports "unavailable" and everything else keeps working
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
@@ -230,6 +231,28 @@ class RecordedBackend:
         return found
 
 
+class RecordingFile(RecordedBackend):
+    """A recording that another process keeps current (the simulator): re-read whenever the
+    file changes, each version's XID events delivered once."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._seen: float | None = None
+        super().__init__({"devices": []})
+
+    def device_count(self) -> int:
+        try:
+            changed = os.stat(self.path).st_mtime_ns
+            if changed != self._seen:
+                with open(self.path, encoding="utf-8") as handle:
+                    recording = json.load(handle)
+                RecordedBackend.__init__(self, recording)
+                self._seen = changed
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise NvmlUnavailable(f"GPU recording {self.path}: {exc}") from None
+        return super().device_count()
+
+
 def record(backend: Backend) -> dict[str, Any]:
     """Every raw value the reader uses, from every device, as JSON-ready data."""
     devices = []
@@ -255,9 +278,11 @@ class GpuReader:
         self,
         devices: Sequence[int] = (),
         open: Callable[[], Backend] = NvmlBackend,
+        retry: bool = False,
     ) -> None:
         self._wanted = tuple(devices)
         self._open = open
+        self._retry = retry  # try again on every read (a recording file that may appear later)
         self._backend: Backend | None = None
         self.unavailable: str | None = None
 
@@ -269,7 +294,7 @@ class GpuReader:
 
     def read(self) -> tuple[tuple[GpuReading, ...], str | None]:
         """The watched GPUs' readings, and why they are missing or partial (or None)."""
-        if self.unavailable:
+        if self.unavailable and not self._retry:
             return (), self.unavailable
         try:
             if self._backend is None:
@@ -288,6 +313,13 @@ class GpuReader:
             return (), self.unavailable
         problem = f"GPU index {missing} not present ({count} GPUs)" if missing else None
         return readings, problem
+
+
+def reader_for(devices: Sequence[int], recording: str = "") -> GpuReader:
+    """The reader the configuration asks for: NVML, or a recording file."""
+    if recording:
+        return GpuReader(devices, open=lambda: RecordingFile(recording), retry=True)
+    return GpuReader(devices)
 
 
 def _reading(backend: Backend, index: int, xids: tuple[int, ...]) -> GpuReading:

@@ -1,0 +1,140 @@
+"""The simulator as a real process: vLLM's start-up, endpoints, flags, scenarios, signals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.simproc import SimProcess, free_port, get, post_json
+from vkvagent.gpu import reader_for
+from vkvagent.metrics import FLAVORS
+from vkvagent.vllm import VllmClient
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_the_port_refuses_connections_until_the_model_has_loaded() -> None:
+    with SimProcess(MODEL, "--time-scale", "10", cold_start=10.0, wait=False) as sim:
+        time.sleep(0.3)  # 3 s of a 10 s simulated load
+        with pytest.raises(OSError):
+            get(sim.url + "/health", timeout=0.5)
+        sim.wait_ready(timeout=5)
+        status, body = get(sim.url + "/v1/models")
+        assert status == 200
+        model = json.loads(body)["data"][0]
+        assert model["id"] == MODEL and model["max_model_len"] == 32768
+        assert json.loads(get(sim.url + "/version")[1]) == {"version": "0.30.0"}
+
+
+def test_a_bad_flag_fails_the_start_like_vllm() -> None:
+    port = str(free_port())
+    for bad, message in (
+        (["--gpu-memory-utilization", "abc"], "invalid float value: 'abc'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "vkvagent", "sim", "serve", MODEL, "--port", port, *bad],
+            check=False, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert done.returncode == 2
+        assert done.stderr.startswith("vllm serve: error: ") and message in done.stderr
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_each_flavour_is_read_by_the_agent_with_the_flags_in_cache_config(flavor: str) -> None:
+    flags = ["--gpu-memory-utilization", "0.8", "--block-size", "32", "--max-model-len", "16384"]
+    with SimProcess(MODEL, *flags, "--metrics-flavor", flavor, "--time-scale", "60") as sim:
+        time.sleep(0.5)
+        client = VllmClient(sim.url)
+        metrics = client.scrape(client.version())
+    assert metrics.flavor == flavor
+    assert metrics.model_name == MODEL
+    assert metrics.cache_config["gpu_memory_utilization"] == "0.8"
+    assert metrics.cache_config["block_size"] == "32"
+    assert int(metrics.cache_config["num_gpu_blocks"]) > 1000
+    assert metrics.generation_tokens_total is not None and metrics.generation_tokens_total > 0
+
+
+def test_simulated_time_runs_time_scale_times_faster() -> None:
+    with SimProcess(MODEL, "--time-scale", "120") as sim:
+        first = sim.state()
+        time.sleep(1.0)
+        second = sim.state()
+    elapsed = second["uptime"] - first["uptime"]
+    assert 100 <= elapsed <= 150  # 1 s real at 120x, give or take the 0.5 s step
+    assert second["served"] > first["served"]
+
+
+def test_a_stall_switched_at_run_time_freezes_tokens_and_health_stays_200() -> None:
+    with SimProcess(MODEL, "--time-scale", "60", "--rate", "4") as sim:
+        time.sleep(0.5)
+        post_json(sim.url + "/sim/scenario", {"scenario": "stall", "after": 0})
+        time.sleep(0.2)
+        frozen = sim.state()
+        time.sleep(0.5)
+        later = sim.state()
+        assert get(sim.url + "/health")[0] == 200
+    assert later["stalled"] and later["generation_tokens"] == frozen["generation_tokens"]
+    assert later["running"] > 0
+
+
+def test_a_dead_engine_answers_503_then_the_process_exits() -> None:
+    with SimProcess(MODEL, "--time-scale", "20", "--scenario", "engine-dead",
+                    "--scenario-onset", "10") as sim:  # fmt: skip
+        deadline = time.monotonic() + 5
+        while get(sim.url + "/health")[0] != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert sim.process is not None
+        assert sim.process.wait(timeout=5) == 1
+
+
+def test_memory_growth_really_grows_the_process() -> None:
+    def rss(pid: int) -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(
+            next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]
+        )
+
+    with SimProcess(MODEL, "--time-scale", "60", "--rate", "20", "--scenario",
+                    "memory-growth", "--leak-per-request", "65536") as sim:  # fmt: skip
+        assert sim.process is not None
+        before = rss(sim.process.pid)
+        time.sleep(1.5)
+        state = sim.state()
+        after = rss(sim.process.pid)
+    assert state["host_memory_leaked_bytes"] >= 65536 * 100
+    assert (after - before) * 1024 >= state["host_memory_leaked_bytes"] * 0.8
+
+
+def test_thermal_throttle_shows_in_the_gpu_recording(tmp_path: Path) -> None:
+    recording = tmp_path / "gpus.json"
+    with SimProcess(MODEL, "--time-scale", "60", "--tensor-parallel-size", "2",
+                    "--scenario", "thermal-throttle", "--scenario-onset", "30",
+                    "--gpu-recording", str(recording)) as sim:  # fmt: skip
+        time.sleep(1.0)
+        assert sim.state()["speed_factor"] == 0.6
+        readings, problem = reader_for((), str(recording)).read()
+    assert problem is None and len(readings) == 2
+    assert "hw_thermal_slowdown" in readings[0].throttled_by
+
+
+def test_sigterm_stops_it_cleanly() -> None:
+    with SimProcess(MODEL) as sim:
+        started = time.monotonic()
+        assert sim.stop() == 0
+        assert time.monotonic() - started < 3
+
+
+def test_a_restart_cures_uptime_degradation() -> None:
+    args = (MODEL, "--time-scale", "3600", "--scenario", "uptime-decline")
+    with SimProcess(*args) as old:
+        time.sleep(1.5)
+        assert old.state()["speed_factor"] < 0.99
+    with SimProcess(*args) as new:  # the restart: a new process, uptime from zero
+        assert new.state()["speed_factor"] == 1.0

@@ -1,0 +1,121 @@
+"""``vkvagent sim serve MODEL [vLLM flags] [simulator options]``.
+
+The simulator's own options are taken out first; everything else is parsed, and refused, as
+``vllm serve`` would. ``--seed`` is vLLM's and also seeds the simulated traffic."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TextIO
+
+from vkvagent.metrics import FLAVORS
+from vkvagent.sim.engine import SCENARIOS
+from vkvagent.sim.flags import FLAVOR_VERSIONS, FlagError, parse_serve_args, resolve_for_model
+from vkvagent.sim.server import MODEL_MAX_LEN, SimOptions, serve
+
+USAGE = "vkvagent sim serve MODEL [vLLM flags] [simulator options]"
+
+
+def _options_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vkvagent sim serve",
+        usage=USAGE,
+        description="A vLLM stand-in: vLLM's flags, endpoints and metrics, a capacity model "
+        "and the degradations seen in the field. Every other flag is read as vllm serve "
+        "reads it, and refused as vllm serve refuses it.",
+        allow_abbrev=False,
+    )
+    default = SimOptions()
+    add = parser.add_argument
+    add("--metrics-flavor", choices=FLAVORS, default=default.flavor,
+        help="which vLLM version's /metrics format to serve")  # fmt: skip
+    add(
+        "--scenario",
+        choices=list(SCENARIOS),
+        default=default.scenario,
+        help="; ".join(f"{name}: {what}" for name, (_onset, what) in SCENARIOS.items()),
+    )
+    add(
+        "--scenario-onset",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="uptime at which the scenario begins (default: the scenario's own)",
+    )
+    add(
+        "--time-scale",
+        type=float,
+        default=default.time_scale,
+        metavar="X",
+        help="simulated time runs X times faster than real time",
+    )
+    add(
+        "--cold-start",
+        type=float,
+        default=default.cold_start,
+        metavar="SECONDS",
+        help="simulated seconds of model loading before the port opens",
+    )
+    add(
+        "--workload",
+        choices=("constant", "servegen"),
+        default=default.workload,
+        help="arrivals at a constant rate, or following a real week (ServeGen) scaled to --rate",
+    )
+    add(
+        "--rate",
+        type=float,
+        default=default.rate,
+        metavar="RPS",
+        help="requests per second (constant), or the week's peak (servegen)",
+    )
+    add(
+        "--gpu-recording",
+        default="",
+        metavar="FILE",
+        help="keep GPU readings in FILE, for vkvagent's [gpu] recording mode",
+    )
+    add(
+        "--leak-per-request",
+        type=int,
+        default=default.leak_per_request,
+        metavar="BYTES",
+        help="host memory held per request served in the memory-growth scenario",
+    )
+    add("--leak-cap", type=int, default=default.leak_cap, metavar="BYTES")
+    return parser
+
+
+def serve_main(argv: Sequence[str], err: TextIO | None = None) -> int:
+    err = err or sys.stderr
+    parser = _options_parser()
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help(err)
+        return 0
+    known, rest = parser.parse_known_args(list(argv))
+    if known.time_scale <= 0:
+        parser.error("--time-scale must be positive")
+    options = SimOptions(
+        flavor=known.metrics_flavor,
+        scenario=known.scenario,
+        scenario_onset=known.scenario_onset,
+        time_scale=known.time_scale,
+        cold_start=known.cold_start,
+        workload=known.workload,
+        rate=known.rate,
+        gpu_recording=known.gpu_recording,
+        leak_per_request=known.leak_per_request,
+        leak_cap=known.leak_cap,
+    )
+    try:
+        args = parse_serve_args(rest, options.flavor)
+        args = resolve_for_model(args, options.flavor, MODEL_MAX_LEN)
+    except FlagError as exc:  # a usage error exits 2, a config error 1, as vLLM's do
+        print(exc.render(), file=err)
+        return exc.exit_code
+    # vLLM's own --seed seeds the simulated traffic too, so one flag makes a run repeatable.
+    options = replace(options, seed=args.seed or 0)
+    return serve(args, options, FLAVOR_VERSIONS[options.flavor])
