@@ -7,7 +7,15 @@ import random
 import pytest
 
 from vkvagent.gpu import GpuReader, RecordedBackend
-from vkvagent.sim.engine import STEP, Cluster, EngineModel, Scenario, capacity, model_billions
+from vkvagent.sim.engine import (
+    SCENARIOS,
+    STEP,
+    Cluster,
+    EngineModel,
+    Scenario,
+    capacity,
+    model_billions,
+)
 from vkvagent.sim.workload import Workload, azure_sizes, constant, servegen_week
 
 BOUNDS = {
@@ -51,15 +59,19 @@ def mean_itl(c: Cluster) -> float:
     return h.sum / h.count
 
 
-def test_the_same_seed_gives_the_same_trajectory_however_time_is_advanced() -> None:
-    a, b = cluster(seed=3), cluster(seed=3)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_the_same_seed_gives_the_same_trajectory_however_time_is_advanced(scenario: str) -> None:
+    a, b = (
+        cluster(seed=3, scenario=scenario, onset=600),
+        cluster(seed=3, scenario=scenario, onset=600),
+    )
     a.advance_to(1800.0)
     for t in range(0, 1801, 7):  # small, uneven advances, as a jittery wall clock gives
         b.advance_to(float(t))
     b.advance_to(1800.0)
     assert a.state() == b.state()
     assert a.engines[0].stats == b.engines[0].stats
-    c = cluster(seed=4)
+    c = cluster(seed=4, scenario=scenario, onset=600)
     c.advance_to(1800.0)
     assert c.state() != a.state()
 

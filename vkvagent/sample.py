@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from vkvagent.gpu import GpuReading
+from vkvagent.gpu import GpuReader, GpuReading
 from vkvagent.metrics import VllmMetrics
+from vkvagent.vllm import ScrapeError, VllmClient
 
 
 @dataclass(frozen=True)
@@ -34,3 +36,43 @@ class Sample:
             "gpus": [gpu.to_json() for gpu in self.gpus],
             "gpu_error": self.gpu_error,
         }
+
+
+class Sampler:
+    """Takes Samples from the sources. Never raises for a source that fails: its error goes
+    into the sample, which is then kept as invalid.
+
+    vLLM's version (GET /version) is asked once per vLLM process: again only after a failed
+    scrape or a new ``process_start_time``, since only a restart can change it."""
+
+    def __init__(
+        self,
+        vllm: VllmClient,
+        gpus: GpuReader | None = None,
+        *,
+        version: str = "",
+        wall: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.vllm, self.gpus = vllm, gpus
+        self._configured_version = version
+        self._version: str | None = version or None
+        self._started: float | None = None
+        self._wall, self._mono = wall, mono
+
+    def take(self) -> Sample:
+        at, mono = self._wall(), self._mono()
+        metrics, error = None, None
+        try:
+            if self._version is None:
+                self._version = self.vllm.version()
+            metrics = self.vllm.scrape(self._version)
+        except ScrapeError as exc:
+            error = str(exc)
+            self._version = self._configured_version or None
+        if metrics is not None and metrics.process_start_time != self._started:
+            if self._started is not None and not self._configured_version:
+                self._version = None  # a new vLLM process: ask its version next time
+            self._started = metrics.process_start_time
+        readings, gpu_error = self.gpus.read() if self.gpus is not None else ((), None)
+        return Sample(at, mono, metrics, error, readings, gpu_error)

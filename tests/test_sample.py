@@ -1,0 +1,65 @@
+"""Sampling real sources: a failing source gives an invalid sample, never an exception."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import FIXTURES, read_page
+from tests.httpserver import HttpServer, free_port
+from vkvagent.gpu import GpuReader, NvmlUnavailable, RecordedBackend
+from vkvagent.history import History
+from vkvagent.sample import Sampler
+from vkvagent.vllm import VllmClient
+
+PAGE = read_page("v1-0.10.prom").encode()
+
+
+def recorded_gpus() -> GpuReader:
+    backend = RecordedBackend.load(str(FIXTURES / "gpu" / "h100x2-throttled.json"))
+    return GpuReader(open=lambda: backend)
+
+
+def test_a_good_scrape_and_gpus_make_a_valid_sample(tmp_path: Path) -> None:
+    routes = {
+        "/metrics": lambda h: h.reply(200, PAGE),
+        "/version": lambda h: h.reply(
+            200, b'{"version": "0.10.1"}', content_type="application/json"
+        ),
+    }
+    with HttpServer(routes) as server:
+        sampler = Sampler(
+            VllmClient(server.url), recorded_gpus(), wall=lambda: 1e9, mono=lambda: 5.0
+        )
+        first, second = sampler.take(), sampler.take()
+        version_calls = [path for path, _ in server.requests if path == "/version"]
+    assert first.valid and first.vllm_error is None and first.gpu_error is None
+    assert first.time == 1e9 and first.mono == 5.0
+    assert first.vllm is not None and first.vllm.version == "0.10.1"
+    assert first.vllm.flavor == "v1-0.10" and len(first.gpus) == 3
+    assert second.vllm is not None and second.vllm.version == "0.10.1"
+    assert len(version_calls) == 1  # asked once per vLLM process, not per sample
+    with History(tmp_path) as history:
+        history.append(first)
+        assert history.samples() == [first]
+
+
+def test_vllm_down_gives_an_invalid_sample_that_is_still_kept(tmp_path: Path) -> None:
+    def no_driver() -> RecordedBackend:
+        raise NvmlUnavailable("NVML Shared Library Not Found")
+
+    sampler = Sampler(VllmClient(f"http://127.0.0.1:{free_port()}"), GpuReader(open=no_driver))
+    sample = sampler.take()
+    assert not sample.valid and sample.vllm is None
+    assert sample.vllm_error is not None and "connection refused" in sample.vllm_error
+    assert sample.gpu_error == "NVML unavailable: NVML Shared Library Not Found"
+    with History(tmp_path) as history:
+        history.append(sample)
+        assert history.latest() == sample
+
+
+def test_a_broken_page_is_an_invalid_sample() -> None:
+    routes = {"/metrics": lambda h: h.reply(200, b"<html>502 Bad Gateway</html>\n")}
+    with HttpServer(routes) as server:
+        sample = Sampler(VllmClient(server.url), version="0.10.1").take()
+    assert not sample.valid
+    assert sample.vllm_error is not None and "HTML" in sample.vllm_error
