@@ -26,8 +26,11 @@ def test_increase_sums_deltas_and_treats_a_drop_as_a_restart_from_zero() -> None
     assert increase([100, 130, 20, 50], [False, False, False]) == 30 + 20 + 30
     # a reset flagged by the caller wins even if the new value is higher
     assert increase([5, 9], [True]) == 9
-    assert increase([None, 3, None, 7], [False, False, False]) is None
-    assert increase([3, None, 5], [False, False]) is None
+    # a missing value is bridged, and a reset on either side of it counts
+    assert increase([None, 3, None, 7], [False, False, False]) == 4
+    assert increase([0, 50, None, 150], [False, False, False]) == 150
+    assert increase([40, None, 5], [True, False]) == 5
+    assert increase([None, 3, None], [False, False]) is None
     assert increase([1], []) is None
 
 
@@ -149,6 +152,10 @@ def test_window_rates_needs_two_points_and_forward_time() -> None:
         ]
     )
     assert r is not None and r.generation_tokens_per_s == pytest.approx(2.0)
+    # after a reboot monotonic time starts again: never a negative span or rate
+    times = [100.0, 200.0, 5.0, 15.0]
+    late = window_rates([(t, metrics(generation_tokens_total=t * 10)) for t in times])
+    assert late is not None and late.seconds == 100 and late.generation_tokens_per_s == 10
 
 
 @settings(max_examples=200, deadline=None)

@@ -57,6 +57,13 @@ def test_vllm_down_gives_an_invalid_sample_that_is_still_kept(tmp_path: Path) ->
         assert history.latest() == sample
 
 
+def test_the_configured_version_is_a_fallback_for_a_server_without_version() -> None:
+    routes = {"/metrics": lambda h: h.reply(200, PAGE)}
+    with HttpServer(routes) as server:
+        sample = Sampler(VllmClient(server.url), version="0.10.1").take()
+    assert sample.vllm is not None and sample.vllm.version == "0.10.1"
+
+
 def test_a_broken_page_is_an_invalid_sample() -> None:
     routes = {"/metrics": lambda h: h.reply(200, b"<html>502 Bad Gateway</html>\n")}
     with HttpServer(routes) as server:

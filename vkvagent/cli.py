@@ -48,7 +48,7 @@ def main(
         # vLLM's flags follow: they are parsed as vllm serve parses them, not by this parser.
         from vkvagent.sim.cli import serve_main  # noqa: PLC0415 - the agent never loads the sim
 
-        return serve_main(argv[2:], err)
+        return serve_main(argv[2:], out, err)
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -180,10 +180,7 @@ def _scrape(args: argparse.Namespace, out: TextIO) -> int:
         )
     else:
         client = VllmClient.from_config(settings)
-        try:
-            metrics = client.scrape(settings.version or client.version())
-        finally:
-            client.close()
+        metrics = client.scrape(client.version() or settings.version or None)
     if args.json:
         json.dump(metrics.to_json(), out, indent=2, sort_keys=False)
         out.write("\n")
@@ -210,23 +207,27 @@ def _read_page(path: Path, limit: int) -> str:
 
 
 def _gpu(args: argparse.Namespace, out: TextIO) -> int:
-    if args.replay:
-        try:
-            backend = RecordedBackend.load(str(args.replay))
-        except (OSError, ValueError, KeyError) as exc:
-            raise CommandError(f"{args.replay}: not a GPU recording: {exc}") from None
-        reader = GpuReader(open=lambda: backend)
-    else:
-        settings = config.load(args.config).gpu
-        reader = reader_for(settings.devices, settings.recording)
     if args.record:
         try:
-            recording = record(NvmlBackend())
+            backend = NvmlBackend()
+            try:
+                recording = record(backend)
+            finally:
+                backend.close()
         except Exception as exc:  # NvmlUnavailable, or an NVML error mid-way
             raise CommandError(f"cannot record: {exc}") from None
         args.record.write_text(json.dumps(recording, indent=1) + "\n", encoding="utf-8")
         print(f"recorded {len(recording['devices'])} GPU(s) to {args.record}", file=out)
         return ExitCode.OK
+    if args.replay:
+        try:
+            replayed = RecordedBackend.load(str(args.replay))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CommandError(f"{args.replay}: not a GPU recording: {exc}") from None
+        reader = GpuReader(open=lambda: replayed)
+    else:
+        settings = config.load(args.config).gpu
+        reader = reader_for(settings.devices, settings.recording)
     readings, problem = reader.read()
     if args.json:
         json.dump({"gpus": [r.to_json() for r in readings], "error": problem}, out, indent=2)

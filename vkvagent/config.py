@@ -76,7 +76,8 @@ class VllmConfig:
     )
     read_timeout: float = setting(
         5.0,
-        "Seconds allowed for the whole response, however slowly it trickles.",
+        "Seconds vLLM may stay silent mid-response; connect_timeout + read_timeout bounds the "
+        "whole exchange, however slowly it trickles.",
         min=0.1,
         max=300,
     )

@@ -125,7 +125,11 @@ class NvmlBackend:
         self._nvml = pynvml
         self._handles: dict[int, Any] = {}
         self._events: Any = None
-        self._open_xid_events()
+        try:
+            self._open_xid_events()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         try:
@@ -194,14 +198,15 @@ class NvmlBackend:
             self._events = None
 
     def _call(self, function: Callable[..., Any], *args: Any) -> Any:
+        n = self._nvml
         try:
             return function(*args)
-        except self._nvml.NVMLError as exc:
-            if exc.value == self._nvml.NVML_ERROR_NOT_SUPPORTED:
+        except n.NVMLError as exc:
+            # Only "this device does not report that" leaves a gap in one value; anything else
+            # (driver gone, GPU lost, no permission) means NVML cannot be trusted right now.
+            if exc.value in (n.NVML_ERROR_NOT_SUPPORTED, n.NVML_ERROR_NOT_FOUND):
                 raise NvmlUnsupported(str(exc)) from None
-            if exc.value in (self._nvml.NVML_ERROR_GPU_IS_LOST, self._nvml.NVML_ERROR_UNKNOWN):
-                raise NvmlUnavailable(_nvml_message(exc)) from None
-            raise NvmlUnsupported(str(exc)) from None
+            raise NvmlUnavailable(_nvml_message(exc)) from None
 
 
 class RecordedBackend:
@@ -311,6 +316,10 @@ class GpuReader:
             self.reset()
             self.unavailable = f"NVML unavailable: {exc}"
             return (), self.unavailable
+        except (NvmlUnsupported, ValueError, TypeError, AttributeError, KeyError) as exc:
+            # A device that will not even say how many GPUs there are, or a recording with
+            # values of the wrong type: no readings this time, and say why.
+            return (), f"GPU readings failed: {type(exc).__name__}: {exc}"
         problem = f"GPU index {missing} not present ({count} GPUs)" if missing else None
         return readings, problem
 

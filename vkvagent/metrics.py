@@ -23,12 +23,6 @@ from typing import Any
 from prometheus_client.parser import parse_labels
 
 FLAVORS = ("v0", "v1-0.8", "v1-0.10", "v1-latest")
-FLAVOR_DOC = {
-    "v0": "V0 engine (0.6-0.10): gpu_cache_usage_perc, prefix-cache hit-rate gauges",
-    "v1-0.8": "early V1 (0.8-0.9.1): gpu_cache_usage_perc, gpu_prefix_cache_* counters",
-    "v1-0.10": "V1 0.9.2-0.11: kv_cache_usage_perc beside the deprecated gpu_* names",
-    "v1-latest": "V1 0.11+: kv_cache_usage_perc, prefix_cache_*, inter_token_latency",
-}
 
 _P = "vllm:"
 RUNNING = _P + "num_requests_running"
@@ -78,6 +72,7 @@ WANTED: frozenset[str] = frozenset(
 _V1_MARKERS = (PREFIX_QUERIES, PREFIX_QUERIES_OLD)
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABELS = re.compile(r'\s*(?:[a-zA-Z_][a-zA-Z0-9_]*\s*=\s*"(?:[^"\\\n]|\\.)*"\s*(?:,\s*|$))*')
 Labels = dict[str, str]
 SeriesKey = tuple[str, frozenset[tuple[str, str]]]
 
@@ -169,6 +164,9 @@ class Normaliser:
 
     def normalise(self, text: str, version: str | None = None) -> VllmMetrics:
         page = self._scan(text)
+        if self.model and self.model not in page.models:
+            found = ", ".join(sorted(page.models)) or "none"
+            raise ExpositionError(f"model {self.model!r} is not on the page (models: {found})")
         return _reduce(page, version)
 
     def _scan(self, text: str) -> _Page:
@@ -249,8 +247,13 @@ class _Page:
 def _parse_series(name: str, series: str, number: int) -> tuple[Labels, SeriesKey]:
     labels: Labels = {}
     if series != name:
+        text = series[len(name) + 1 : -1]
+        # Checked first: prometheus_client's parse_labels loops forever on some malformed
+        # input (a stray "}"), and a hung scrape is worse than a refused one.
+        if not _LABELS.fullmatch(text):
+            raise ExpositionError(f"line {number}: bad labels in {series[:120]!r}")
         try:
-            labels = parse_labels(series[len(name) + 1 : -1])
+            labels = parse_labels(text)
         except ValueError as exc:
             raise ExpositionError(f"line {number}: bad labels in {series[:120]!r}: {exc}") from None
     return labels, (name, frozenset(labels.items()))
@@ -273,6 +276,7 @@ def _reduce(page: _Page, version: str | None) -> VllmMetrics:
     rows = page.rows
     if not any(name.startswith(_P) for name in page.names):
         raise ExpositionError("no vLLM metrics on the page (is this a vLLM /metrics endpoint?)")
+    _drop_incomplete(page)
     for name in (*_COUNTERS, RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD, PROCESS_START):
         for _labels, value in rows[name]:
             _check_finite_non_negative(name, value)
@@ -312,6 +316,21 @@ def _reduce(page: _Page, version: str | None) -> VllmMetrics:
     )
 
 
+def _drop_incomplete(page: _Page) -> None:
+    """A series present for some engines only means the page was cut at a line boundary:
+    its sum would be too low, and the next scrape would look like a counter reset."""
+    if not page.engines:
+        return
+    for name, found in page.rows.items():
+        present = {labels.get("engine") for labels, _value in found}
+        if found and None not in present and present != page.engines:
+            missing = ", ".join(sorted(page.engines - present))
+            page.warnings.append(
+                f"{name} ignored: no series for engine {missing} (page cut short?)"
+            )
+            found.clear()
+
+
 def _flavor(page: _Page) -> str:
     names = page.names
     if not (page.engines or any(marker in names for marker in _V1_MARKERS)):
@@ -347,9 +366,12 @@ def _sum_per_engine(rows: list[tuple[Labels, float]]) -> float | None:
 
 
 def _hit_rate(rows: list[tuple[Labels, float]]) -> float | None:
+    for _labels, value in rows:
+        if math.isnan(value) or math.isinf(value):
+            raise ExpositionError(f"{PREFIX_HIT_RATE_V0} is {value}, not a finite number")
     rates = [value for _labels, value in rows if value >= 0]  # -1 means "no data yet"
     for value in rates:
-        if math.isnan(value) or value > 1.0 + 1e-6:
+        if value > 1.0 + 1e-6:
             raise ExpositionError(f"{PREFIX_HIT_RATE_V0} = {value}, outside 0..1")
     return sum(rates) / len(rates) if rates else None
 
@@ -372,7 +394,9 @@ def _histogram(page: _Page, name: str) -> Histogram | None:
         try:
             bound = float(labels["le"])
         except (KeyError, ValueError):
-            raise ExpositionError(f"{name}_bucket has a bad or missing le label") from None
+            bound = math.nan
+        if math.isnan(bound):
+            raise ExpositionError(f"{name}_bucket has a bad or missing le label")
         if math.isnan(value) or value < 0 or math.isinf(value):
             raise ExpositionError(f"{name}_bucket{{le={labels.get('le')}}} is {value:g}")
         by_bound[bound] = by_bound.get(bound, 0.0) + value

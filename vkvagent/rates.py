@@ -42,13 +42,21 @@ def is_reset(before: VllmMetrics, after: VllmMetrics) -> bool:
 
 
 def increase(values: Sequence[float | None], resets: Sequence[bool]) -> float | None:
-    """Total increase of a counter; ``resets[i]`` says the counter restarted between values i
-    and i+1. None when no interval has both ends."""
+    """Total increase of a counter; ``resets[i]`` says vLLM restarted between values i and
+    i+1. A missing value is bridged: its neighbours are compared, with either interval's reset.
+    None when fewer than two values are present."""
     total: float | None = None
-    for (old, new), reset in zip(zip(values, values[1:]), resets):
-        if old is None or new is None:
+    previous: float | None = None
+    reset_since = False
+    for index, value in enumerate(values):
+        if index > 0:
+            reset_since = reset_since or resets[index - 1]
+        if value is None:
             continue
-        total = (total or 0.0) + (new if reset or new < old else new - old)
+        if previous is not None:
+            grown = value if reset_since or value < previous else value - previous
+            total = (total or 0.0) + grown
+        previous, reset_since = value, False
     return total
 
 
@@ -129,8 +137,12 @@ class Rates:
 
 def window_rates(points: Sequence[Point]) -> Rates | None:
     """Rates over consecutive scrapes, oldest first; None with fewer than two or no time span.
-    Times must be monotonic; an interval whose time goes backwards is skipped."""
-    points = [p for i, p in enumerate(points) if i == 0 or p[0] > points[i - 1][0]]
+    Times must be monotonic; a point whose time is not after the last one kept is dropped."""
+    kept: list[Point] = []
+    for point in points:
+        if not kept or point[0] > kept[-1][0]:
+            kept.append(point)
+    points = kept
     if len(points) < 2:
         return None
     seconds = points[-1][0] - points[0][0]

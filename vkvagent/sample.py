@@ -42,8 +42,9 @@ class Sampler:
     """Takes Samples from the sources. Never raises for a source that fails: its error goes
     into the sample, which is then kept as invalid.
 
-    vLLM's version (GET /version) is asked once per vLLM process: again only after a failed
-    scrape or a new ``process_start_time``, since only a restart can change it."""
+    vLLM's version (GET /version, else the configured one) is asked once per vLLM process:
+    again only after a failed scrape or a new ``process_start_time``, since only a restart can
+    change it."""
 
     def __init__(
         self,
@@ -55,8 +56,8 @@ class Sampler:
         mono: Callable[[], float] = time.monotonic,
     ) -> None:
         self.vllm, self.gpus = vllm, gpus
-        self._configured_version = version
-        self._version: str | None = version or None
+        self._configured_version = version or None
+        self._version: str | None = None
         self._started: float | None = None
         self._wall, self._mono = wall, mono
 
@@ -65,13 +66,13 @@ class Sampler:
         metrics, error = None, None
         try:
             if self._version is None:
-                self._version = self.vllm.version()
+                self._version = self.vllm.version() or self._configured_version
             metrics = self.vllm.scrape(self._version)
         except ScrapeError as exc:
             error = str(exc)
-            self._version = self._configured_version or None
+            self._version = None
         if metrics is not None and metrics.process_start_time != self._started:
-            if self._started is not None and not self._configured_version:
+            if self._started is not None:
                 self._version = None  # a new vLLM process: ask its version next time
             self._started = metrics.process_start_time
         readings, gpu_error = self.gpus.read() if self.gpus is not None else ((), None)

@@ -6,6 +6,7 @@ The simulator's own options are taken out first; everything else is parsed, and 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -89,15 +90,19 @@ def _options_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def serve_main(argv: Sequence[str], err: TextIO | None = None) -> int:
-    err = err or sys.stderr
+def serve_main(argv: Sequence[str], out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     parser = _options_parser()
     if any(a in ("-h", "--help") for a in argv):
-        parser.print_help(err)
+        parser.print_help(out)
         return 0
-    known, rest = parser.parse_known_args(list(argv))
-    if known.time_scale <= 0:
-        parser.error("--time-scale must be positive")
+    try:
+        known, rest = parser.parse_known_args(list(argv))
+    except SystemExit as exc:  # argparse has printed its message
+        return int(exc.code or 0)
+    if not (math.isfinite(known.time_scale) and known.time_scale > 0):
+        print(f"{parser.prog}: error: --time-scale must be a positive number", file=err)
+        return 2
     options = SimOptions(
         flavor=known.metrics_flavor,
         scenario=known.scenario,
@@ -113,6 +118,13 @@ def serve_main(argv: Sequence[str], err: TextIO | None = None) -> int:
     try:
         args = parse_serve_args(rest, options.flavor)
         args = resolve_for_model(args, options.flavor, MODEL_MAX_LEN)
+        if args.data_parallel_size > 1 and options.flavor in ("v0", "v1-0.8"):
+            raise FlagError(
+                f"the {options.flavor} metrics flavour has no engine label, so it cannot show "
+                "data-parallel engines: use --metrics-flavor v1-0.10 or v1-latest",
+                exit_code=1,
+                exc_type="ValueError",
+            )
     except FlagError as exc:  # a usage error exits 2, a config error 1, as vLLM's do
         print(exc.render(), file=err)
         return exc.exit_code

@@ -95,8 +95,8 @@ class Capacity:
 
 def model_billions(model: str) -> float:
     """Parameter count from a model name ("Llama-3.1-70B" -> 70); 8 when it does not say."""
-    found = re.findall(r"(\d+(?:\.\d+)?)[bB](?![a-zA-Z])", model)
-    return float(found[-1]) if found else 8.0
+    found = [float(n) for n in re.findall(r"(\d+(?:\.\d+)?)[bB](?![a-zA-Z])", model)]
+    return found[-1] if found and found[-1] > 0 else 8.0
 
 
 def capacity(

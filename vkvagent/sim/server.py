@@ -107,15 +107,15 @@ class Simulation:
         self._leak: list[bytes] = []
         self._leaked = 0
         self._leak_from = 0
+        self._gpu_written = ""
 
     def uptime(self) -> float:
         return (self._clock() - self._started) * self.options.time_scale
 
     def advance(self) -> None:
         with self.lock:
-            before = self.cluster.scenario
             self.cluster.advance_to(self.uptime())
-            self._grow_memory(before)
+            self._grow_memory()
 
     def metrics_page(self) -> bytes:
         """The current /metrics page: rendered again once the simulated clock has moved and
@@ -154,13 +154,16 @@ class Simulation:
             return
         with self.lock:
             gpus = self.args.tensor_parallel_size * self.args.data_parallel_size
-            recording = self.cluster.gpu_recording(gpus)
+            text = json.dumps(self.cluster.gpu_recording(gpus))
+        if text == self._gpu_written:
+            return  # unchanged: readers would only parse it again
         temporary = f"{path}.{os.getpid()}.tmp"
         with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(recording, handle)
+            handle.write(text)
         os.replace(temporary, path)  # readers see the old file or the new one, never half
+        self._gpu_written = text
 
-    def _grow_memory(self, scenario: Scenario) -> None:
+    def _grow_memory(self) -> None:
         """memory-growth: really hold ``leak_per_request`` bytes per request served, so the
         unit's MemoryCurrent rises as systemd measures it (up to ``leak_cap``)."""
         if not self.cluster.scenario.active("memory-growth", self.cluster.now):
@@ -194,7 +197,7 @@ def serve(args: ServeArgs, options: SimOptions, version: str) -> int:
         return 0
     server = http.server.ThreadingHTTPServer((args.host, args.port), _handler(simulation))
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     log(f"Starting vLLM API server on http://{args.host}:{server.server_address[1]}")
     log("Application startup complete.")
     status = 0
@@ -250,11 +253,13 @@ def _handler(simulation: Simulation) -> type[http.server.BaseHTTPRequestHandler]
                 self._json({"detail": "Not Found"}, 404)
 
         def do_POST(self) -> None:
-            if self.path != "/sim/scenario":
+            if self.path.split("?", 1)[0] != "/sim/scenario":
                 self._json({"detail": "Not Found"}, 404)
                 return
             try:
                 length = int(self.headers.get("Content-Length", "0"))
+                if not 0 <= length <= 65536:
+                    raise ValueError(f"bad Content-Length {length}")
                 body = json.loads(self.rfile.read(length) or b"{}")
                 simulation.switch(str(body["scenario"]), float(body.get("after", 0.0)))
             except (ValueError, KeyError, TypeError) as exc:

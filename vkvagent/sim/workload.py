@@ -37,16 +37,16 @@ def constant(rate: float) -> RateCurve:
     return lambda _t: rate
 
 
-def servegen_week(peak: float, offset: float = 0.0) -> RateCurve:
-    """The ServeGen week (10-minute windows, diurnal) scaled so its busiest window is ``peak``
-    requests/s; ``offset`` shifts where in the week simulated time 0 falls. Repeats weekly."""
+def servegen_week(peak: float) -> RateCurve:
+    """The ServeGen week (10-minute windows, diurnal; its t=0 is a midnight) scaled so its
+    busiest window is ``peak`` requests/s. Repeats weekly."""
     rows = list(csv.DictReader(io.StringIO(_data("servegen-week.csv"))))
     starts = [float(r["window_start_s"]) for r in rows]
     rates = [float(r["total_rate_rps"]) for r in rows]
     scale = peak / max(rates)
 
     def rate(t: float) -> float:
-        at = (t + offset) % WEEK
+        at = t % WEEK
         return rates[max(0, bisect.bisect_right(starts, at) - 1)] * scale
 
     return rate
