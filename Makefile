@@ -4,6 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PY39 ?= $(shell pyenv prefix 3.9.18 2>/dev/null)/bin/python3
 PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
+# pyenv prefix printing nothing would leave /bin/python3: refuse rather than test another Python.
+check-python = $(if $(filter /bin/python3,$(1)),$(error $(2) not found: install it with pyenv))
 
 .PHONY: dev test lint typecheck unit test-pythons bench config-example clean
 
@@ -32,8 +34,10 @@ unit:
 
 # The oldest and newest supported Pythons (RHEL 9's 3.9, and 3.13), each in its own venv.
 test-pythons:
-	$(MAKE) VENV=.venv-3.9 PYTHON=$(PY39) dev unit
-	$(MAKE) VENV=.venv-3.13 PYTHON=$(PY313) dev unit
+	$(call check-python,$(PY39),Python 3.9.18)
+	$(call check-python,$(PY313),Python 3.13.0)
+	$(PY39) --version && $(MAKE) VENV=.venv-3.9 PYTHON=$(PY39) dev unit
+	$(PY313) --version && $(MAKE) VENV=.venv-3.13 PYTHON=$(PY313) dev unit
 
 bench: dev
 	$(BIN)/python bench/scrape.py

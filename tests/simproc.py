@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,11 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.httpserver import free_port
 
 
 def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:

@@ -74,7 +74,11 @@ def test_the_values_are_immutable(etc: Path) -> None:
     ("text", "line", "expected"),
     [
         ("[vllm]\nurll = 'x'\n", 2, "vllm.urll: unknown key (allowed: connect_timeout,"),
-        ("[vlm]\nurl = 'x'\n", 1, "vlm: unknown section (allowed: agent, gpu, history, vllm)"),
+        (
+            "[vlm]\nurl = 'x'\n",
+            1,
+            "vlm: unknown section (allowed: agent, gpu, history, restart, vllm)",
+        ),
         (
             "\n\n[vllm]\nread_timeout = 'fast'\n",
             4,
@@ -111,6 +115,34 @@ def test_errors_name_file_line_key_and_what_is_allowed(
     assert expected in problem
 
 
+def test_vllm_flags_are_checked_by_the_flag_catalogue(etc: Path) -> None:
+    write(
+        etc / "config.toml",
+        "[vllm.flags]\ngpu-memory-utilization = 0.88\nenable_prefix_caching = true\n",
+    )
+    write(etc / "conf.d" / "10.toml", "[vllm.flags]\nmax-num-seqs = 128\n")
+    loaded = config.load(etc, as_root=False)
+    assert dict(loaded.vllm.flags) == {
+        "gpu-memory-utilization": 0.88,
+        "enable_prefix_caching": True,
+        "max-num-seqs": 128,
+    }
+    bad = write(
+        etc / "config.toml",
+        "[vllm.flags]\nmax-num-seqs = 0\ntrust-remote-code = true\nblock-size = 'x'\nfoo = 1\n",
+    )
+    with pytest.raises(ConfigError) as caught:
+        config.load(etc, as_root=False)
+    problems = caught.value.problems
+    assert problems[0].startswith(f"{bad}:2: vllm.flags.max-num-seqs: 0 is out of range")
+    assert problems[1].startswith(
+        f"{bad}:3: vllm.flags.trust-remote-code: not a flag vkvagent sets"
+    )
+    assert problems[2].startswith(f"{bad}:4: vllm.flags.block-size: ")
+    assert problems[3].startswith(f"{bad}:5: vllm.flags.foo: unknown flag (allowed: ")
+    assert len(problems) == 4
+
+
 def test_every_problem_in_every_file_is_reported_at_once(etc: Path) -> None:
     write(etc / "config.toml", "[vllm]\nurll = 'x'\n[agent]\nsample_interval = -1\n")
     dropin = write(etc / "conf.d" / "50.toml", "[history]\nretention = 3\n")
@@ -127,6 +159,7 @@ def test_an_explicit_path_that_does_not_exist_is_an_error(tmp_path: Path) -> Non
         config.load(tmp_path / "missing.toml", as_root=False)
 
 
+@pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"), reason="needs root")
 @pytest.mark.parametrize(
     ("target", "change", "reason"),

@@ -50,7 +50,7 @@ def test_catalogue_entries_are_complete() -> None:
 
 
 def test_attestable_flags_and_their_labels() -> None:
-    """vllm-facts 3: what vllm:cache_config_info shows, and under which label."""
+    """What vllm:cache_config_info shows, and under which label."""
     labels = {n: f.attest_label for n, f in CATALOGUE.items() if f.attest_label}
     assert labels == {
         "gpu-memory-utilization": "gpu_memory_utilization",

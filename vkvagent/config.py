@@ -14,10 +14,13 @@ import os
 import re
 import stat
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
+
+from vkvagent import flags
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,6 +46,14 @@ def setting(
     return dataclasses.field(default=default, metadata=meta)
 
 
+def table(doc: str, check: Callable[[str, Any], str | None]) -> Any:
+    """A config table of free keys (e.g. vLLM flags); ``check(key, value)`` says what is
+    wrong with one entry, or None."""
+    return dataclasses.field(
+        default_factory=lambda: MappingProxyType({}), metadata={"doc": doc, "table": check}
+    )
+
+
 def section(cls: type, doc: str) -> Any:
     """A config table whose keys are the fields of ``cls``."""
     return dataclasses.field(default_factory=cls, metadata={"doc": doc, "section": cls})
@@ -56,6 +67,14 @@ class AgentConfig:
     sample_interval: float = setting(
         10.0, "Seconds between two samples of vLLM, the GPUs and the unit.", min=1, max=3600
     )
+
+
+def _check_flag(key: str, value: Any) -> str | None:
+    try:
+        flags.validate({key: value}, None, check_versions=False)
+    except flags.FlagError as exc:
+        return "; ".join(p.split(": ", 1)[-1] for p in exc.problems)
+    return None
 
 
 @dataclass(frozen=True)
@@ -87,6 +106,11 @@ class VllmConfig:
         min=64 * 1024,
         max=512 * 1024 * 1024,
     )
+    flags: Mapping[str, Any] = table(
+        "vLLM flags vkvagent keeps on the unit's command line ([vllm.flags], e.g. "
+        "gpu-memory-utilization = 0.88), through a drop-in; `vkvagent plan` shows the change.",
+        _check_flag,
+    )
 
 
 @dataclass(frozen=True)
@@ -110,11 +134,33 @@ class HistoryConfig:
 
 
 @dataclass(frozen=True)
+class RestartConfig:
+    drain_max_in_flight: int = setting(
+        0, "Requests (running + waiting) allowed in flight when a restart begins.", min=0,
+        max=100000,
+    )  # fmt: skip
+    drain_timeout: float = setting(
+        120.0, "Seconds to wait for the drain before giving the restart up.", min=0, max=3600
+    )
+    job_timeout: float = setting(
+        120.0, "Seconds systemd's restart job may take (stopping included).", min=1, max=3600
+    )
+    ready_timeout: float = setting(
+        600.0,
+        "Seconds for vLLM to answer again and make progress after a restart; real cold "
+        "starts (weights, torch.compile, CUDA graphs) take minutes.",
+        min=5,
+        max=7200,
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     agent: AgentConfig = section(AgentConfig, "The daemon itself.")
     vllm: VllmConfig = section(VllmConfig, "The vLLM server being watched.")
     gpu: GpuConfig = section(GpuConfig, "GPU readings through NVML.")
     history: HistoryConfig = section(HistoryConfig, "The sample history kept on disk.")
+    restart: RestartConfig = section(RestartConfig, "How vkvagent restarts vLLM.")
 
 
 class ConfigError(Exception):
@@ -224,6 +270,17 @@ def _merge_table(
             problems.append(
                 f"{where(path)}: {dotted}: unknown {kind} (allowed: {', '.join(sorted(fields))})"
             )
+        elif "table" in spec.metadata:
+            if not isinstance(value, dict):
+                problems.append(f"{where(path)}: {dotted}: expected a table [{dotted}]")
+                continue
+            entries = merged.setdefault(key, {})
+            for entry, entry_value in value.items():
+                problem = spec.metadata["table"](entry, entry_value)
+                if problem:
+                    problems.append(f"{where((*path, entry))}: {dotted}.{entry}: {problem}")
+                else:
+                    entries[entry] = entry_value
         elif "section" in spec.metadata:
             if not isinstance(value, dict):
                 problems.append(f"{where(path)}: {dotted}: expected a table [{dotted}]")
@@ -315,7 +372,12 @@ def _build(schema: type, merged: dict[str, Any]) -> Any:
     for spec in dataclasses.fields(schema):
         if spec.name in merged:
             sub = spec.metadata.get("section")
-            values[spec.name] = _build(sub, merged[spec.name]) if sub else merged[spec.name]
+            if sub:
+                values[spec.name] = _build(sub, merged[spec.name])
+            elif "table" in spec.metadata:
+                values[spec.name] = MappingProxyType(dict(merged[spec.name]))
+            else:
+                values[spec.name] = merged[spec.name]
     return schema(**values)
 
 
@@ -359,12 +421,23 @@ def render(config: Config, *, with_docs: bool = False) -> str:
         if with_docs:
             out.append(f"# {spec.metadata['doc']}")
         out.append(f"[{spec.name}]")
-        table = getattr(config, spec.name)
-        for key in dataclasses.fields(table):
+        values = getattr(config, spec.name)
+        tables = []
+        for key in dataclasses.fields(values):
+            if "table" in key.metadata:
+                tables.append(key)
+                continue
             if with_docs:
                 out.append(f"# {key.metadata['doc']} Allowed: {_allowed(key)}.")
-            out.append(f"{key.name} = {_toml_value(getattr(table, key.name))}")
+            out.append(f"{key.name} = {_toml_value(getattr(values, key.name))}")
         out.append("")
+        for key in tables:
+            if with_docs:
+                out.append(f"# {key.metadata['doc']}")
+            out.append(f"[{spec.name}.{key.name}]")
+            for entry, entry_value in getattr(values, key.name).items():
+                out.append(f"{json.dumps(entry)} = {_toml_value(entry_value)}")
+            out.append("")
     return "\n".join(out)
 
 

@@ -11,8 +11,8 @@ Three parts, all pure:
   ``python -m vllm.entrypoints.openai.api_server``) argv the way vLLM's parser does, and set
   managed flags exactly once in canonical form, leaving every other argument where it was.
 
-Facts are from /work/shared/reference/vllm-facts.md section 3 (and the releases the simulator
-imitates, ``vkvagent/sim/flags.py``, which agent code never imports). Where a release boundary
+Facts are from vLLM's argument parsers and release history (the releases the simulator
+imitates, ``vkvagent/sim/flags.py``, agree; agent code never imports it). Where a release boundary
 is not pinned by a source, the comment says so.
 
 Values can never smuggle an argument or a unit directive: every value is a number, a boolean
@@ -183,7 +183,7 @@ _FLAGS = (
         "block-size",
         "choice",
         "Tokens per KV block. Bigger blocks lower prefix-cache hit rates and overstate usage "
-        "for short prompts (vllm-facts 4.1). vLLM's help says CUDA supports only up to 32.",
+        "for short prompts. vLLM's help says CUDA supports only up to 32.",
         choices=(8, 16, 32, 64, 128),
         attest_label="block_size",
         attest_note="hybrid (Mamba) models and some platforms override the block size",
@@ -359,7 +359,9 @@ _INT_TEXT = re.compile(r"[+-]?\d+")
 _FLOAT_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
-def validate(flags: Mapping[str, object], vllm_version: str | None) -> dict[str, FlagValue]:
+def validate(
+    flags: Mapping[str, object], vllm_version: str | None, *, check_versions: bool = True
+) -> dict[str, FlagValue]:
     """Check the flags the agent is asked to set on vLLM ``vllm_version``.
 
     Keys are flag names (``max-num-seqs``, ``max_num_seqs`` and ``--max-num-seqs`` all work);
@@ -368,7 +370,8 @@ def validate(flags: Mapping[str, object], vllm_version: str | None) -> dict[str,
     ``FlagError`` listing every problem: unknown flags, flags that are not the agent's to set,
     wrong types, values out of range, flags the target release lacks (or where setting them
     does harm), and combinations vLLM refuses at startup. ``vllm_version`` None (unknown)
-    refuses every flag limited to some releases.
+    refuses every flag limited to some releases, unless ``check_versions`` is False (the
+    config loader checks names, types and ranges; versions are checked when a plan is made).
     """
     problems: list[str] = []
     version: Version | None = None
@@ -399,7 +402,7 @@ def validate(flags: Mapping[str, object], vllm_version: str | None) -> dict[str,
                 problems.append(f"{shown}: unknown flag {allowed}")
             continue
         value, problem = _typed(spec, raw)
-        if problem is None:
+        if problem is None and check_versions:
             problem = _version_problem(spec, version, vllm_version)
         if problem is not None:
             problems.append(f"{shown}: {problem}")

@@ -102,36 +102,23 @@ def _minus_one(_c: _Context, _e: EngineStats, _l: str) -> float:
     return -1.0
 
 
-def _running(_c: _Context, e: EngineStats, _l: str) -> float:
-    return float(e.running)
+def _stat(field: str) -> Value:
+    """A family whose value is one EngineStats field, as vLLM's loggers hold it."""
+
+    def value(_c: _Context, e: EngineStats, _l: str) -> float:
+        return float(getattr(e, field))
+
+    return value
 
 
-def _waiting(_c: _Context, e: EngineStats, _l: str) -> float:
-    return float(e.waiting)
-
-
-def _kv_usage(_c: _Context, e: EngineStats, _l: str) -> float:
-    return float(e.kv_usage)
-
-
-def _preemptions(_c: _Context, e: EngineStats, _l: str) -> float:
-    return float(e.preemptions)
-
-
-def _prompt_tokens(_c: _Context, e: EngineStats, _l: str) -> float:
-    return float(e.prompt_tokens)
-
-
-def _generation_tokens(_c: _Context, e: EngineStats, _l: str) -> float:
-    return float(e.generation_tokens)
-
-
-def _prefix_queries(_c: _Context, e: EngineStats, _l: str) -> float:
-    return float(e.prefix_queries)
-
-
-def _prefix_hits(_c: _Context, e: EngineStats, _l: str) -> float:
-    return float(e.prefix_hits)
+_running = _stat("running")
+_waiting = _stat("waiting")
+_kv_usage = _stat("kv_usage")
+_preemptions = _stat("preemptions")
+_prompt_tokens = _stat("prompt_tokens")
+_generation_tokens = _stat("generation_tokens")
+_prefix_queries = _stat("prefix_queries")
+_prefix_hits = _stat("prefix_hits")
 
 
 # Early V1 counted the prefix cache in whole blocks, not tokens.

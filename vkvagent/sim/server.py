@@ -195,6 +195,10 @@ def serve(args: ServeArgs, options: SimOptions, version: str) -> int:
     # Loading the model: the port stays closed, so connections are refused.
     if stop.wait(options.cold_start / options.time_scale):
         return 0
+    if cap.num_gpu_blocks <= 0:  # what vLLM says when the weights leave no room for KV
+        log("ValueError: No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine.")  # fmt: skip
+        return 1
     server = http.server.ThreadingHTTPServer((args.host, args.port), _handler(simulation))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
