@@ -1,6 +1,5 @@
 """A real systemd for tests: systemd 252 booted in systemd-nspawn on a throw-away overlay of the
-host's own root file system (shared/reference/systemd-sandbox.md has the recipe and why each
-step is there).
+host's own root file system; the comments below say why each step is there.
 
 ``with Sandbox(units={"vllm.service": sim_unit()}) as box:`` boots in 0.3 s (0.8 s until the
 simulator answers on its port) and gives the container's system bus (``box.bus_address``),
@@ -177,7 +176,9 @@ def sim_argv(*flags: str, port: int = VLLM_PORT, model: str = MODEL) -> list[str
     ]  # fmt: skip
 
 
-def sim_unit(*flags: str, service: str = "", unit: str = "", port: int = VLLM_PORT) -> str:
+def sim_unit(
+    *flags: str, service: str = "", unit: str = "", port: int = VLLM_PORT, model: str = MODEL
+) -> str:
     """A ``vllm.service`` that runs the simulator with vLLM's ``flags``, as a real vLLM unit
     would run ``vllm serve`` (Type=simple: systemd cannot know when the model has loaded).
     ``service`` and ``unit`` are extra lines for the [Service] and [Unit] sections."""
@@ -187,7 +188,7 @@ def sim_unit(*flags: str, service: str = "", unit: str = "", port: int = VLLM_PO
         f"{unit}\n"
         "[Service]\n"
         "Type=simple\n"
-        f"ExecStart={exec_line(sim_argv(*flags, port=port))}\n"
+        f"ExecStart={exec_line(sim_argv(*flags, port=port, model=model))}\n"
         "Environment=PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1\n"
         f"{service}\n"
         "[Install]\n"
@@ -351,13 +352,16 @@ class Sandbox:
         check: bool = True,
         timeout: float = 60.0,
         input: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run ``cmd`` inside the container (all its namespaces), as root or as ``user``
-        (a uid; its group is the same number, no supplementary groups)."""
+        (a uid; its group is the same number, no supplementary groups), with this process's
+        environment plus ``env``."""
         who = ["--setuid", str(user), "--setgid", str(user)] if user is not None else []
         done = subprocess.run(
             ["nsenter", "-t", str(self._leader()), "-a", *who, *cmd],
             input=input, capture_output=True, text=True, timeout=timeout, check=False,
+            env=None if env is None else {**os.environ, **env},
         )  # fmt: skip
         if check and done.returncode != 0:
             raise SandboxError(

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from enum import IntEnum
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from vkvagent import __version__, config
+from vkvagent.actuator import Actuator, ActuatorError, Outcome, Plan, RestartSettings
+from vkvagent.dropin import DropinFile
+from vkvagent.flags import FlagError
 from vkvagent.gpu import (
     GpuReader,
     GpuReading,
@@ -21,8 +25,12 @@ from vkvagent.gpu import (
     reader_for,
     record,
 )
+from vkvagent.ledger import Ledger, LedgerError
 from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
+from vkvagent.systemd import Systemd, SystemdError
 from vkvagent.vllm import ScrapeError, VllmClient
+
+SYSTEMD_UNIT_DIR = Path("/etc/systemd/system")
 
 
 class ExitCode(IntEnum):
@@ -57,7 +65,16 @@ def main(
     command: Callable[[argparse.Namespace, TextIO], int] = args.command
     try:
         return command(args, out)
-    except (CommandError, config.ConfigError, ScrapeError, ExpositionError) as exc:
+    except (
+        CommandError,
+        config.ConfigError,
+        ScrapeError,
+        ExpositionError,
+        ActuatorError,
+        SystemdError,
+        LedgerError,
+        FlagError,
+    ) as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"vkvagent: {line}", file=err)
         return ExitCode.FAILURE
@@ -113,6 +130,41 @@ def _parser() -> argparse.ArgumentParser:
     _config_option(gpu)
     gpu.set_defaults(command=_gpu)
 
+    plan = commands.add_parser(
+        "plan", help="show the command line [vllm.flags] would give vLLM, before and after"
+    )
+    _config_option(plan)
+    plan.set_defaults(command=_plan)
+
+    apply = commands.add_parser(
+        "apply", help="apply [vllm.flags] now: drop-in, restart, attest; rolled back on failure"
+    )
+    apply.add_argument(
+        "--now",
+        action="store_true",
+        required=True,
+        help="apply immediately (required: restart windows come with the policy)",
+    )
+    _action_options(apply)
+    apply.set_defaults(command=_apply)
+
+    restart = commands.add_parser("restart", help="restart vLLM through the safe path")
+    _action_options(restart)
+    restart.set_defaults(command=_restart)
+
+    rollback = commands.add_parser(
+        "rollback", help="put back the drop-in vkvagent replaced last, and restart"
+    )
+    rollback.add_argument("--reason", default="manual rollback")
+    _config_option(rollback)
+    rollback.set_defaults(command=_rollback)
+
+    adopt = commands.add_parser(
+        "adopt", help="accept the unit's current command line (someone's manual edits included)"
+    )
+    _config_option(adopt)
+    adopt.set_defaults(command=_adopt)
+
     config_cmd = commands.add_parser("config", help="configuration")
     config_sub = config_cmd.add_subparsers(metavar="ACTION")
     check = config_sub.add_parser(
@@ -142,6 +194,14 @@ def _usage(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace, Tex
         return ExitCode.USAGE
 
     return show
+
+
+def _action_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--reason", default="manual", help="recorded in the ledger and events")
+    parser.add_argument(
+        "--no-drain", action="store_true", help="do not wait for requests in flight to finish"
+    )
+    _config_option(parser)
 
 
 def _config_option(parser: argparse.ArgumentParser) -> None:
@@ -235,6 +295,116 @@ def _gpu(args: argparse.Namespace, out: TextIO) -> int:
     else:
         out.write(describe_gpus(readings, problem))
     return ExitCode.FAILURE if problem and not readings else ExitCode.OK
+
+
+def _actuator(settings: config.Config, err: TextIO) -> Actuator:
+    state_dir = Path(settings.agent.state_dir)
+    last = [""]
+
+    def progress(message: str) -> None:
+        if message != last[0]:
+            print(f"vkvagent: {message}", file=err, flush=True)
+            last[0] = message
+
+    restart = settings.restart
+    return Actuator(
+        unit=settings.vllm.unit,
+        systemd=Systemd(),
+        ledger=Ledger(state_dir),
+        dropin=DropinFile(settings.vllm.unit, SYSTEMD_UNIT_DIR, state_dir / "dropins"),
+        probe=VllmClient.from_config(settings.vllm),
+        state_dir=state_dir,
+        settings=RestartSettings(
+            drain_max_in_flight=restart.drain_max_in_flight,
+            drain_timeout=restart.drain_timeout,
+            job_timeout=restart.job_timeout,
+            ready_timeout=restart.ready_timeout,
+        ),
+        progress=progress,
+    )
+
+
+def _recovered(actuator: Actuator, out: TextIO) -> None:
+    """Finish or undo what an interrupted vkvagent left, before anything new."""
+    outcome = actuator.recover()
+    if outcome is not None:
+        print(
+            f"recovered action {outcome.action_id}: {outcome.message} ({outcome.result})", file=out
+        )
+
+
+def _report(outcome: Outcome, out: TextIO) -> int:
+    timing = f"{outcome.seconds:.1f} s"
+    if outcome.service_seconds is not None:
+        overhead = outcome.seconds - outcome.service_seconds
+        timing += f"; vLLM's own start {outcome.service_seconds:.1f} s, vkvagent's {overhead:.2f} s"
+    line = f"{outcome.result}: {outcome.message} (action {outcome.action_id}, {timing})"
+    if outcome.result == "done":
+        print(line, file=out)
+        return ExitCode.OK
+    print(f"vkvagent: {line}", file=sys.stderr)  # a failure, reported as every other one is
+    return ExitCode.FAILURE
+
+
+def _plan_for(actuator: Actuator, settings: config.Config) -> Plan:
+    version = actuator.probe.version() or settings.vllm.version or None
+    return actuator.plan(settings.vllm.flags, version)
+
+
+def _plan(args: argparse.Namespace, out: TextIO) -> int:
+    settings = config.load(args.config)
+    actuator = _actuator(settings, sys.stderr)
+    plan = _plan_for(actuator, settings)
+    print(f"unit:   {plan.unit}", file=out)
+    print(f"before: {shlex.join(plan.before)}", file=out)
+    print(f"after:  {shlex.join(plan.after)}", file=out)
+    if not plan.flags:
+        print("no [vllm.flags] configured: nothing to change", file=out)
+    elif not plan.changed:
+        print("the unit already runs with these flags", file=out)
+    attestable = ", ".join(plan.attestable) or "none"
+    unproven = ", ".join(f for f in plan.flags if f not in plan.attestable) or "none"
+    print(
+        f"proven after the restart by cache_config_info: {attestable}; "
+        f"by the process's command line only: {unproven}",
+        file=out,
+    )
+    return ExitCode.OK
+
+
+def _apply(args: argparse.Namespace, out: TextIO) -> int:
+    settings = config.load(args.config)
+    actuator = _actuator(settings, sys.stderr)
+    with actuator.exclusive():
+        _recovered(actuator, out)
+        plan = _plan_for(actuator, settings)
+        if not plan.changed:
+            print("nothing to apply: the unit already runs with these flags", file=out)
+            return ExitCode.OK
+        return _report(actuator.restart(args.reason, plan=plan, drain=not args.no_drain), out)
+
+
+def _restart(args: argparse.Namespace, out: TextIO) -> int:
+    actuator = _actuator(config.load(args.config), sys.stderr)
+    with actuator.exclusive():
+        _recovered(actuator, out)
+        return _report(actuator.restart(args.reason, drain=not args.no_drain), out)
+
+
+def _rollback(args: argparse.Namespace, out: TextIO) -> int:
+    actuator = _actuator(config.load(args.config), sys.stderr)
+    with actuator.exclusive():
+        _recovered(actuator, out)
+        return _report(actuator.rollback(args.reason), out)
+
+
+def _adopt(args: argparse.Namespace, out: TextIO) -> int:
+    actuator = _actuator(config.load(args.config), sys.stderr)
+    with actuator.exclusive():
+        _recovered(actuator, out)
+        plan = actuator.adopt()
+    print(f"adopted {plan.unit}'s command line: {shlex.join(plan.after)}", file=out)
+    return ExitCode.OK
 
 
 # -- human-readable output ---------------------------------------------------------------------

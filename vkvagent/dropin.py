@@ -32,10 +32,13 @@ ExecStart text byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Union
 
 HEADER = "# Managed by vkvagent. Do not edit: vkvagent adopt takes over manual changes."
@@ -304,6 +307,16 @@ def parse_dropin(text: str) -> ParsedDropin:
 def is_foreign_edit(text: str) -> bool:
     """Whether the drop-in is not exactly as vkvagent wrote it (edited, or never vkvagent's)."""
     return parse_dropin(text).foreign_edit
+
+
+def other_settings(text: str) -> list[str]:
+    """The ``Section.Key`` of every assignment besides ``[Service] ExecStart=`` (what a
+    re-rendered vkvagent drop-in would drop)."""
+    return [
+        f"{section}.{key}"
+        for section, key, _value in _assignments(text)
+        if (section, key) != ("Service", "ExecStart")
+    ]
 
 
 def _assignments(text: str) -> list[tuple[str, str, str]]:
@@ -630,3 +643,111 @@ def _replace_env(word: str, environ: Mapping[str, str]) -> str:
             out.append("$")
             i += 1
     return "".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# The file on disk
+
+DROPIN_NAME = "90-vkvagent.conf"
+KEEP = 20  # earlier versions kept for rollback
+_ABSENT = "absent"  # a kept entry that records "there was no drop-in"
+
+
+class DropinFile:
+    """vkvagent's drop-in for one unit, written so that no reader ever sees half of it.
+
+    A new version goes to a temporary file in the same directory (a name systemd does not
+    load), is fsynced, renamed over the old one, and the directory is fsynced. What it replaces
+    (a version, or the absence of one) is pushed on a stack in ``keep_dir`` (not in the ``.d``
+    directory, where systemd would load it); ``previous()`` is its top and ``restore()`` pops
+    it, so an undo or a rollback goes back exactly one change, and never to a version that was
+    itself undone."""
+
+    def __init__(self, unit: str, unit_dir: Path, keep_dir: Path) -> None:
+        self.path = unit_dir / f"{unit}.d" / DROPIN_NAME
+        self.keep_dir = keep_dir
+
+    def read(self) -> str | None:
+        try:
+            return self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+
+    def write(self, text: str, *, keep: bool = True) -> None:
+        """Put ``text`` in place; with ``keep``, push what it replaces."""
+        if keep:
+            self._keep(self.read())
+        self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        _write_atomically(self.path, text, 0o644)
+
+    def remove(self, *, keep: bool = True) -> None:
+        current = self.read()
+        if current is not None:
+            if keep:
+                self._keep(current)
+            self.path.unlink()
+            _fsync_dir(self.path.parent)
+
+    def has_previous(self) -> bool:
+        """Whether a change of vkvagent's can be undone (``previous()`` is meaningful)."""
+        return bool(self._kept())
+
+    def previous(self) -> str | None:
+        """The version the current one replaced; None when there was none."""
+        kept = self._kept()
+        return _entry(kept[-1]) if kept else None
+
+    def restore(self, text: str | None) -> None:
+        """Undo: put ``text`` back (None: no drop-in) without pushing what it replaces, and pop
+        the kept entry it came from. Doing it again after an interruption is harmless."""
+        if text is None:
+            self.remove(keep=False)
+        else:
+            self.write(text, keep=False)
+        kept = self._kept()
+        if kept and _entry(kept[-1]) == text:
+            kept[-1].unlink()
+
+    def _keep(self, text: str | None) -> None:
+        self.keep_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+        kept = self._kept()
+        number = int(kept[-1].name.split("-", 1)[0]) + 1 if kept else 1
+        tag = _ABSENT if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+        _write_atomically(self.keep_dir / f"{number:06d}-{tag}.conf", text or "", 0o640)
+        for old in self._kept()[:-KEEP]:
+            old.unlink()
+
+    def _kept(self) -> list[Path]:
+        if not self.keep_dir.is_dir():
+            return []
+        return sorted(self.keep_dir.glob("[0-9]*-*.conf"))
+
+
+def _entry(path: Path) -> str | None:
+    if path.name.endswith(f"-{_ABSENT}.conf"):
+        return None
+    return path.read_text(encoding="utf-8")
+
+
+def _write_atomically(path: Path, text: str, mode: int) -> None:
+    """Write ``path`` through a fsynced temporary file renamed over it: a crash leaves the old
+    version or the new one, never a part (the temporary's name is one systemd does not load)."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.chmod(temporary, mode)
+    os.replace(temporary, path)
+    _fsync_dir(path.parent)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a killed writer
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

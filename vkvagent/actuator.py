@@ -1,0 +1,713 @@
+"""The one path for every restart and flag change: preflight, drain, drop-in and reload,
+restart, wait until ready, attest, and roll back a flag change that broke or did not take.
+
+Each step is written to the ledger before and after it runs, so ``recover()`` can finish or
+undo whatever a crash interrupted: a drop-in written but not yet in effect is restored; a
+restart already requested is never requested twice.
+
+Only one vkvagent acts on a unit at a time (``exclusive()``): a second one would take the
+first's open action for an interrupted one and undo it mid-way.
+
+``VKVAGENT_KILL_AT=<step>`` makes the process SIGKILL itself when that step begins: the fault
+injection the reliability tests use to prove the above. It does nothing unless set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vkvagent import flags as vflags
+from vkvagent.dropin import (
+    DropinFile,
+    argv_hash,
+    is_foreign_edit,
+    other_settings,
+    parse_dropin,
+    render_dropin,
+    split_exec_start,
+)
+from vkvagent.ledger import Action, Ledger
+from vkvagent.metrics import VllmMetrics
+from vkvagent.systemd import TIMEOUT, Systemd, SystemdError, UnitState
+from vkvagent.vllm import ScrapeError, VllmClient
+
+STEPS = ("preflight", "drain", "write", "reload", "restart", "ready", "attest")
+
+
+class ActuatorError(Exception):
+    """The action was refused or failed; one line saying why and what to do."""
+
+
+class _JobRefused(ActuatorError):
+    """systemd refused the restart job (access denied, no such unit, no bus): nothing was
+    restarted."""
+
+
+@dataclass(frozen=True)
+class RestartSettings:
+    drain_max_in_flight: int = 0  # running + waiting requests allowed when the restart begins
+    drain_timeout: float = 120.0
+    job_timeout: float = 120.0  # for systemd's restart job
+    ready_timeout: float = 600.0  # real cold starts take minutes (weights, compile, graphs)
+    # Between two looks at the unit and /metrics while draining and waiting. Readiness is
+    # noticed up to two of these late (tokens must be seen to advance), time that would be
+    # counted as vLLM's own start: 1 s made a 0.3 s start look like 2.1 s.
+    poll_interval: float = 0.25
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a flag change would do: argv before and after, and which flags can be proven."""
+
+    unit: str
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    flags: dict[str, vflags.FlagValue]
+    attestable: tuple[str, ...]  # flags cache_config_info shows
+    changed: bool
+
+
+@dataclass(frozen=True)
+class Outcome:
+    action_id: int
+    result: str  # done | rolled-back | failed | aborted
+    message: str
+    seconds: float  # decision to ready (or to the end)
+    service_seconds: float | None  # restart job requested to service ready: vLLM's own start
+
+
+class Actuator:
+    """Acts on one unit. ``probe`` reads vLLM; ``proc`` is the /proc of the unit's processes
+    (the container's, in tests)."""
+
+    def __init__(
+        self,
+        *,
+        unit: str,
+        systemd: Systemd,
+        ledger: Ledger,
+        dropin: DropinFile,
+        probe: VllmClient,
+        state_dir: Path,
+        settings: RestartSettings = RestartSettings(),
+        proc: Path = Path("/proc"),
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        progress: Callable[[str], None] = lambda _message: None,
+    ) -> None:
+        self.unit, self.systemd, self.ledger, self.dropin = unit, systemd, ledger, dropin
+        self.probe, self.settings, self.proc = probe, settings, proc
+        self._state_dir = state_dir
+        self._base_file = state_dir / f"base-{unit}.json"
+        self._clock, self._wall, self._sleep, self._progress = clock, wall, sleep, progress
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def plan(self, wanted: Mapping[str, object], vllm_version: str | None) -> Plan:
+        state = self._unit()
+        current = _argv(state)
+        base = self._base(state)
+        values = vflags.validate(wanted, vllm_version)
+        after = tuple(vflags.apply_flags(base, values, vllm_version=vllm_version))
+        attestable = tuple(n for n in values if vflags.CATALOGUE[n].attest_label)
+        return Plan(self.unit, current, after, values, attestable, after != current)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the unit's lock while acting: refuses (ActuatorError) while another vkvagent
+        holds it. The kernel drops it when the process dies, so ``kill -9`` leaves none."""
+        path = self._state_dir / f"lock-{self.unit}"
+        try:
+            self._state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        except OSError as exc:
+            raise ActuatorError(f"{path}: cannot open the lock: {exc.strerror or exc}") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ActuatorError(
+                    f"another vkvagent is acting on {self.unit} now (it holds {path}); "
+                    "try again when it has finished"
+                ) from None
+            yield
+        finally:
+            os.close(fd)
+
+    # -- the procedure ----------------------------------------------------------------------
+
+    def restart(
+        self,
+        reason: str,
+        *,
+        plan: Plan | None = None,
+        drain: bool = True,
+    ) -> Outcome:
+        """Restart the unit, applying ``plan``'s command line first if it changes anything."""
+        started = self._clock()
+        change = plan is not None and plan.changed
+        detail: dict[str, Any] = {"previous_dropin": self.dropin.read()}
+        if change and plan is not None:
+            detail.update(intended=list(plan.after), flags=plan.flags)
+        action = self.ledger.begin("apply" if change else "restart", reason, self._wall(), detail)
+        try:
+            with self._step(action, "preflight"):
+                before = self._preflight(change)
+            if drain:
+                with self._step(action, "drain"):
+                    self._drain()
+            if change and plan is not None:
+                with self._step(action, "write"):
+                    self._write(plan.after, before)
+                with self._step(action, "reload"):
+                    self._reload()
+                    if _argv(self._unit()) != plan.after:
+                        raise ActuatorError(
+                            "after the reload systemd shows another command "
+                            "line: another drop-in overrides vkvagent's"
+                        )
+            requested = self._clock()
+            self._restart_step(action, before)
+            with self._step(action, "ready"):
+                after = self._wait_ready(before.invocation_id)
+            ready_at = self._clock()
+            if change and plan is not None:
+                with self._step(action, "attest"):
+                    self._attest(plan.after, plan.flags, after)
+        except ActuatorError as exc:
+            return self._fail(action, exc, change, started)
+        self.ledger.end(action, "done", self._wall())
+        return Outcome(
+            action,
+            "done",
+            "restarted" + (" with the new flags" if change else ""),
+            ready_at - started,
+            ready_at - requested,
+        )
+
+    def rollback(self, reason: str) -> Outcome:
+        """Undo vkvagent's last change to the drop-in (one level; again goes one further),
+        and restart with it."""
+        if not self.dropin.has_previous():
+            raise ActuatorError("nothing to roll back: vkvagent has not changed this unit")
+        text = self.dropin.read()
+        if text is not None and is_foreign_edit(text):  # someone's edit is not for us to drop
+            raise ActuatorError(_foreign(self.dropin.path))
+        previous = self.dropin.previous()
+        started = self._clock()
+        action = self.ledger.begin("rollback", reason, self._wall(), {"restored": previous})
+        try:
+            self._restore(action, previous, restart=True)
+        except ActuatorError as exc:
+            self.ledger.end(action, "failed", self._wall())
+            return Outcome(
+                action, "failed", f"rollback failed: {exc}", self._clock() - started, None
+            )
+        self.ledger.end(action, "done", self._wall())
+        return Outcome(
+            action, "done", "previous command line restored", self._clock() - started, None
+        )
+
+    def recover(self) -> Outcome | None:
+        """Finish or undo the action a crash interrupted; None when there is none.
+
+        A restart systemd already received is never requested again: it is waited for (and a
+        flag change attested, rolled back only if that fails). A drop-in written but not yet in
+        effect is restored, without a restart. Raises ActuatorError (the action then ends
+        "failed") when neither can be done."""
+        action = self.ledger.open_action()
+        if action is None:
+            return None
+        started = self._clock()
+        try:
+            result, message = self._recover(action)
+        except ActuatorError as exc:
+            self.ledger.end(action.id, "failed", self._wall())
+            raise ActuatorError(
+                f"the interrupted {action.kind} (action {action.id}) could not be completed "
+                f"or undone: {exc}"
+            ) from None
+        self.ledger.end(action.id, result, self._wall())
+        return Outcome(action.id, result, message, self._clock() - started, None)
+
+    def _recover(self, action: Action) -> tuple[str, str]:
+        detail = action.detail
+        if action.kind == "rollback":
+            restored = detail.get("restored")
+            self._finish_restore(action, restored, restart=True)
+            return "done", "interrupted rollback completed"
+        change = "intended" in detail
+        previous = detail.get("previous_dropin")
+        if action.reached("restore"):  # undoing a failed change was under way: finish it
+            undo_from = _index(action, "restore")
+            restart = any(s.step == "restart" for s in action.steps[:undo_from])
+            self._finish_restore(action, previous, restart=restart)
+            return "rolled-back", "interrupted rollback of a failed flag change completed"
+        if action.finished("attest") or (not change and action.finished("ready")):
+            return "done", "interrupted action had completed"
+        if self._restart_requested(action, 0):
+            # systemd has it: never request it again. Wait for it; prove a flag change.
+            try:
+                with self._step(action.id, "ready"):
+                    metrics = self._wait_ready(_restart_note(action))
+                if change:
+                    with self._step(action.id, "attest"):
+                        self._attest(tuple(detail["intended"]), detail["flags"], metrics)
+            except ActuatorError as exc:
+                if not change:
+                    raise
+                self._restore(action.id, previous, restart=True)
+                return "rolled-back", f"interrupted flag change failed: {exc}; undone"
+            if change:
+                return "done", "interrupted flag change completed: the new flags are in effect"
+            return "done", "interrupted restart completed"
+        if change and action.reached("write"):
+            # Written, maybe loaded, not running: put the drop-in back; nothing to restart.
+            self._restore(action.id, previous, restart=False)
+            return "rolled-back", "interrupted flag change undone before it took effect"
+        return "aborted", "interrupted before anything changed"
+
+    def _finish_restore(self, action: Action, text: str | None, *, restart: bool) -> None:
+        """Complete an undo that an interruption cut short, from where it was."""
+        undo_from = _index(action, "restore")
+        if undo_from is None or not action.finished("restore"):
+            with self._step(action.id, "restore"):
+                self._put_back(text)
+        if not restart:
+            return
+        if self._restart_requested(action, undo_from or 0):
+            with self._step(action.id, "ready"):
+                self._wait_ready(_restart_note(action))
+        else:
+            before = self._unit()
+            self._restart_step(action.id, before)
+            with self._step(action.id, "ready"):
+                self._wait_ready(before.invocation_id)
+
+    def adopt(self) -> Plan:
+        """Take the unit's current command line, including someone's manual edits, as the base
+        that managed flags are applied to."""
+        text = self.dropin.read()
+        if text is not None:
+            extra = other_settings(text)
+            if extra:  # a re-signed vkvagent drop-in carries ExecStart= only
+                raise ActuatorError(
+                    f"{self.dropin.path} also sets {', '.join(extra)}: move that to another "
+                    f"drop-in in {self.dropin.path.parent}, then run `vkvagent adopt` again"
+                )
+            self._reload()  # an edit not yet reloaded is what is adopted, not the old line
+        state = self._unit()
+        current = _argv(state)
+        own = _fragment_argv(state)
+        self._save_base(current, own=own)
+        if text is not None:  # re-sign it, so it is vkvagent's again
+            try:
+                self.dropin.write(
+                    render_dropin(
+                        self.unit,
+                        current,
+                        source_hash=argv_hash(own or current),
+                        escape_dollar=False,
+                    ),
+                    keep=False,  # the same command line: nothing for a rollback to go back to
+                )
+            except OSError as exc:
+                raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
+            self._reload()
+        return Plan(self.unit, current, current, {}, (), False)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _preflight(self, change: bool) -> UnitState:
+        state = self._unit()
+        if state.load_state != "loaded":
+            raise ActuatorError(f"{self.unit} is {state.load_state}")
+        if state.active_state != "active":
+            raise ActuatorError(
+                f"{self.unit} is {state.active_state} ({state.sub_state}); "
+                "systemd's Restart= handles a unit that is down"
+            )
+        if change:
+            self._check_access()
+        self._check_foreign(state)
+        self._check_start_limit(state, 2 if change else 1)
+        return state
+
+    def _check_access(self) -> None:
+        """Before anything is drained or written: can this process write the drop-in?"""
+        directory = self.dropin.path.parent
+        while not directory.exists() and directory != directory.parent:
+            directory = directory.parent
+        targets = [directory] + ([self.dropin.path] if self.dropin.path.exists() else [])
+        for target in targets:
+            if not os.access(target, os.W_OK):
+                raise ActuatorError(
+                    f"access denied: cannot write {self.dropin.path} "
+                    f"(changing {self.unit}'s flags needs root)"
+                )
+
+    def _check_foreign(self, state: UnitState) -> None:
+        text = self.dropin.read()
+        if text is not None and is_foreign_edit(text):
+            raise ActuatorError(_foreign(self.dropin.path))
+        base = self._stored_base()
+        if base is not None and text is not None:
+            own = _fragment_argv(state)
+            if own is not None and argv_hash(own) != base["own_hash"]:
+                raise ActuatorError(
+                    f"{state.fragment_path} changed since vkvagent derived its "
+                    "command line (run `vkvagent adopt`)"
+                )
+
+    def _check_start_limit(self, state: UnitState, need: int) -> None:
+        """Refuse when ``need`` more starts (two for a flag change: its own and a rollback's)
+        could exceed the unit's start limit, which would leave it failed (start-limit-hit).
+
+        systemd does not publish its count, so it is estimated: every restart vkvagent began
+        within StartLimitIntervalSec, the start of the process the first of them replaced, and
+        the running process's start when it is not one of vkvagent's. Other starts by others
+        (systemctl, Restart=) before the running one are not seen."""
+        if state.start_limit_burst <= 0 or state.start_limit_interval_usec <= 0:
+            return
+        window = state.start_limit_interval_usec / 1e6
+        since = self._wall() - window
+        ours: list[tuple[float, float]] = []  # (begun, ended) of each restart step
+        for action in self.ledger.actions(where=f"ended IS NULL OR ended >= {since!r}", limit=1000):
+            begun: float | None = None
+            for step in action.steps:
+                if step.step != "restart":
+                    continue
+                if step.state == "begin":
+                    begun = step.at
+                    if begun >= since:
+                        ours.append((begun, begun + self.settings.job_timeout))
+                elif begun is not None and begun >= since:
+                    ours[-1] = (begun, step.at)
+        running = state.exec_main_start_timestamp / 1e6
+        own_start = any(begun - 1 <= running <= ended + 1 for begun, ended in ours)
+        others = (1 if ours else 0) + (1 if running >= since and not own_start else 0)
+        starts = len(ours) + others
+        if starts + need > state.start_limit_burst:
+            raise ActuatorError(
+                f"{self.unit} was started about {starts} times in the last {window:g} s; "
+                f"{need} more (a {'flag change and its rollback' if need > 1 else 'restart'}) "
+                f"could exceed its StartLimitBurst={state.start_limit_burst} "
+                f"(StartLimitIntervalSec={window:g}) and leave it failed: try again later"
+            )
+
+    def _drain(self) -> None:
+        deadline = self._clock() + self.settings.drain_timeout
+        while True:
+            metrics = self._scrape()
+            in_flight = _in_flight(metrics)
+            if in_flight is None or in_flight <= self.settings.drain_max_in_flight:
+                return
+            if self._clock() >= deadline:
+                raise ActuatorError(
+                    f"still {in_flight:.0f} requests in flight after "
+                    f"{self.settings.drain_timeout:g} s (use --no-drain)"
+                )
+            self._progress(f"draining: {in_flight:.0f} requests in flight")
+            self._sleep(self.settings.poll_interval)
+
+    def _write(self, argv: tuple[str, ...], state: UnitState) -> None:
+        if self._stored_base() is None or self.dropin.read() is None:
+            # No drop-in of vkvagent's: the unit's command line as it is now is the base.
+            self._save_base(_argv(state), own=_fragment_argv(state))
+        base = self._stored_base()
+        assert base is not None
+        try:
+            self.dropin.write(
+                render_dropin(self.unit, argv, source_hash=base["own_hash"], escape_dollar=False)
+            )
+        except OSError as exc:
+            raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
+
+    def _reload(self) -> None:
+        try:
+            self.systemd.reload()
+        except SystemdError as exc:
+            raise ActuatorError(str(exc)) from None
+
+    def _restart_step(self, action: int, before: UnitState) -> None:
+        # The note is the invocation being replaced: recover() compares it with the unit's to
+        # tell a restart systemd received from one that was only about to be requested.
+        with self._step(action, "restart", note=before.invocation_id):
+            self._restart_job()
+
+    def _restart_job(self) -> None:
+        try:
+            result = self.systemd.restart(self.unit, timeout=self.settings.job_timeout)
+        except SystemdError as exc:
+            if exc.reason == TIMEOUT:  # the job goes on
+                raise ActuatorError(str(exc)) from None
+            raise _JobRefused(str(exc)) from None
+        if result != "done":
+            raise ActuatorError(f"systemd's restart job for {self.unit} ended '{result}'")
+
+    def _restart_requested(self, action: Action, start: int) -> bool:
+        """Whether the last restart step begun at or after ``start`` reached systemd."""
+        begun = [
+            i
+            for i, s in enumerate(action.steps)
+            if i >= start and s.step == "restart" and s.state == "begin"
+        ]
+        if not begun:
+            return False
+        note = action.steps[begun[-1]].note
+        if any(s.step == "restart" and s.state == "done" for s in action.steps[begun[-1] :]):
+            return True
+        state = self._unit()
+        return not note or state.invocation_id != note or state.active_state != "active"
+
+    def _wait_ready(self, replaced: str | None) -> VllmMetrics:
+        """Until /metrics answers from a process newer than invocation ``replaced`` (None: any)
+        and, with traffic, tokens advance."""
+        deadline = self._clock() + self.settings.ready_timeout
+        last: VllmMetrics | None = None
+        problem = "not started"
+        while self._clock() < deadline:
+            state = self._unit()
+            if state.active_state == "failed" or (
+                state.active_state == "inactive" and state.sub_state == "dead"
+            ):
+                raise ActuatorError(
+                    f"{self.unit} {state.active_state} ({state.sub_state}, {state.result}) "
+                    "after the restart"
+                )
+            # The new process died and Restart= starts it again (NRestarts counts those since
+            # the last start that was asked for): waiting on would only spend the start limit
+            # a rollback needs.
+            if state.sub_state == "auto-restart" or (replaced is not None and state.n_restarts):
+                raise ActuatorError(
+                    f"{self.unit} exited and Restart= is starting it again ({state.result})"
+                )
+            fresh = replaced is None or state.invocation_id != replaced
+            if fresh and state.active_state == "active":
+                try:
+                    metrics = self.probe.scrape()
+                except ScrapeError as exc:
+                    problem = str(exc)
+                else:
+                    busy = (metrics.num_requests_running or 0) > 0
+                    if not busy or (last is not None and _advanced(last, metrics)):
+                        return metrics
+                    last, problem = metrics, "requests running, tokens not advancing yet"
+            self._progress(f"waiting for {self.unit}: {problem}")
+            self._sleep(self.settings.poll_interval)
+        raise ActuatorError(
+            f"{self.unit} not ready within {self.settings.ready_timeout:g} s: {problem}"
+        )
+
+    def _attest(
+        self,
+        argv: tuple[str, ...],
+        flags: Mapping[str, vflags.FlagValue],
+        metrics: VllmMetrics,
+    ) -> None:
+        state = self._unit()
+        running = _cmdline(self.proc, state.main_pid)
+        if running is not None and not _same_command(running, argv):
+            raise ActuatorError(
+                f"the running process's command line is not the one written: "
+                f"{' '.join(running)[:200]}"
+            )
+        for name, value in flags.items():
+            spec = vflags.CATALOGUE[name]
+            if spec.attested(value, metrics.cache_config) is False:
+                raise ActuatorError(
+                    f"--{name} is not in effect: cache_config_info shows "
+                    f"{spec.attest_label}={metrics.cache_config.get(spec.attest_label or '')}"
+                )
+
+    def _restore(self, action: int, previous: str | None, *, restart: bool) -> None:
+        with self._step(action, "restore"):
+            self._put_back(previous)
+        if restart:
+            before = self._unit()
+            self._restart_step(action, before)
+            with self._step(action, "ready"):
+                self._wait_ready(before.invocation_id)
+
+    def _put_back(self, previous: str | None) -> None:
+        try:
+            self.dropin.restore(previous)
+        except OSError as exc:
+            raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
+        self._reload()
+
+    def _fail(self, action: int, error: ActuatorError, change: bool, started: float) -> Outcome:
+        message = str(error)
+        progress = self.ledger.actions(where=f"id = {int(action)}", limit=1)[0]
+        previous = progress.detail.get("previous_dropin")
+        restarted = progress.reached("restart") and not isinstance(error, _JobRefused)
+        # A write that failed before changing the file leaves nothing to undo.
+        wrote = progress.reached("write") and (
+            progress.reached("reload") or self.dropin.read() != previous
+        )
+        if change and wrote:
+            try:
+                self._restore(action, previous, restart=restarted)
+            except ActuatorError as exc:
+                self.ledger.end(action, "failed", self._wall())
+                return Outcome(
+                    action,
+                    "failed",
+                    f"{message}; the rollback failed too: {exc}",
+                    self._clock() - started,
+                    None,
+                )
+            self.ledger.end(action, "rolled-back", self._wall())
+            return Outcome(
+                action,
+                "rolled-back",
+                f"{message}; previous command line restored",
+                self._clock() - started,
+                None,
+            )
+        result = "failed" if restarted else "aborted"
+        self.ledger.end(action, result, self._wall())
+        return Outcome(action, result, message, self._clock() - started, None)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    class _StepContext:
+        def __init__(self, actuator: Actuator, action: int, step: str, note: str) -> None:
+            self.actuator, self.action, self.step, self.note = actuator, action, step, note
+
+        def __enter__(self) -> None:
+            a = self.actuator
+            a.ledger.step(self.action, self.step, "begin", a._wall(), self.note)
+            if os.environ.get("VKVAGENT_KILL_AT") == self.step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def __exit__(self, kind: object, exc: object, _tb: object) -> None:
+            a = self.actuator
+            state = "done" if kind is None else "failed"
+            a.ledger.step(self.action, self.step, state, a._wall(), "" if exc is None else str(exc))
+
+    def _step(self, action: int, step: str, note: str = "") -> Actuator._StepContext:
+        return Actuator._StepContext(self, action, step, note)
+
+    def _unit(self) -> UnitState:
+        try:
+            return self.systemd.unit(self.unit)
+        except SystemdError as exc:
+            raise ActuatorError(str(exc)) from None
+
+    def _scrape(self) -> VllmMetrics | None:
+        try:
+            return self.probe.scrape()
+        except ScrapeError:
+            return None
+
+    def _base(self, state: UnitState) -> tuple[str, ...]:
+        """The command line flags are applied to: the one vkvagent derived its drop-in from
+        while that drop-in is in place, else the unit's as it is now (the unit file may have
+        been edited since a rollback removed the drop-in)."""
+        stored = self._stored_base()
+        if stored is None or self.dropin.read() is None:
+            return _argv(state)
+        return tuple(stored["argv"])
+
+    def _stored_base(self) -> dict[str, Any] | None:
+        try:
+            loaded: dict[str, Any] = json.loads(self._base_file.read_text(encoding="utf-8"))
+            return loaded
+        except (OSError, ValueError):
+            return None
+
+    def _save_base(self, argv: tuple[str, ...], own: tuple[str, ...] | None = None) -> None:
+        record = {"argv": list(argv), "own_hash": argv_hash(own or argv)}
+        temporary = self._base_file.with_name(self._base_file.name + ".tmp")
+        try:
+            temporary.write_text(json.dumps(record), encoding="utf-8")
+            os.replace(temporary, self._base_file)
+        except OSError as exc:
+            raise ActuatorError(_write_problem(self._base_file, exc)) from None
+
+
+def _index(action: Action, step: str) -> int | None:
+    """Where ``step`` was first begun in ``action``'s steps."""
+    return next((i for i, s in enumerate(action.steps) if s.step == step), None)
+
+
+def _restart_note(action: Action) -> str | None:
+    """The invocation the last restart step replaced (its note), None if unrecorded."""
+    notes = [s.note for s in action.steps if s.step == "restart" and s.state == "begin"]
+    return notes[-1] if notes and notes[-1] else None
+
+
+def _foreign(path: Path) -> str:
+    return (
+        f"{path} was edited by someone else; vkvagent will not overwrite it "
+        "(run `vkvagent adopt` to take it over)"
+    )
+
+
+def _write_problem(path: Path, exc: OSError) -> str:
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, PermissionError):
+        return f"access denied: cannot write {path}: {reason}"
+    return f"cannot write {path}: {reason}"
+
+
+def _argv(state: UnitState) -> tuple[str, ...]:
+    if not state.exec_start:
+        raise ActuatorError(f"{state.name} has no ExecStart")
+    return tuple(state.exec_start[-1].argv)
+
+
+def _fragment_argv(state: UnitState) -> tuple[str, ...] | None:
+    """The unit file's own ExecStart, whatever drop-ins say."""
+    try:
+        text = Path(state.fragment_path).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    exec_start = parse_dropin(text).exec_start  # a unit file reads like a drop-in
+    if exec_start is None:
+        return None
+    commands = split_exec_start(exec_start, strict=False)
+    return tuple(commands[-1].argv) if commands else None
+
+
+def _in_flight(metrics: VllmMetrics | None) -> float | None:
+    if metrics is None or metrics.num_requests_running is None:
+        return None
+    return metrics.num_requests_running + (metrics.num_requests_waiting or 0)
+
+
+def _advanced(before: VllmMetrics, after: VllmMetrics) -> bool:
+    pairs = (
+        (before.generation_tokens_total, after.generation_tokens_total),
+        (before.engine_steps_total, after.engine_steps_total),
+    )
+    return any(old is not None and new is not None and new > old for old, new in pairs)
+
+
+def _cmdline(proc: Path, pid: int) -> tuple[str, ...] | None:
+    if pid <= 0:
+        return None
+    try:
+        raw = (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
+    return tuple(part.decode("utf-8", "surrogateescape") for part in raw.split(b"\0")[:-1])
+
+
+def _same_command(running: tuple[str, ...], intended: tuple[str, ...]) -> bool:
+    """The process's argv against the written one; arguments with ``$`` are expanded by
+    systemd from the environment, so only their position is compared."""
+    if len(running) != len(intended):
+        return False
+    return all("$" in want or got == want for got, want in zip(running, intended))

@@ -1,0 +1,181 @@
+"""The restart ledger: every restart and flag change, step by step, committed as it happens.
+
+Each action (a restart, a flag change, a rollback) is one row; each step it takes is recorded
+before it is attempted and again when it is done. After a crash or ``kill -9`` the next start
+finds the open action and its last step, and the actuator completes or undoes it
+(``Actuator.recover``). Kept in its own SQLite file beside the history: samples expire, the
+ledger does not.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FILE_NAME = "ledger.sqlite3"
+_SCHEMA = (
+    """CREATE TABLE actions (
+        id INTEGER PRIMARY KEY,
+        kind TEXT NOT NULL,           -- restart | apply | rollback
+        reason TEXT NOT NULL,
+        started REAL NOT NULL,        -- UTC Unix seconds
+        ended REAL,
+        outcome TEXT,                 -- NULL while open; done | rolled-back | failed | aborted
+        detail TEXT NOT NULL          -- JSON: intended argv, previous drop-in, ...
+    )""",
+    """CREATE TABLE steps (
+        action_id INTEGER NOT NULL REFERENCES actions (id),
+        at REAL NOT NULL,
+        step TEXT NOT NULL,
+        state TEXT NOT NULL,          -- begin | done | failed
+        note TEXT NOT NULL DEFAULT ''
+    )""",
+    "CREATE INDEX steps_action ON steps (action_id)",
+)
+
+
+class LedgerError(Exception):
+    """The ledger cannot be opened or written; one line naming the file."""
+
+
+@dataclass(frozen=True)
+class Step:
+    at: float
+    step: str
+    state: str
+    note: str
+
+
+@dataclass(frozen=True)
+class Action:
+    id: int
+    kind: str
+    reason: str
+    started: float
+    ended: float | None
+    outcome: str | None
+    detail: dict[str, Any]
+    steps: tuple[Step, ...]
+
+    @property
+    def open(self) -> bool:
+        return self.outcome is None
+
+    @property
+    def last_step(self) -> Step | None:
+        return self.steps[-1] if self.steps else None
+
+    def reached(self, step: str) -> bool:
+        """Whether ``step`` was begun (it may or may not have finished)."""
+        return any(s.step == step for s in self.steps)
+
+    def finished(self, step: str) -> bool:
+        return any(s.step == step and s.state == "done" for s in self.steps)
+
+
+class Ledger:
+    def __init__(self, state_dir: str | Path) -> None:
+        self.path = Path(state_dir) / FILE_NAME
+        try:
+            self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), timeout=5.0, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = FULL")  # an action must survive a power cut
+            with self._transaction():
+                if self._db.execute("PRAGMA user_version").fetchone()[0] == 0:
+                    for statement in _SCHEMA:
+                        self._db.execute(statement)
+                    self._db.execute("PRAGMA user_version = 1")
+        except (sqlite3.Error, OSError) as exc:
+            raise LedgerError(f"{self.path}: cannot open: {exc}") from None
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def begin(self, kind: str, reason: str, now: float, detail: dict[str, Any]) -> int:
+        with self._transaction():
+            cursor = self._db.execute(
+                "INSERT INTO actions (kind, reason, started, detail) VALUES (?, ?, ?, ?)",
+                (kind, reason, now, json.dumps(detail, sort_keys=True)),
+            )
+            return int(cursor.lastrowid or 0)
+
+    def step(self, action_id: int, step: str, state: str, now: float, note: str = "") -> None:
+        with self._transaction():
+            self._db.execute(
+                "INSERT INTO steps (action_id, at, step, state, note) VALUES (?, ?, ?, ?, ?)",
+                (action_id, now, step, state, note),
+            )
+
+    def update_detail(self, action_id: int, detail: dict[str, Any]) -> None:
+        with self._transaction():
+            self._db.execute(
+                "UPDATE actions SET detail = ? WHERE id = ?",
+                (json.dumps(detail, sort_keys=True), action_id),
+            )
+
+    def end(self, action_id: int, outcome: str, now: float) -> None:
+        with self._transaction():
+            self._db.execute(
+                "UPDATE actions SET outcome = ?, ended = ? WHERE id = ? AND outcome IS NULL",
+                (outcome, now, action_id),
+            )
+
+    def open_action(self) -> Action | None:
+        """The action a crash interrupted, if any (at most one: actions run one at a time)."""
+        found = self.actions(where="outcome IS NULL", limit=1)
+        return found[0] if found else None
+
+    def recent(self, limit: int = 20) -> list[Action]:
+        return self.actions(limit=limit)
+
+    def actions(self, where: str = "1", limit: int = 20) -> list[Action]:
+        try:
+            rows = self._db.execute(
+                f"SELECT id, kind, reason, started, ended, outcome, detail FROM actions "
+                f"WHERE {where} ORDER BY id DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
+            out = []
+            for row in rows:
+                steps = tuple(
+                    Step(*s)
+                    for s in self._db.execute(
+                        "SELECT at, step, state, note FROM steps WHERE action_id = ? "
+                        "ORDER BY rowid",
+                        (row[0],),
+                    )
+                )
+                action_id, kind, reason, started, ended, outcome, detail = row
+                out.append(
+                    Action(
+                        action_id, kind, reason, started, ended, outcome, json.loads(detail), steps
+                    )
+                )
+            return out
+        except sqlite3.Error as exc:
+            raise LedgerError(f"{self.path}: cannot read: {exc}") from None
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise LedgerError(f"{self.path}: cannot write: {exc}") from None
