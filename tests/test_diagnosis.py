@@ -1,0 +1,386 @@
+"""Diagnosis names the cause with its numbers, holds symptoms with hysteresis, and vetoes
+restarts that cannot help."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from tests.conftest import metrics
+from vkvagent import flags
+from vkvagent.baseline import Capacity, Regime, WindowStats, compare
+from vkvagent.diagnosis import (
+    CAUSES,
+    FIXABLE,
+    GIB,
+    VETOED,
+    Diagnosis,
+    DiagnosisSettings,
+    DiagnosisState,
+    Hysteresis,
+    MemoryPoint,
+    Progress,
+    Situation,
+    diagnose,
+    kv_suggestion,
+    memory_growth,
+)
+from vkvagent.gpu import GpuReading
+
+S = DiagnosisSettings()
+HOLD = S.hold
+FRESH = {
+    "itl": 0.0225, "per_request": 48.0, "tokens_per_s": 5515.0, "generation_tokens_per_s": 845.0,
+    "requests_per_s": 4.04, "running": 17.6, "waiting": 0.0, "preemptions_per_s": 0.0,
+    "kv_usage": 0.45, "prompt_share": 0.847, "ttft_p50": 0.25,
+}  # fmt: skip
+BASE = Regime(10, {name: (value,) * 10 for name, value in FRESH.items()})
+CAPACITY = Capacity(requests_per_s=4.04, generation_tokens_per_s=845.0, running=17.6, regime=19)
+
+
+def window(**values: float | None) -> WindowStats:
+    base: dict[str, float | None] = dict(
+        seconds=300.0, running=17.6, waiting=0.0, kv_usage=0.45, tokens_per_s=5515.0,
+        generation_tokens_per_s=845.0, requests_per_s=4.04, arrivals_per_s=4.04,
+        preemptions_per_s=0.0, itl=0.0225, itl_p50=0.018, ttft_p50=0.25, prompt_share=0.847,
+        per_request=48.0,
+    )  # fmt: skip
+    base.update(values)
+    return WindowStats(**base)  # type: ignore[arg-type]
+
+
+SLOW = dict(itl=0.0225 / 0.68, per_request=48.0 * 0.68, running=25.9)
+
+
+def gpu(**values: Any) -> GpuReading:
+    base: dict[str, Any] = dict(
+        index=0, uuid="GPU-0", name="H100", memory_used_bytes=None, memory_total_bytes=None,
+        utilization_percent=98.0, temperature_c=66.0, power_w=600.0, power_limit_w=700.0,
+        sm_clock_mhz=1980.0, sm_clock_max_mhz=1980.0, clock_event_reasons=(),
+        ecc_uncorrected_volatile=0, xid_errors=(),
+    )  # fmt: skip
+    base.update(values)
+    return GpuReading(**base)
+
+
+HOT = gpu(clock_event_reasons=("sw_thermal_slowdown",), sm_clock_mhz=1155.0, temperature_c=91.0)
+
+
+def situation(stats: WindowStats | None = None, **extra: Any) -> Situation:
+    stats = window() if stats is None else stats
+    fields: dict[str, Any] = dict(
+        stats=stats,
+        comparison=compare(stats, 19, BASE),
+        regime="724-1024 generated tokens/s",
+        known="724-1024 generated tokens/s",
+        learning="",
+        capacity=CAPACITY,
+    )
+    fields.update(extra)
+    return Situation(**fields)
+
+
+def run(
+    steps: list[Situation], settings: DiagnosisSettings = S, every: float = 30.0
+) -> tuple[Diagnosis, DiagnosisState]:
+    """Diagnose a sequence of situations, ``every`` seconds apart; the last verdict."""
+    state = DiagnosisState()
+    result = None
+    for i, step in enumerate(steps):
+        result, state = diagnose(settings, state, step, 1_741_000_000.0 + i * every)
+    assert result is not None
+    return result, state
+
+
+def held(step: Situation, seconds: float = HOLD + 60) -> list[Situation]:
+    return [situation()] + [step] * int(seconds / 30 + 1)
+
+
+def test_the_cause_lists_split_into_fixable_and_vetoed() -> None:
+    fixable = {"uptime_decline", "kv_pressure", "kv_stranded", "stall", "host_memory_growth"}
+    assert fixable == FIXABLE
+    assert {"gpu_throttle", "gpu_fault", "load_shift"} == VETOED
+    assert set(CAUSES) == FIXABLE | VETOED | {"engine_down"}
+
+
+# -- hysteresis --------------------------------------------------------------------------------
+
+
+def test_a_symptom_becomes_active_only_after_the_hold_and_leaves_above_the_upper_line() -> None:
+    h = Hysteresis()
+    h = h.step(True, False, 0.0, hold=900.0)
+    assert not h.active and h.pending_since == 0.0
+    h = h.step(True, False, 899.0, hold=900.0)
+    assert not h.active
+    h = h.step(True, False, 900.0, hold=900.0)
+    assert h.active and h.active_since == 900.0 and h.held_for(960.0) == 960.0
+    assert h.step(False, False, 1000.0, hold=900.0) == h  # between the lines: still active
+    assert h.step(None, None, 1000.0, hold=900.0) == h  # no evidence: unchanged
+    assert h.step(False, True, 1000.0, hold=900.0) == Hysteresis()
+
+
+def test_noise_between_the_lines_neither_resets_nor_fires_the_clock() -> None:
+    h = Hysteresis().step(True, False, 0.0, hold=900.0)
+    h = h.step(False, False, 400.0, hold=900.0)  # 0.78: between enter 0.75 and leave 0.85
+    assert h.pending_since == 0.0 and not h.active
+    h = h.step(False, False, 950.0, hold=900.0)  # still between: it has not crossed again
+    assert not h.active
+    assert h.step(True, False, 960.0, hold=900.0).active
+    assert h.step(False, True, 960.0, hold=900.0) == Hysteresis()  # clearly back: reset
+
+
+def test_hysteresis_state_round_trips_through_json() -> None:
+    state = DiagnosisState(
+        speed=Hysteresis(True, 10.0, 910.0), kv=Hysteresis(False, 5.0, None),
+        progress=Progress(123.0), throttled_at=1.0, throttle_note="GPU 0 hot",
+        fault_at=2.0, fault_note="GPU 0 XID 79",
+    )  # fmt: skip
+    assert DiagnosisState.from_json(json.loads(json.dumps(state.to_json()))) == state
+
+
+# -- the stall clock ---------------------------------------------------------------------------
+
+
+def test_the_stall_clock_runs_while_work_is_pending_and_no_counter_moves() -> None:
+    busy = metrics(num_requests_running=4.0, generation_tokens_total=100.0,
+                   engine_steps_total=50.0)  # fmt: skip
+    moved = replace(busy, engine_steps_total=51.0)
+    p = Progress().observe(None, busy, 0.0)  # first sample: the clock starts, no accusation
+    assert p.since == 0.0
+    p = p.observe(busy, busy, 10.0)
+    assert p.stalled_for(busy, 130.0) == 130.0
+    assert p.observe(busy, moved, 140.0).since == 140.0  # one engine step is progress
+    idle = replace(busy, num_requests_running=0.0)
+    assert p.observe(busy, idle, 140.0).since == 140.0  # nothing to do is not a stall
+    assert p.stalled_for(idle, 500.0) == 0.0
+    queued = replace(busy, num_requests_running=0.0, num_requests_waiting=3.0)
+    assert p.stalled_for(queued, 130.0) == 130.0  # a queue nobody serves is a stall too
+    blind = metrics(num_requests_running=4.0)  # no counters at all: cannot tell
+    assert p.observe(blind, blind, 50.0).since == 50.0
+
+
+def test_a_stall_is_diagnosed_after_stall_after_seconds() -> None:
+    result, _ = run([situation(stalled_for=S.stall_after - 1)])
+    assert result.cause is None
+    result, _ = run([situation(stalled_for=S.stall_after)])
+    assert result.cause == "stall" and result.fixable
+    assert result.evidence["stalled_s"] == S.stall_after
+
+
+# -- speed -------------------------------------------------------------------------------------
+
+
+def test_a_held_slowdown_at_unchanged_load_and_mix_is_uptime_decline() -> None:
+    slow = situation(window(**SLOW))
+    early, state = run([situation(), *[slow] * 10])
+    assert early.cause is None and early.summary.startswith("watching: speed 0.68")
+    assert state.speed.pending_since is not None
+    result, state = run(held(slow))
+    assert result.cause == "uptime_decline" and result.fixable
+    assert state.speed.active
+    assert result.evidence["ratio"] == pytest.approx(0.68)
+    assert result.evidence["baseline_itl"] == FRESH["itl"]
+    assert "0.68 of this run's fresh baseline" in result.summary
+
+
+def test_a_throttled_gpu_vetoes_the_restart_and_says_so() -> None:
+    slow = situation(window(**SLOW), gpus=[(HOT,)])
+    result, _ = run(held(slow))
+    assert result.cause == "gpu_throttle" and result.vetoed
+    assert "sw_thermal_slowdown" in str(result.evidence["gpu_throttle"])
+    assert "1155/1980" in result.summary
+    # A throttled GPU whose clock is not really down (power cap at 97 %) is not the reason.
+    capped = gpu(clock_event_reasons=("sw_power_cap",), sm_clock_mhz=1920.0)
+    result, _ = run(held(situation(window(**SLOW), gpus=[(capped,)])))
+    assert result.cause == "uptime_decline"
+
+
+def test_throttling_seen_within_the_hold_still_explains_the_slowdown() -> None:
+    slow, hot = situation(window(**SLOW)), situation(window(**SLOW), gpus=[(HOT,)])
+    steps = [slow] * 5 + [hot] + [slow] * 25  # throttled once, 2.5 min into the slowdown
+    result, state = run(steps)
+    assert state.speed.active and result.cause == "gpu_throttle"
+    result, _ = run(steps + [slow] * 6)  # 15.5 min since the GPU was last seen throttled
+    assert result.cause == "uptime_decline"
+
+
+def test_a_changed_request_mix_is_load_shift_not_decline() -> None:
+    shifted = situation(window(**SLOW, prompt_share=0.6))
+    result, _ = run(held(shifted))
+    assert result.cause == "load_shift" and result.vetoed
+    assert "prompt share 0.60 against 0.85" in result.summary
+
+
+def test_queueing_beyond_the_fresh_capacity_is_load_shift() -> None:
+    busy = situation(window(**SLOW, waiting=12.0, arrivals_per_s=6.0))
+    result, _ = run(held(busy))
+    assert result.cause == "load_shift"
+    assert "6.00/s of demand" in result.summary
+
+
+def test_without_a_baseline_for_this_load_nothing_is_concluded() -> None:
+    unknown = situation(window(**SLOW), comparison=None, regime="2048-2896 generated tokens/s")
+    result, state = run(held(unknown))
+    assert result.cause is None
+    assert result.summary.startswith("unknown baseline: nothing learned at 2048-2896")
+    assert not state.speed.active
+    learning = replace(unknown, learning="warm-up: uptime 4 min, baseline from 12 min")
+    result, _ = run([learning])
+    assert result.summary == "learning: warm-up: uptime 4 min, baseline from 12 min"
+
+
+def test_healthy_and_watching_summaries_carry_the_ratio() -> None:
+    result, _ = run([situation()])
+    assert result.cause is None and result.summary.startswith("healthy: speed 1.00")
+    result, _ = run([situation(window(itl=0.0225 / 0.8, per_request=48 * 0.8))])
+    assert result.summary.startswith("watching: speed 0.80")
+    idle = situation(window(running=0.1), comparison=None, regime="idle")
+    assert run([idle])[0].summary.startswith("idle")
+    assert run([situation(stats=None, comparison=None)])[0].cause is None
+
+
+# -- KV ----------------------------------------------------------------------------------------
+
+KV_FULL = dict(kv_usage=0.96, preemptions_per_s=0.25, waiting=30.0, running=16.0)
+
+
+def test_kv_pressure_at_a_load_the_fresh_server_handled_is_fixable_with_a_suggestion() -> None:
+    pressed = situation(
+        window(**KV_FULL, requests_per_s=3.9, arrivals_per_s=3.9),
+        flags={"max-num-seqs": 256, "max-num-batched-tokens": 8192},
+        cache_config={"gpu_memory_utilization": "0.9"},
+    )
+    result, state = run(held(pressed))
+    assert result.cause == "kv_pressure" and result.fixable and state.kv.active
+    assert result.evidence["fresh_capacity_requests_per_s"] == 4.04
+    assert result.suggestion == {
+        "gpu-memory-utilization": 0.93,
+        "max-num-seqs": 32,  # 1.5 x the 17.6 requests the fresh server ran, rounded to 8
+        "max-num-batched-tokens": 4096,
+    }
+
+
+def test_the_same_kv_picture_beyond_the_fresh_capacity_is_load() -> None:
+    for rates in (
+        dict(requests_per_s=4.0, arrivals_per_s=8.5),  # demand piling up
+        dict(requests_per_s=6.3, arrivals_per_s=4.0),
+    ):  # working off a backlog
+        result, _ = run(held(situation(window(**KV_FULL, **rates))))
+        assert result.cause == "load_shift", rates
+        assert result.suggestion == {}
+
+
+def test_kv_pressure_without_a_fresh_capacity_is_unknown_and_never_fixable() -> None:
+    result, _ = run(held(situation(window(**KV_FULL), capacity=None)))
+    assert result.cause is None
+    assert result.summary.startswith("unknown baseline: KV usage 0.96")
+
+
+def test_the_kv_signature_needs_all_three_signs_and_leaves_when_one_clearly_goes() -> None:
+    for missing in (dict(kv_usage=0.7), dict(preemptions_per_s=0.0), dict(waiting=0.0)):
+        _, state = run(held(situation(window(**{**KV_FULL, **missing}))))
+        assert not state.kv.active, missing
+    steps = held(situation(window(**KV_FULL)))
+    _, state = run(steps)
+    assert state.kv.active
+    _, state = run([*steps, situation(window(**{**KV_FULL, "kv_usage": 0.89}))])
+    assert state.kv.active  # dipping under 0.9 is not relief
+    _, state = run([*steps, situation(window(**{**KV_FULL, "preemptions_per_s": 0.0}))])
+    assert not state.kv.active
+
+
+def test_requests_waiting_beside_free_kv_while_serving_less_is_kv_stranded() -> None:
+    stranded = window(waiting=25.0, kv_usage=0.5, generation_tokens_per_s=500.0,
+                      requests_per_s=2.4, arrivals_per_s=2.4, running=10.0)  # fmt: skip
+    result, _ = run(held(situation(stranded, comparison=None)))
+    assert result.cause == "kv_stranded" and result.fixable
+    assert "500 tokens/s where the fresh server served 845" in result.summary
+    # Serving as much as the fresh server did, the queue is demand, not stranding.
+    busy = replace(stranded, generation_tokens_per_s=840.0)
+    assert run(held(situation(busy, comparison=None)))[0].cause is None
+    # Full KV is pressure, not stranding.
+    assert run(held(situation(replace(stranded, kv_usage=0.85))))[0].cause != "kv_stranded"
+
+
+# -- GPUs, memory, engine ----------------------------------------------------------------------
+
+
+def test_an_xid_vetoes_restarts_for_fault_memory_seconds_even_though_it_is_seen_once() -> None:
+    xid = situation(window(**SLOW), gpus=[(gpu(xid_errors=(79,)),)])
+    after = situation(window(**SLOW))
+    result, _ = run([xid, after, after])
+    assert result.cause == "gpu_fault" and result.vetoed
+    assert result.evidence["fault"] == "GPU 0 XID 79"
+    later = int(S.fault_memory / 30) + 1
+    result, _ = run([xid, *[after] * later])
+    assert result.cause != "gpu_fault"
+
+
+def test_uncorrectable_ecc_is_a_fault_and_outranks_a_stall() -> None:
+    ecc = situation(gpus=[(gpu(ecc_uncorrected_volatile=2),)], stalled_for=600.0)
+    result, _ = run([ecc])
+    assert result.cause == "gpu_fault"
+    assert "2 uncorrectable ECC errors" in result.summary
+
+
+def test_engine_down_is_reported_and_left_to_systemd() -> None:
+    result, state = run([situation(down="/metrics unreachable: connection refused")])
+    assert result.cause == "engine_down"
+    assert not result.fixable and not result.vetoed
+    assert state.speed == Hysteresis()
+
+
+def leak(per_request: float, *, minutes: int = 90, noise: float = 0.0) -> list[MemoryPoint]:
+    out = []
+    for minute in range(minutes + 1):
+        served = 240.0 * minute
+        wobble = noise * (1 if minute % 2 else -1)
+        out.append(MemoryPoint(60.0 * minute, 6 * GIB + served * per_request + wobble, served))
+    return out
+
+
+def test_memory_growing_with_requests_served_is_host_memory_growth() -> None:
+    points = leak(128 * 1024)  # 21600 requests x 128 KiB = 2.6 GiB in 90 min
+    trend = memory_growth(S, points)
+    assert trend is not None
+    assert trend.per_request == pytest.approx(128 * 1024)
+    assert trend.correlation > 0.999
+    assert trend.grown == pytest.approx(21600 * 128 * 1024)
+    result, _ = run([situation(memory=points)])
+    assert result.cause == "host_memory_growth" and result.fixable
+    assert result.evidence["bytes_per_request"] == pytest.approx(128 * 1024)
+
+
+def test_memory_that_is_flat_noisy_short_or_from_an_earlier_run_is_not_growth() -> None:
+    assert memory_growth(S, leak(0.0, noise=GIB)) is None  # big swings, no trend
+    assert memory_growth(S, leak(1024)) is None  # grows, but 20 MiB is not a problem
+    assert memory_growth(S, leak(128 * 1024, minutes=50)) is None  # not an hour yet
+    assert memory_growth(S, leak(128 * 1024), since=60.0 * 45) is None  # this run: 45 min
+    assert memory_growth(S, []) is None
+
+
+def test_kv_suggestions_stay_within_the_catalogue_and_only_use_what_is_known() -> None:
+    full = kv_suggestion(CAPACITY, {"gpu-memory-utilization": 0.9, "max-num-seqs": 256,
+                                    "max-num-batched-tokens": 16384}, {})  # fmt: skip
+    assert full == {"gpu-memory-utilization": 0.93, "max-num-seqs": 32,
+                    "max-num-batched-tokens": 8192}  # fmt: skip
+    flags.validate(full, None, check_versions=False)  # raises if any is out of range
+    # Already high memory, a cap already lower, a small chunk: nothing to suggest.
+    tight = kv_suggestion(CAPACITY, {"gpu-memory-utilization": 0.95, "max-num-seqs": 16,
+                                     "max-num-batched-tokens": 2048}, {})  # fmt: skip
+    assert tight == {}
+    # Nothing known but the cache_config label and the fresh concurrency.
+    assert kv_suggestion(CAPACITY, {}, {"gpu_memory_utilization": "0.92"}) == {
+        "gpu-memory-utilization": 0.95,
+        "max-num-seqs": 32,
+    }
+
+
+def test_settings_refuse_inverted_thresholds() -> None:
+    with pytest.raises(ValueError):
+        DiagnosisSettings(enter_ratio=0.9, leave_ratio=0.8)
+    with pytest.raises(ValueError):
+        DiagnosisSettings(kv_stranded_below=0.95, kv_full=0.9)

@@ -1,0 +1,375 @@
+"""decide() end to end: the simulator's scenarios, the annotated corpus, runs and persistence.
+
+The simulated hosts start vLLM on a Monday at 20:00 UTC with a restart window every day from
+02:00 to 05:00, so a degradation found in the evening waits for the night.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import time
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from tests.cases import corpus
+from tests.cases.simhost import SimHost, cluster_metrics, hours_after, new_cluster
+from tests.conftest import metrics
+from vkvagent.baseline import Baseline, Regime
+from vkvagent.diagnosis import CAUSES
+from vkvagent.engine import (
+    ACTIONS,
+    Decision,
+    EngineState,
+    Observation,
+    Settings,
+    decide,
+)
+from vkvagent.metrics import Normaliser
+from vkvagent.policy import PolicySettings
+from vkvagent.sample import Sample
+from vkvagent.sim import exposition
+from vkvagent.sim.stats import ServerInfo
+
+START = datetime(2025, 3, 3, 20, 0, tzinfo=timezone.utc)  # a Monday
+WINDOW = ("daily 02:00-05:00",)
+ENFORCE = Settings(policy=PolicySettings(mode="enforce", windows=WINDOW))
+# KV blocks for 2 requests/s (4 with twice as many): the fresh server runs at 45 % KV usage.
+TIGHT_KV = 1500
+REASONS = (
+    "restart: ", "outside window", "cooldown: ", "budget: ", "min interval: ", "escalated: ",
+    "paused until", "traffic gate: ", "observe mode: ", "vetoed: ", "unknown baseline: ",
+    "learning: ", "healthy: ", "watching: ", "idle: ", "engine down: ", "mode off",
+)  # fmt: skip
+
+
+@functools.cache
+def simulate(
+    scenario: str,
+    hours: float,
+    onset: float | None = None,
+    kv_blocks: int | None = None,
+    rate: float = 2.0,
+) -> SimHost:
+    host = SimHost(scenario, ENFORCE, START, onset=onset, kv_blocks=kv_blocks, rate=rate,
+                   leak=scenario == "memory-growth", interval=15.0, decide_every=60.0)  # fmt: skip
+    host.run_until(hours)
+    return host
+
+
+COUNTED = (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage", "generation_tokens_total",
+    "prompt_tokens_total", "request_success_total", "num_preemptions_total",
+    "engine_steps_total", "process_start_time",
+)  # fmt: skip
+
+
+def restarts(host: SimHost) -> list[Decision]:
+    return [d for d in host.decisions if d.action == "restart"]
+
+
+def check_reasons(decisions: list[Decision]) -> None:
+    for d in decisions:
+        assert d.action in ACTIONS
+        assert d.reason.startswith(REASONS), d.reason
+        if d.action == "restart":
+            assert d.cause is not None and d.reason.startswith("restart: ")
+
+
+# -- the samples the tests feed are what the real scrape path reads ----------------------------
+
+
+def test_simulated_samples_match_what_the_normaliser_reads_from_the_rendered_page() -> None:
+    cluster = new_cluster("healthy", None, 4.0, 7, None)
+    info = ServerInfo(
+        model="meta-llama/Llama-3.1-8B-Instruct", flavor="v1-latest", version="0.11.0",
+        max_model_len=32768, cache_config={"block_size": "16"}, start_time=1.7e9,
+    )  # fmt: skip
+    normaliser = Normaliser()
+    for uptime in (600.0, 1800.0):
+        cluster.advance_to(uptime)
+        page = exposition.render(info, [e.stats for e in cluster.engines], 1.7e9 + uptime)
+        read = normaliser.normalise(page.decode())
+        built = cluster_metrics(cluster, 1.7e9)
+        for name in COUNTED:
+            assert getattr(built, name) == pytest.approx(getattr(read, name)), name
+        for name in ("inter_token_latency", "time_to_first_token"):
+            ours, theirs = getattr(built, name), getattr(read, name)
+            assert ours.bounds == theirs.bounds
+            assert ours.cumulative == pytest.approx(theirs.cumulative)
+            assert ours.sum == pytest.approx(theirs.sum)
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+
+def test_a_healthy_server_is_never_restarted_and_runs_at_its_baseline() -> None:
+    host = simulate("healthy", 9.0)
+    check_reasons(host.decisions)
+    assert restarts(host) == []
+    late = [d for d in host.decisions if hours_after(START, d) > 1.0]
+    assert all(d.cause is None for d in late)
+    ratios = [d.ratio for d in late if d.ratio is not None]
+    assert len(ratios) > 0.9 * len(late)
+    assert min(ratios) > 0.9 and max(ratios) < 1.15
+    assert any(d.reason.startswith("learning: warm-up") for d in host.decisions[:10])
+
+
+def test_uptime_decline_is_found_in_the_evening_and_restarted_in_the_window() -> None:
+    host = simulate("uptime-decline", 7.5)
+    check_reasons(host.decisions)
+    found = next(d for d in host.decisions if d.cause == "uptime_decline")
+    assert found.action == "hold" and found.reason.startswith("outside window (next 2025-03-")
+    assert found.ratio is not None and found.ratio < 0.75
+    # The simulator starts declining after an hour, 10 % an hour: 0.75 is crossed around
+    # 85 % speed (at the same load a slower server also runs more requests at once).
+    assert 2.5 < hours_after(START, found) < 4.0
+    first = restarts(host)[0]
+    assert first.cause == "uptime_decline" and first.window_open
+    assert first.time == datetime(2025, 3, 4, 2, 0, tzinfo=timezone.utc)
+    assert first.drain_max_in_flight == 0
+    # The restart cured it: the new run's fresh speed matches the old run's fresh speed.
+    assert host.restarts[0].recovered is True
+    after = [d for d in host.decisions if d.time > first.time + timedelta(minutes=40)]
+    assert after and all(d.cause is None and d.action == "none" for d in after)
+
+
+def test_kv_pressure_at_the_usual_load_is_restarted_in_the_window_with_flag_advice() -> None:
+    # At 4 requests/s the leak makes preemption storms hours before it could stall the engine.
+    host = simulate("kv-pressure", 6.5, kv_blocks=2 * TIGHT_KV, rate=4.0)
+    check_reasons(host.decisions)
+    first = restarts(host)[0]
+    assert first.cause == "kv_pressure" and first.window_open
+    assert float(first.evidence["kv_usage"] or 0) >= 0.9
+    assert first.suggestion["gpu-memory-utilization"] == 0.93
+    assert int(first.suggestion["max-num-seqs"]) < 256
+    causes = {d.cause for d in host.decisions if d.time < first.time}
+    assert causes <= {None, "kv_pressure", "engine_down"}
+
+
+def test_a_stall_is_restarted_at_once_outside_the_window_without_a_drain() -> None:
+    host = simulate("stall", 4.0, onset=3 * 3600.0)
+    check_reasons(host.decisions)
+    first = restarts(host)[0]
+    assert first.cause == "stall" and not first.window_open
+    assert first.reason.startswith("restart: emergency")
+    assert first.drain_max_in_flight is None
+    stalled_at = START + timedelta(hours=3)
+    assert stalled_at + timedelta(minutes=2) <= first.time <= stalled_at + timedelta(minutes=4)
+
+
+def test_a_thermally_throttled_gpu_is_never_restarted_for() -> None:
+    host = simulate("thermal-throttle", 8.0, onset=3 * 3600.0)
+    check_reasons(host.decisions)
+    assert restarts(host) == []
+    vetoed = [d for d in host.decisions if d.cause == "gpu_throttle" and d.action == "hold"]
+    assert vetoed and all(d.reason.startswith("vetoed: gpu_throttle") for d in vetoed)
+    assert any(d.window_open for d in vetoed)  # held in the window too
+    assert "thermal" in str(vetoed[0].evidence["gpu_throttle"])
+
+
+def test_a_load_surge_is_never_restarted_for_even_when_it_fills_the_kv_cache() -> None:
+    host = simulate("load-surge", 9.0, onset=3 * 3600.0, kv_blocks=TIGHT_KV)
+    check_reasons(host.decisions)
+    assert restarts(host) == []
+    shifted = [d for d in host.decisions if d.cause == "load_shift"]
+    assert shifted and all(d.reason.startswith("vetoed: load_shift") for d in shifted)
+    assert {d.cause for d in host.decisions} <= {None, "load_shift"}
+
+
+def test_a_load_surge_on_a_roomy_server_is_unknown_load_not_degradation() -> None:
+    host = simulate("load-surge", 6.0, onset=3 * 3600.0)
+    assert restarts(host) == []
+    surge = [d for d in host.decisions if 3.2 < hours_after(START, d) < 3.9]
+    assert all(d.reason.startswith("unknown baseline: nothing learned at") for d in surge)
+
+
+def test_memory_growing_with_requests_is_restarted_in_the_window() -> None:
+    host = simulate("memory-growth", 6.5)
+    check_reasons(host.decisions)
+    first = restarts(host)[0]
+    assert first.cause == "host_memory_growth" and first.window_open
+    assert first.evidence["bytes_per_request"] == pytest.approx(64 * 1024)
+
+
+def test_observe_mode_decides_the_same_but_never_restarts() -> None:
+    observe = Settings(policy=PolicySettings(mode="observe", windows=WINDOW))
+    host = SimHost("stall", observe, START, onset=2 * 3600.0, rate=2.0, interval=15.0,
+                   decide_every=60.0)  # fmt: skip
+    host.run_until(2.5)
+    assert restarts(host) == []
+    stalls = [d for d in host.decisions if d.cause == "stall"]
+    assert stalls[0].action == "hold"
+    assert stalls[0].reason.startswith("observe mode: would restart now (emergency")
+
+
+# -- runs, persistence, odd inputs -------------------------------------------------------------
+
+
+def sample(
+    t: float, *, mono: float | None = None, start: float | None = None, **values: float | None
+) -> Sample:
+    """A sample ``t`` seconds into a run, busy at a steady rate (counters grow with t)."""
+    base: dict[str, float | None] = dict(
+        num_requests_running=2.0, num_requests_waiting=0.0, kv_cache_usage=0.1,
+        generation_tokens_total=100.0 * t, prompt_tokens_total=400.0 * t,
+        request_success_total=t / 10, engine_steps_total=50.0 * t, num_preemptions_total=0.0,
+        process_start_time=start,
+    )  # fmt: skip
+    base.update(values)
+    at = 1000.0 + t if mono is None else mono
+    return Sample(1.7e9 + at, at, metrics(**base))
+
+
+def now_of(s: Sample) -> datetime:
+    return datetime.fromtimestamp(s.time, timezone.utc)
+
+
+def test_a_counter_reset_starts_a_new_run_with_a_new_baseline() -> None:
+    settings = Settings()
+    first = [sample(t) for t in range(0, 400, 10)]
+    state = decide(settings, EngineState(), Observation(first), now_of(first[-1])).state
+    assert state.run.key == "mono:1000.000"  # no process start time on this page
+    learned = Baseline(run=state.run.key, regimes={19: Regime(1, {"itl": (0.02,)})})
+    state = replace(state, baseline=learned)
+    # vLLM restarted after the sample at mono 1390: counters begin again from zero.
+    second = first[-5:] + [sample(t, mono=1400.0 + t) for t in range(0, 60, 10)]
+    decision = decide(settings, state, Observation(second), now_of(second[-1]))
+    assert decision.state.run.key == "mono:1400.000"
+    assert decision.state.baseline == Baseline(run="mono:1400.000")
+    assert decision.state.previous is learned
+    assert decision.uptime == pytest.approx(50.0)  # counted from the new run's first sample
+
+
+def test_a_new_process_start_time_is_a_new_run_even_across_a_gap() -> None:
+    settings = Settings()
+    a = [sample(t, start=1.7e9) for t in range(0, 100, 10)]
+    state = decide(settings, EngineState(), Observation(a), now_of(a[-1])).state
+    assert state.run.key == "start:1700000000.000"
+    # An hour later (no sample in between), another process, counters already past the old.
+    later = [sample(t, start=1.7e9 + 3000) for t in range(5000, 5100, 10)]
+    decision = decide(settings, state, Observation(later), now_of(later[-1]))
+    assert decision.state.run.key == "start:1700003000.000"
+    assert decision.uptime == pytest.approx(1000.0 + 5090 - 3000)
+
+
+def test_a_state_saved_before_a_reboot_still_reads_the_new_samples() -> None:
+    settings = Settings()
+    before = [sample(t, mono=5e6 + t, start=1.7e9) for t in range(0, 100, 10)]
+    saved = decide(settings, EngineState(), Observation(before), now_of(before[-1])).state
+    restored = EngineState.from_json(json.loads(json.dumps(saved.to_json())))
+    # After the reboot the monotonic clock starts near zero and vLLM is a new process.
+    after = [sample(t, mono=50.0 + t, start=1.7e9 + 9000) for t in range(0, 100, 10)]
+    decision = decide(settings, restored, Observation(after), now_of(after[-1]))
+    assert decision.state.run.key == "start:1700009000.000"
+    assert decision.state.run.cursor == after[-1].mono
+    assert decision.state.seen == after[-1].mono
+
+
+def test_engine_down_when_the_unit_is_inactive_or_metrics_fail() -> None:
+    samples = [sample(t) for t in range(0, 100, 10)]
+    d = decide(ENFORCE, EngineState(), Observation(samples, unit_active=False), now_of(samples[-1]))
+    assert (d.action, d.cause) == ("none", "engine_down")
+    assert d.reason == "engine down: the unit is not active"
+    broken = [*samples, Sample(samples[-1].time + 10, samples[-1].mono + 10, None, "timed out")]
+    d = decide(ENFORCE, EngineState(), Observation(broken), now_of(broken[-1]))
+    assert d.reason == "engine down: /metrics unreachable: timed out"
+    d = decide(ENFORCE, EngineState(), Observation(()), now_of(samples[-1]))
+    assert d.cause == "engine_down" and d.uptime is None
+
+
+def test_decide_wants_an_aware_now() -> None:
+    with pytest.raises(ValueError, match="timezone-aware"):
+        decide(ENFORCE, EngineState(), Observation(()), datetime(2025, 3, 4, 3, 0))
+
+
+def test_a_slow_server_with_no_baseline_is_never_restarted() -> None:
+    # Launched long ago (a day of uptime when the agent first looks): nothing fresh to learn.
+    settings = Settings(policy=PolicySettings(mode="enforce", windows=("daily 00:00-24:00",)))
+    slow = [sample(t, start=1.7e9 - 86400, num_requests_waiting=50.0, kv_cache_usage=0.99,
+                   num_preemptions_total=t) for t in range(0, 3600, 15)]  # fmt: skip
+    state = EngineState()
+    for end in range(25, len(slow), 4):
+        d = decide(settings, state, Observation(slow[end - 25 : end]), now_of(slow[end - 1]))
+        state = d.state
+        assert d.action == "none", d.reason
+    assert d.reason.startswith("unknown baseline")
+
+
+def test_state_persisted_as_json_mid_run_gives_the_same_decisions() -> None:
+    host = SimHost("uptime-decline", ENFORCE, START, rate=2.0, interval=15.0, decide_every=60.0)
+    host.run_until(2.0)
+    saved = json.loads(json.dumps(host.state.to_json()))
+    twin = SimHost("uptime-decline", ENFORCE, START, rate=2.0, interval=15.0, decide_every=60.0)
+    twin.run_until(2.0)
+    twin.state = EngineState.from_json(saved)
+    assert twin.state == host.state
+    a, b = host.run_until(4.0), twin.run_until(4.0)
+    assert [(d.action, d.cause, d.reason) for d in a] == [(d.action, d.cause, d.reason) for d in b]
+    assert any(d.cause == "uptime_decline" for d in a)
+
+
+def test_a_corrupt_state_is_refused_in_one_line() -> None:
+    good = simulate("healthy", 9.0).state.to_json()
+    for bad in ({}, {**good, "version": 2}, {**good, "recovered": "yes"},
+                {**good, "run": {**good["run"], "cursor": "x"}}, None):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^engine state: ") as caught:
+            EngineState.from_json(bad)
+        assert "\n" not in str(caught.value)
+
+
+def test_decision_json_is_plain_data() -> None:
+    d = restarts(simulate("stall", 4.0, onset=3 * 3600.0))[0]
+    data = json.loads(json.dumps(d.to_json()))
+    assert data["time"].endswith("Z") and data["action"] == "restart"
+    assert data["cause"] == "stall" and isinstance(data["evidence"]["stalled_s"], float)
+    assert data["next_window"] == "2025-03-04T02:00:00Z"
+
+
+def test_one_decision_costs_well_under_a_millisecond() -> None:
+    host = SimHost("healthy", ENFORCE, START, gpus=8, rate=2.0, interval=10.0, decide_every=10.0)
+    host.run_until(3.0)
+    previous = host.decisions[-2].state  # each timed call reads one new sample, like a tick
+    observed = Observation(tuple(host.samples), unit_active=True)
+    now = datetime.fromtimestamp(host.samples[-1].time, timezone.utc)
+    times = []
+    for _ in range(300):
+        began = time.perf_counter()
+        decide(ENFORCE, previous, observed, now)
+        times.append(time.perf_counter() - began)
+    # Measured 0.4 ms here (32 samples of 8 GPUs); the target is 1 ms. Loose for slow CI.
+    assert statistics.median(times) < 0.005
+
+
+# -- the annotated corpus ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", corpus.files(), ids=lambda p: p.stem)
+def test_corpus_case(path: Path) -> None:
+    case = corpus.load(path)
+    state, decision = case.state, None
+    for observed, now in case.ticks:
+        decision = decide(case.settings, state, observed, now)
+        state = decision.state
+        assert decision.reason.startswith(REASONS), decision.reason
+        if decision.action == "restart":
+            break
+    assert decision is not None
+    expect = case.expect
+    assert (decision.action, decision.cause) == (expect["action"], expect["cause"]), (
+        f"{case.name}: {decision.reason}"
+    )
+    assert decision.reason.startswith(expect["reason"]), decision.reason
+    assert sorted(decision.suggestion) == sorted(expect.get("suggestion", []))
+    if "not_before" in expect:
+        assert decision.time >= datetime.fromisoformat(expect["not_before"].replace("Z", "+00:00"))
+
+
+def test_the_corpus_covers_every_cause_and_every_action() -> None:
+    cases = [corpus.load(p) for p in corpus.files()]
+    assert {c.expect["cause"] for c in cases} == {*CAUSES, None}
+    assert {c.expect["action"] for c in cases} == set(ACTIONS)

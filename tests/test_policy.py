@@ -1,0 +1,232 @@
+"""The policy restarts only in its windows (time zones and DST included), not too often,
+never in a loop that does not help, and always says what blocked it."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from vkvagent.policy import (
+    SCHEDULED,
+    Controls,
+    PolicySettings,
+    RestartRecord,
+    Verdict,
+    escalated,
+    evaluate,
+    parse_window,
+    window_state,
+)
+
+UTC = timezone.utc
+ENFORCE = PolicySettings(mode="enforce", windows=("daily 02:00-05:00",))
+IN = datetime(2025, 3, 4, 3, 0, tzinfo=UTC)  # a Tuesday, inside the window
+OUT = datetime(2025, 3, 4, 14, 0, tzinfo=UTC)
+
+
+def at(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def restart(hours_before: float, now: datetime = IN, **values: Any) -> RestartRecord:
+    return RestartRecord(
+        (now - timedelta(hours=hours_before)).timestamp(), values.pop("cause", "stall"), **values
+    )
+
+
+def verdict(
+    settings: PolicySettings = ENFORCE,
+    now: datetime = IN,
+    cause: str | None = "uptime_decline",
+    **values: Any,
+) -> Verdict:
+    args: dict[str, Any] = dict(
+        cause=cause, wanted=cause is not None, uptime=20000.0, request_rate=2.0, history=(),
+        controls=Controls(), now=now,
+    )  # fmt: skip
+    args.update(values)
+    return evaluate(settings, **args)
+
+
+# -- windows -----------------------------------------------------------------------------------
+
+
+def test_window_specs_read_days_ranges_lists_and_times() -> None:
+    w = parse_window("mon-fri 22:00-02:00")
+    assert w.days == {0, 1, 2, 3, 4} and (w.start, w.end) == (22 * 60, 2 * 60)
+    assert parse_window("fri-mon 01:00-05:00").days == {4, 5, 6, 0}
+    assert parse_window("mon,wed,sat-sun 00:00-24:00").days == {0, 2, 5, 6}
+    assert parse_window("daily 3:15 - 4:45").days == set(range(7))
+    assert parse_window("* 00:00-01:00").days == set(range(7))
+    for bad in ("mon 25:00-26:00", "mon 02:00-02:00", "funday 01:00-02:00", "mon 1-2",
+                "mon-tue-wed 01:00-02:00", "mon 00:60-01:00", ""):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^window ") as caught:
+            parse_window(bad)
+        assert "\n" not in str(caught.value)
+
+
+def test_a_window_crossing_midnight_belongs_to_the_day_it_starts() -> None:
+    settings = PolicySettings(windows=("fri 22:00-02:00",))
+    assert window_state(settings, at("2025-03-07T23:00:00Z"))[0]  # Friday night
+    assert window_state(settings, at("2025-03-08T01:59:00Z"))[0]  # ... into Saturday
+    assert not window_state(settings, at("2025-03-08T02:00:00Z"))[0]
+    assert not window_state(settings, at("2025-03-07T21:59:00Z"))[0]
+    assert not window_state(settings, at("2025-03-09T01:00:00Z"))[0]  # no Saturday window
+    _, upcoming = window_state(settings, at("2025-03-08T02:00:00Z"))
+    assert upcoming == at("2025-03-14T22:00:00Z")
+
+
+def test_several_windows_and_the_next_start() -> None:
+    settings = PolicySettings(windows=("mon-fri 02:00-04:00", "sat,sun 00:00-08:00"))
+    assert window_state(settings, at("2025-03-08T07:00:00Z"))[0]  # Saturday morning
+    assert not window_state(settings, at("2025-03-07T07:00:00Z"))[0]  # Friday morning
+    assert window_state(settings, at("2025-03-07T07:00:00Z"))[1] == at("2025-03-08T00:00:00Z")
+    assert window_state(settings, at("2025-03-09T09:00:00Z"))[1] == at("2025-03-10T02:00:00Z")
+    assert window_state(PolicySettings(windows=()), IN) == (False, None)
+
+
+def test_windows_follow_their_time_zone() -> None:
+    settings = PolicySettings(windows=("daily 02:00-05:00",), timezone="America/Los_Angeles")
+    assert window_state(settings, at("2025-01-15T11:00:00Z"))[0]  # 03:00 PST
+    assert not window_state(settings, at("2025-01-15T03:00:00Z"))[0]  # 03:00 UTC
+    assert window_state(settings, at("2025-01-15T03:00:00Z"))[1] == at("2025-01-15T10:00:00Z")
+
+
+def test_spring_forward_shortens_a_window_in_the_gap_and_skips_nothing() -> None:
+    # Paris, 2025-03-30: 02:00 CET jumps to 03:00 CEST (01:00 UTC).
+    settings = PolicySettings(windows=("daily 02:00-04:00",), timezone="Europe/Paris")
+    before = at("2025-03-30T00:30:00Z")
+    assert window_state(settings, before) == (False, at("2025-03-30T01:00:00Z"))
+    assert window_state(settings, at("2025-03-30T01:00:00Z"))[0]  # 03:00 CEST: it opens
+    assert window_state(settings, at("2025-03-30T01:59:00Z"))[0]
+    assert not window_state(settings, at("2025-03-30T02:00:00Z"))[0]  # 04:00 CEST
+    assert window_state(settings, at("2025-03-31T00:00:00Z"))[0]  # next day: 02:00 CEST
+    assert window_state(settings, at("2025-03-29T01:00:00Z"))[0]  # day before: 02:00 CET
+
+
+def test_fall_back_keeps_the_window_open_through_the_repeated_hour() -> None:
+    # Paris, 2025-10-26: 03:00 CEST falls back to 02:00 CET (01:00 UTC); 02:xx happens twice.
+    settings = PolicySettings(windows=("daily 01:30-03:30",), timezone="Europe/Paris")
+    assert window_state(settings, at("2025-10-25T23:30:00Z"))[0]  # 01:30 CEST
+    assert window_state(settings, at("2025-10-26T00:30:00Z"))[0]  # 02:30 CEST
+    assert window_state(settings, at("2025-10-26T01:30:00Z"))[0]  # 02:30 CET, again
+    assert window_state(settings, at("2025-10-26T02:29:00Z"))[0]  # 03:29 CET
+    assert not window_state(settings, at("2025-10-26T02:30:00Z"))[0]
+    assert window_state(settings, at("2025-10-26T02:30:00Z"))[1] == at("2025-10-27T00:30:00Z")
+
+
+# -- the gates ---------------------------------------------------------------------------------
+
+
+def test_in_the_window_with_nothing_against_it_the_verdict_is_restart_with_a_drain() -> None:
+    v = verdict()
+    assert (v.action, v.reason, v.cause) == ("restart", "restart: in window", "uptime_decline")
+    assert v.window_open and v.drain_max_in_flight == 0
+    assert v.next_window == at("2025-03-05T02:00:00Z")
+
+
+def test_outside_the_window_it_holds_and_names_the_next_one() -> None:
+    v = verdict(now=OUT)
+    assert v.action == "hold"
+    assert v.reason == "outside window (next 2025-03-05T02:00:00Z)"
+    assert not v.window_open
+    v = verdict(PolicySettings(mode="enforce", windows=()), now=OUT)
+    assert v.reason == "outside window (none set)"
+
+
+def test_a_stall_is_an_emergency_any_time_and_is_not_drained() -> None:
+    v = verdict(now=OUT, cause="stall")
+    assert v.action == "restart" and v.reason == "restart: emergency, any time"
+    assert v.drain_max_in_flight is None
+    # ... and not a cooldown matter either, but the minimum interval still applies.
+    assert verdict(now=OUT, cause="stall", history=(restart(1.5, OUT),)).action == "restart"
+    v = verdict(now=OUT, cause="stall", history=(restart(0.5, OUT),))
+    assert v.action == "hold" and v.reason.startswith("min interval: last restart 30 min ago")
+    # Other causes can be made emergencies; vetoed ones cannot.
+    settings = PolicySettings(mode="enforce", emergency=("stall", "kv_pressure"))
+    assert verdict(settings, now=OUT, cause="kv_pressure").action == "restart"
+    with pytest.raises(ValueError, match="emergency causes"):
+        PolicySettings(emergency=("gpu_throttle",))
+
+
+def test_nothing_to_fix_means_none_and_off_means_none() -> None:
+    v = verdict(cause=None)
+    assert v.action == "none" and v.reason == "nothing a restart would fix"
+    v = verdict(cause="gpu_throttle", wanted=False)
+    assert v.action == "none"
+    v = verdict(PolicySettings(mode="off"))
+    assert v.action == "none" and v.reason == "mode off"
+
+
+def test_observe_mode_decides_everything_but_never_acts() -> None:
+    observe = PolicySettings(mode="observe", windows=("daily 02:00-05:00",))
+    v = verdict(observe)
+    assert v.action == "hold" and v.reason == "observe mode: would restart now (in window)"
+    assert verdict(observe, now=OUT).reason.startswith("outside window")
+
+
+def test_cooldown_then_budget_over_a_rolling_day() -> None:
+    v = verdict(history=(restart(1.5),))
+    assert v.action == "hold" and v.reason == "cooldown: last restart 1.5 h ago (cooldown 2.0 h)"
+    three = (restart(23), restart(16), restart(9))
+    v = verdict(history=three)
+    assert v.action == "hold" and v.reason == "budget: 3 restarts in the last 24 h (at most 3)"
+    assert verdict(history=(restart(25), restart(16), restart(9))).action == "restart"
+    # A restart recorded in the future (a clock step) is not held against now.
+    assert verdict(history=(restart(-2),)).action == "restart"
+
+
+def test_the_traffic_gate_holds_a_busy_window() -> None:
+    gated = PolicySettings(mode="enforce", max_request_rate=1.0)
+    assert verdict(gated, request_rate=0.5).action == "restart"
+    v = verdict(gated, request_rate=2.5)
+    assert v.action == "hold" and v.reason == "traffic gate: 2.50 requests/s above 1"
+    assert verdict(gated, request_rate=None).reason == "traffic gate: request rate unknown"
+    assert verdict(gated, request_rate=50.0, cause="stall", now=OUT).action == "restart"
+
+
+def test_pause_until_a_time() -> None:
+    paused = Controls(paused_until=(IN + timedelta(hours=1)).timestamp())
+    v = verdict(controls=paused, cause="stall")
+    assert v.action == "hold" and v.reason == "paused until 2025-03-04T04:00:00Z"
+    assert verdict(controls=paused, now=IN + timedelta(hours=1)).action == "restart"
+
+
+def test_restarts_that_did_not_help_escalate_until_resumed() -> None:
+    failed = (restart(50, recovered=False, cause="uptime_decline"),
+              restart(26, recovered=False, cause="uptime_decline"))  # fmt: skip
+    v = verdict(history=failed, cause="stall")
+    assert v.action == "hold" and v.reason.startswith("escalated: the last 2 restarts")
+    resumed = Controls(resumed_at=(IN - timedelta(hours=10)).timestamp())
+    assert verdict(history=failed, controls=resumed).action == "restart"
+    # One that helped breaks the streak; one not judged yet does too.
+    assert escalated(ENFORCE, (*failed, restart(3, recovered=True)), Controls()) == 0
+    assert escalated(ENFORCE, (*failed, restart(3)), Controls()) == 0
+    assert escalated(ENFORCE, failed[:1], Controls()) == 0
+    # Scheduled restarts are not judged on recovery.
+    assert escalated(ENFORCE, (*failed, restart(3, cause=SCHEDULED)), Controls()) == 2
+
+
+def test_a_scheduled_restart_is_opt_in_and_waits_for_the_window() -> None:
+    assert verdict(cause=None, uptime=10 * 86400).action == "none"  # not asked for
+    daily = PolicySettings(mode="enforce", max_uptime=86400.0)
+    v = verdict(daily, cause=None, uptime=86400.0 + 60)
+    assert v.action == "restart" and v.cause == SCHEDULED
+    assert verdict(daily, cause=None, uptime=3600.0).action == "none"
+    v = verdict(daily, now=OUT, cause=None, uptime=90000.0)
+    assert v.action == "hold" and v.cause == SCHEDULED and v.reason.startswith("outside")
+    # A broken GPU or a dead engine is no time for a scheduled restart.
+    assert verdict(daily, cause="gpu_fault", wanted=False, uptime=90000.0).action == "none"
+
+
+def test_settings_report_every_problem_at_once() -> None:
+    with pytest.raises(ValueError) as caught:
+        PolicySettings(mode="act", timezone="Mars/Olympus", windows=("someday 1-2",),
+                       max_per_day=0)  # fmt: skip
+    message = str(caught.value)
+    assert message.startswith("policy: ")
+    for part in ("mode 'act'", "Mars/Olympus", "someday", "max_per_day"):
+        assert part in message
+    assert PolicySettings(timezone="Asia/Kolkata").zone.key == "Asia/Kolkata"

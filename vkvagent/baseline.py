@@ -1,0 +1,356 @@
+"""Baselines: what this vLLM run did while it was fresh, per load regime.
+
+A server is slow only relative to itself at the same load: each request decodes slower as the
+batch grows, so a busy afternoon is not a degradation and a quiet night does not prove health.
+A baseline is therefore learned per vLLM run (a new process or a counter reset starts a new
+one), only after the warm-up and only while the run is fresh, separately for each load regime.
+Each regime keeps the values of up to ``max_values`` windows; its baseline is their median,
+which one odd window cannot move. A regime with fewer than ``min_values`` windows is unknown,
+and unknown never restarts.
+
+The regime is the decode load served (generation tokens/s, a few buckets per octave), not the
+number of running requests: concurrency is a consequence of speed (Little's law: running =
+tokens/s x seconds per token), so a server that slows down runs more requests at once and
+would leave the regime it was learned in just as the slowdown becomes worth acting on (the
+simulator's uptime decline moves mean concurrency from 17.6 to 22.5 at 84 % speed, out of its
+bucket). The load served stays put while the server keeps up, and at equal load a slower
+server shows longer inter-token latency and more requests in flight. The mean concurrency is
+kept per regime as evidence.
+
+Pure: values in, values out. ``Baseline.to_json``/``from_json`` make it persistable.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any
+
+from vkvagent.metrics import Histogram, VllmMetrics
+from vkvagent.rates import Point, increase, is_reset, window_rates
+
+# What a window is summarised by (WindowStats field names), kept per regime.
+METRICS = (
+    "itl",
+    "itl_p50",
+    "ttft_p50",
+    "tokens_per_s",
+    "generation_tokens_per_s",
+    "per_request",
+    "requests_per_s",
+    "preemptions_per_s",
+    "running",
+    "waiting",
+    "kv_usage",
+    "prompt_share",
+)
+
+
+@dataclass(frozen=True)
+class BaselineSettings:
+    """How baselines are learned (all durations in seconds)."""
+
+    window: float = 300.0  # samples summarised by one measurement (the trailing window)
+    warmup: float = 600.0  # uptime excluded: CUDA graphs, caches and the first burst settle
+    learn_for: float = 7200.0  # after the warm-up, how long the run counts as fresh
+    value_interval: float = 60.0  # at most one window value kept per this many seconds
+    min_values: int = 10  # windows a regime needs before its baseline is known
+    max_values: int = 60  # windows kept per regime; then it is complete
+    buckets_per_octave: int = 2  # regime resolution: 2 means 1024-1448, 1448-2048 tokens/s...
+    min_running: float = 0.5  # below this mean concurrency the server is idle: no regime
+
+    def __post_init__(self) -> None:
+        if not (self.window > 0 and self.value_interval > 0 and self.warmup >= 0):
+            raise ValueError("baseline: window and value_interval must be > 0, warmup >= 0")
+        if not 1 <= self.min_values <= self.max_values:
+            raise ValueError("baseline: need 1 <= min_values <= max_values")
+        if not 1 <= self.buckets_per_octave <= 8:
+            raise ValueError("baseline: buckets_per_octave must be 1 to 8")
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """What one window of scrapes says, in the terms baselines are kept in."""
+
+    seconds: float
+    running: float | None  # mean running requests
+    waiting: float | None  # mean waiting requests
+    kv_usage: float | None  # mean KV-cache usage, 0..1
+    tokens_per_s: float | None  # prompt + generation tokens per second
+    generation_tokens_per_s: float | None
+    requests_per_s: float | None  # completed requests per second: the load served
+    arrivals_per_s: float | None  # completions plus the growth of requests in the system
+    preemptions_per_s: float | None
+    itl: float | None  # mean inter-token latency (s): exact, unlike a bucketed p50
+    itl_p50: float | None
+    ttft_p50: float | None
+    prompt_share: float | None  # prompt tokens / all tokens: the request mix
+    per_request: float | None  # generation tokens/s per running request
+
+    def values(self) -> dict[str, float]:
+        """The METRICS this window has, by name."""
+        out = {}
+        for name in METRICS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+def window_stats(points: Sequence[Point], min_running: float = 0.5) -> WindowStats | None:
+    """Summarise consecutive scrapes (oldest first); None with fewer than two."""
+    rates = window_rates(points)
+    if rates is None:
+        return None
+    scrapes = [m for _t, m in points]
+    resets = [is_reset(a, b) for a, b in zip(scrapes, scrapes[1:])]
+    tokens = rates.tokens_per_s
+    generated = rates.generation_tokens_per_s
+    running = rates.mean_running
+    return WindowStats(
+        seconds=rates.seconds,
+        running=running,
+        waiting=rates.mean_waiting,
+        kv_usage=rates.mean_kv_usage,
+        tokens_per_s=tokens,
+        generation_tokens_per_s=generated,
+        requests_per_s=rates.requests_per_s,
+        arrivals_per_s=_arrivals(rates.requests_per_s, scrapes, rates.seconds),
+        preemptions_per_s=rates.preemptions_per_s,
+        itl=_histogram_mean([m.inter_token_latency for m in scrapes], resets),
+        itl_p50=rates.itl_p50,
+        ttft_p50=rates.ttft_p50,
+        prompt_share=(
+            rates.prompt_tokens_per_s / tokens
+            if tokens and rates.prompt_tokens_per_s is not None
+            else None
+        ),
+        per_request=(
+            generated / running
+            if generated is not None and running is not None and running >= min_running
+            else None
+        ),
+    )
+
+
+def _arrivals(completed: float | None, scrapes: list[VllmMetrics], seconds: float) -> float | None:
+    """Demand: what was completed plus what piled up (running + waiting) over the window,
+    the only estimate of arrivals vLLM's metrics allow when requests queue."""
+    if completed is None:
+        return None
+    first, last = scrapes[0], scrapes[-1]
+    if first.num_requests_running is None or last.num_requests_running is None:
+        return completed
+    before = first.num_requests_running + (first.num_requests_waiting or 0.0)
+    after = last.num_requests_running + (last.num_requests_waiting or 0.0)
+    return max(0.0, completed + (after - before) / seconds)
+
+
+def _histogram_mean(hists: list[Histogram | None], resets: list[bool]) -> float | None:
+    # Sum and count increase like counters; their ratio is the window's mean observation.
+    count = increase([h.count if h else None for h in hists], resets)
+    total = increase([h.sum if h else None for h in hists], resets)
+    if not count or total is None:
+        return None
+    return total / count
+
+
+def regime_of(stats: WindowStats, settings: BaselineSettings) -> int | None:
+    """The load bucket of a window (generation tokens/s); None when idle or not producing."""
+    served = stats.generation_tokens_per_s
+    if stats.running is None or stats.running < settings.min_running or not served:
+        return None
+    return math.floor(math.log2(served) * settings.buckets_per_octave)
+
+
+def regime_label(key: int, settings: BaselineSettings) -> str:
+    """``4096-5793 tokens/s``: the decode load a regime covers."""
+    low = 2 ** (key / settings.buckets_per_octave)
+    high = 2 ** ((key + 1) / settings.buckets_per_octave)
+    return f"{low:.0f}-{high:.0f} generated tokens/s"
+
+
+@dataclass(frozen=True)
+class Regime:
+    """The windows kept for one concurrency regime: per metric, its values, oldest first."""
+
+    count: int = 0
+    values: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def add(self, values: Mapping[str, float]) -> Regime:
+        merged = dict(self.values)
+        for name, value in values.items():
+            merged[name] = (*merged.get(name, ()), value)
+        return Regime(self.count + 1, merged)
+
+    @cached_property
+    def medians(self) -> Mapping[str, float]:
+        """The baseline: each metric's median over the kept windows."""
+        return {name: statistics.median(v) for name, v in self.values.items() if v}
+
+    def median(self, name: str) -> float | None:
+        return self.medians.get(name)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The heaviest load this run's fresh server served cleanly: no preemption, no queue."""
+
+    requests_per_s: float
+    generation_tokens_per_s: float
+    running: float | None  # the concurrency that load took
+    regime: int
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One vLLM run's fresh behaviour, per regime. ``run`` names the run it belongs to."""
+
+    run: str
+    regimes: Mapping[int, Regime] = field(default_factory=dict)
+    last_added: float | None = None  # monotonic time of the last window kept
+
+    def known(self, key: int | None, settings: BaselineSettings) -> Regime | None:
+        """The regime's values if there are enough of them, else None (unknown)."""
+        if key is None:
+            return None
+        regime = self.regimes.get(key)
+        return regime if regime is not None and regime.count >= settings.min_values else None
+
+    def known_keys(self, settings: BaselineSettings) -> list[int]:
+        return sorted(k for k, r in self.regimes.items() if r.count >= settings.min_values)
+
+    def learn(
+        self, stats: WindowStats, *, mono: float, uptime: float | None, settings: BaselineSettings
+    ) -> Baseline:
+        """This baseline with ``stats`` kept, when the window is fresh, past the warm-up, not
+        too soon after the last one kept, and its regime still needs values; else itself."""
+        if uptime is None or uptime - stats.seconds < settings.warmup:
+            return self
+        if uptime > settings.warmup + settings.learn_for:
+            return self
+        if self.last_added is not None and 0 <= mono - self.last_added < settings.value_interval:
+            return self
+        key = regime_of(stats, settings)
+        if key is None:
+            return self
+        regime = self.regimes.get(key, Regime())
+        if regime.count >= settings.max_values:
+            return self
+        regimes = dict(self.regimes)
+        regimes[key] = regime.add(stats.values())
+        return replace(self, regimes=regimes, last_added=mono)
+
+    def capacity(self, settings: BaselineSettings) -> Capacity | None:
+        """The heaviest known regime that ran clean (median preemptions 0, median queue under
+        half a request), by its median request rate and generation tokens/s."""
+        best: Capacity | None = None
+        for key in self.known_keys(settings):
+            regime = self.regimes[key]
+            rate = regime.median("requests_per_s")
+            served = regime.median("generation_tokens_per_s")
+            if rate is None or served is None:
+                continue
+            if (regime.median("preemptions_per_s") or 0.0) > 0:
+                continue
+            if (regime.median("waiting") or 0.0) >= 0.5:
+                continue
+            if best is None or rate > best.requests_per_s:
+                best = Capacity(rate, served, regime.median("running"), key)
+        return best
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "last_added": self.last_added,
+            "regimes": {
+                str(key): {"count": r.count, "values": {n: list(v) for n, v in r.values.items()}}
+                for key, r in sorted(self.regimes.items())
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Baseline:
+        """The inverse of ``to_json``; ValueError (one line) for anything malformed."""
+        try:
+            run = data["run"]
+            last = data.get("last_added")
+            if not isinstance(run, str) or not (last is None or _is_number(last)):
+                raise ValueError("run must be a string and last_added a number or null")
+            regimes = {}
+            for key, entry in data["regimes"].items():
+                values = {}
+                for name, seq in entry["values"].items():
+                    if name not in METRICS or not all(_is_number(v) for v in seq):
+                        raise ValueError(f"regime {key}: bad values for {name!r}")
+                    values[name] = tuple(float(v) for v in seq)
+                count = entry["count"]
+                if not isinstance(count, int) or count < 0:
+                    raise ValueError(f"regime {key}: bad count {count!r}")
+                regimes[int(key)] = Regime(count, values)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"baseline: malformed ({type(exc).__name__}: {exc})") from None
+        except ValueError as exc:
+            raise ValueError(f"baseline: {exc}") from None
+        return cls(run, regimes, None if last is None else float(last))
+
+
+def _is_number(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The current window against the baseline of its regime; ratios are current over
+    baseline, oriented so that below 1 means slower."""
+
+    regime: int
+    ratio: float | None  # the speed verdict: the larger of decode and per_request
+    decode: float | None  # baseline mean ITL / current mean ITL
+    per_request: float | None  # generation tokens/s per running request, current / baseline
+    throughput: float | None  # all tokens/s, current / baseline (evidence only)
+    ttft: float | None  # baseline TTFT p50 / current (evidence only: queueing moves it)
+    baseline: Mapping[str, float]
+
+
+def compare(stats: WindowStats, key: int, regime: Regime) -> Comparison:
+    """Compare like with like. The speed ratio takes the larger of the two speed measures, so
+    a restart needs both the per-token latency and the per-request output rate to be down."""
+    base = regime.medians
+    decode = _ratio(base.get("itl"), stats.itl)
+    per_request = _ratio(stats.per_request, base.get("per_request"))
+    present = [r for r in (decode, per_request) if r is not None]
+    return Comparison(
+        regime=key,
+        ratio=max(present) if present else None,
+        decode=decode,
+        per_request=per_request,
+        throughput=_ratio(stats.tokens_per_s, base.get("tokens_per_s")),
+        ttft=_ratio(base.get("ttft_p50"), stats.ttft_p50),
+        baseline=base,
+    )
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def counters(metrics: VllmMetrics) -> tuple[float | None, ...]:
+    """The cumulative counters whose drop means vLLM restarted (as rates.is_reset reads them),
+    compact enough to keep between calls."""
+    return (
+        metrics.generation_tokens_total,
+        metrics.prompt_tokens_total,
+        metrics.request_success_total,
+        metrics.num_preemptions_total,
+        metrics.engine_steps_total,
+    )

@@ -1,0 +1,728 @@
+"""Diagnosis: why the server is slow, with the numbers that say so.
+
+A restart helps only against some causes, so the engine names the cause before anything else.
+Symptoms (speed below the baseline, KV pressure, requests waiting beside free KV, no progress,
+memory rising with requests served) must hold for a while (hysteresis: enter below one ratio,
+leave above a higher one) before they count. Explanations that a restart cannot fix (a
+throttled or faulty GPU, more or different demand than the fresh server saw) veto them.
+
+Restart-fixable: uptime_decline, kv_pressure, kv_stranded, stall, host_memory_growth.
+Vetoed: gpu_throttle, gpu_fault, load_shift. Reported only: engine_down (systemd's
+``Restart=`` handles a dead process).
+
+Pure: every function takes values (the window's statistics, the baseline comparison, GPU
+readings, the held-symptom state) and returns values, the new state included.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Union
+
+from vkvagent.baseline import Capacity, Comparison, WindowStats
+from vkvagent.flags import CATALOGUE, FlagValue
+from vkvagent.gpu import GpuReading
+from vkvagent.metrics import VllmMetrics
+
+FIXABLE = frozenset({"uptime_decline", "kv_pressure", "kv_stranded", "stall", "host_memory_growth"})
+VETOED = frozenset({"gpu_throttle", "gpu_fault", "load_shift"})
+CAUSES = (*sorted(FIXABLE), *sorted(VETOED), "engine_down")
+
+EvidenceValue = Union[float, int, str, bool, None]
+Evidence = Mapping[str, EvidenceValue]
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DiagnosisSettings:
+    """Thresholds (ratios are current / baseline; durations in seconds)."""
+
+    enter_ratio: float = 0.75  # speed below this fraction of the baseline: degraded...
+    leave_ratio: float = 0.85  # ...until it is back above this one
+    hold: float = 900.0  # how long a symptom must last before it counts
+    kv_full: float = 0.9  # mean KV usage at or above this is "near full"
+    kv_stranded_below: float = 0.8  # requests waiting while usage is below this: stranded
+    min_waiting: float = 1.0  # mean waiting requests that count as "requests wait"
+    min_preemptions_per_s: float = 0.01  # preemption rate that counts as "preempting"
+    load_tolerance: float = 0.1  # load above fresh capacity x (1 + this) is more load
+    mix_tolerance: float = 0.15  # prompt-token share moved more than this: another mix
+    stall_after: float = 120.0  # requests pending and no token or step for this long
+    throttle_clock_drop: float = 0.1  # SM clock below max x (1 - this) while throttled
+    fault_memory: float = 3600.0  # an XID keeps vetoing restarts this long
+    memory_min_span: float = 3600.0  # this run's memory series must cover this long
+    memory_min_growth: float = 2.0 * GIB  # bytes grown in this run, along with requests
+    memory_min_correlation: float = 0.9  # how steadily memory follows requests served
+
+    def __post_init__(self) -> None:
+        if not 0 < self.enter_ratio <= self.leave_ratio:
+            raise ValueError("diagnosis: need 0 < enter_ratio <= leave_ratio")
+        if not 0 < self.kv_stranded_below <= self.kv_full <= 1:
+            raise ValueError("diagnosis: need 0 < kv_stranded_below <= kv_full <= 1")
+
+
+# -- state carried between calls ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hysteresis:
+    """A symptom that must hold for ``hold`` seconds to become active, and stays active until
+    its leaving condition is seen. Times are UTC Unix seconds."""
+
+    active: bool = False
+    pending_since: float | None = None
+    active_since: float | None = None
+
+    def step(
+        self, entering: bool | None, leaving: bool | None, now: float, hold: float
+    ) -> Hysteresis:
+        """``entering``: the symptom's threshold is crossed now; ``leaving``: it is clearly
+        gone. In between (or None: no evidence, e.g. no baseline at this load) nothing
+        changes, so noise around the entering threshold neither resets the clock nor fires:
+        the symptom becomes active when it is crossed again ``hold`` after it first was."""
+        if leaving:
+            return Hysteresis()
+        if self.active or not entering:
+            return self
+        since = self.pending_since if self.pending_since is not None else now
+        if now - since >= hold:
+            return Hysteresis(True, since, now)
+        return Hysteresis(False, since, None)
+
+    def held_for(self, now: float) -> float:
+        return 0.0 if self.pending_since is None else now - self.pending_since
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "active": self.active,
+            "pending_since": self.pending_since,
+            "active_since": self.active_since,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Hysteresis:
+        return cls(
+            bool(data["active"]),
+            _opt_float(data["pending_since"]),
+            _opt_float(data["active_since"]),
+        )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The stall clock: when the engine last showed progress (monotonic seconds)."""
+
+    since: float | None = None
+
+    def observe(self, before: VllmMetrics | None, after: VllmMetrics, mono: float) -> Progress:
+        """Progress is any work counter moving, or nothing to do; no comparison (the first
+        sample of a run) restarts the clock rather than accuse the engine."""
+        pending = (after.num_requests_running or 0) + (after.num_requests_waiting or 0)
+        if before is None or self.since is None or pending <= 0 or _advanced(before, after):
+            return Progress(mono)
+        return self
+
+    def stalled_for(self, latest: VllmMetrics, mono: float) -> float:
+        pending = (latest.num_requests_running or 0) + (latest.num_requests_waiting or 0)
+        return 0.0 if self.since is None or pending <= 0 else max(0.0, mono - self.since)
+
+
+def _advanced(before: VllmMetrics, after: VllmMetrics) -> bool:
+    compared = False
+    for read in _WORK:
+        old, new = read(before), read(after)
+        if old is not None and new is not None:
+            compared = True
+            if new != old:  # up, or down after a reset: either way the engine moved
+                return True
+    return not compared  # nothing to compare: cannot tell, so do not accuse
+
+
+_WORK: tuple[Callable[[VllmMetrics], float | None], ...] = (
+    lambda m: m.generation_tokens_total,
+    lambda m: m.engine_steps_total,
+    lambda m: m.prompt_tokens_total,
+    lambda m: m.request_success_total,
+)
+
+
+@dataclass(frozen=True)
+class DiagnosisState:
+    """Everything diagnosis remembers between calls."""
+
+    speed: Hysteresis = Hysteresis()
+    kv: Hysteresis = Hysteresis()
+    stranded: Hysteresis = Hysteresis()
+    progress: Progress = Progress()
+    throttled_at: float | None = None  # UTC time a throttled GPU was last seen
+    throttle_note: str = ""
+    fault_at: float | None = None  # UTC time an XID was last seen
+    fault_note: str = ""
+
+    def for_new_run(self) -> DiagnosisState:
+        """A new vLLM process: symptoms start over; what the GPUs did is kept."""
+        return DiagnosisState(
+            throttled_at=self.throttled_at,
+            throttle_note=self.throttle_note,
+            fault_at=self.fault_at,
+            fault_note=self.fault_note,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "speed": self.speed.to_json(),
+            "kv": self.kv.to_json(),
+            "stranded": self.stranded.to_json(),
+            "progress_since": self.progress.since,
+            "throttled_at": self.throttled_at,
+            "throttle_note": self.throttle_note,
+            "fault_at": self.fault_at,
+            "fault_note": self.fault_note,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> DiagnosisState:
+        return cls(
+            speed=Hysteresis.from_json(data["speed"]),
+            kv=Hysteresis.from_json(data["kv"]),
+            stranded=Hysteresis.from_json(data["stranded"]),
+            progress=Progress(_opt_float(data["progress_since"])),
+            throttled_at=_opt_float(data["throttled_at"]),
+            throttle_note=str(data["throttle_note"]),
+            fault_at=_opt_float(data["fault_at"]),
+            fault_note=str(data["fault_note"]),
+        )
+
+
+def _opt_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number or null, got {value!r}")
+    return float(value)
+
+
+# -- inputs and result -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """The vLLM unit's memory at one moment (systemd's MemoryCurrent), with the requests the
+    run had served by then (``request_success_total``)."""
+
+    mono: float
+    bytes: float
+    requests_served: float
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What the engine hands diagnosis for one evaluation."""
+
+    stats: WindowStats | None  # the current window; None when too short to judge
+    comparison: Comparison | None  # against the baseline of its regime; None: unknown
+    regime: str  # the current regime, in words ("running 16-22.6", or "idle")
+    known: str  # the regimes the baseline knows, in words
+    learning: str  # why there is no baseline yet (warm-up), or ""
+    capacity: Capacity | None = None  # the heaviest load the fresh run served cleanly
+    gpus: Sequence[tuple[GpuReading, ...]] = ()  # readings of each sample not seen before
+    stalled_for: float = 0.0
+    memory: Sequence[MemoryPoint] = ()  # oldest first
+    run_began: float | None = None  # monotonic time this vLLM run began
+    down: str | None = None  # why there is no live engine to judge, if so
+    flags: Mapping[str, FlagValue] = field(default_factory=dict)  # the flags in effect
+    cache_config: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The cause (None: nothing wrong, or nothing known), the numbers behind it, and a line
+    saying why. ``symptom`` says what is wrong even when the cause vetoes a restart."""
+
+    cause: str | None
+    summary: str
+    evidence: Evidence = field(default_factory=dict)
+    symptom: str | None = None
+    suggestion: Mapping[str, FlagValue] = field(default_factory=dict)
+
+    @property
+    def fixable(self) -> bool:
+        return self.cause in FIXABLE
+
+    @property
+    def vetoed(self) -> bool:
+        return self.cause in VETOED
+
+
+def diagnose(
+    settings: DiagnosisSettings, state: DiagnosisState, situation: Situation, now: float
+) -> tuple[Diagnosis, DiagnosisState]:
+    """One evaluation: update the held symptoms and what the GPUs did, then name the cause.
+
+    Order: engine_down, gpu_fault, stall, then the held symptoms (KV pressure, stranded KV,
+    memory growth, speed), each checked against what would explain it instead."""
+    s = settings
+    state = _remember_gpus(s, state, situation.gpus, now)
+    if situation.down is not None:
+        return Diagnosis(
+            "engine_down",
+            f"engine down: {situation.down}",
+            {"detail": situation.down},
+            symptom="engine down",
+        ), state
+    stats, cmp = situation.stats, situation.comparison
+    state = _step_symptoms(s, state, stats, cmp, situation.capacity, now)
+    evidence: dict[str, EvidenceValue] = _window_evidence(stats, cmp, situation)
+
+    if state.fault_at is not None and now - state.fault_at < s.fault_memory:
+        evidence["fault"] = state.fault_note
+        return Diagnosis(
+            "gpu_fault",
+            f"GPU fault: {state.fault_note}; a restart of vLLM does not repair a GPU",
+            evidence,
+            symptom="GPU fault",
+        ), state
+
+    if situation.stalled_for >= s.stall_after:
+        evidence["stalled_s"] = situation.stalled_for
+        line = (
+            f"requests pending and no token or engine step for "
+            f"{situation.stalled_for:.0f} s (limit {s.stall_after:.0f} s)"
+        )
+        return Diagnosis("stall", line, evidence, symptom="no progress"), state
+
+    throttle = _throttle(s, state, now)
+    if throttle:
+        evidence["gpu_throttle"] = throttle
+    capacity = situation.capacity
+    if capacity is not None:
+        evidence["fresh_capacity_requests_per_s"] = capacity.requests_per_s
+        evidence["fresh_capacity_generation_tokens_per_s"] = capacity.generation_tokens_per_s
+
+    if state.kv.active and stats is not None:
+        return _kv_pressure(s, state, situation, evidence, now), state
+
+    if state.stranded.active and stats is not None and capacity is not None:
+        symptom = (
+            f"{_num(stats.waiting, '.1f')} requests wait while KV usage is "
+            f"{_num(stats.kv_usage)}, serving {_num(stats.generation_tokens_per_s, '.0f')}"
+            f" tokens/s where the fresh server served "
+            f"{capacity.generation_tokens_per_s:.0f} without a queue"
+        )
+        vetoed = _veto(s, stats, cmp, capacity, throttle, evidence, symptom)
+        if vetoed:
+            return vetoed, state
+        return Diagnosis(
+            "kv_stranded",
+            f"{symptom}, for {_minutes(state.stranded.held_for(now))}",
+            evidence,
+            symptom=symptom,
+        ), state
+
+    growth = memory_growth(s, situation.memory, situation.run_began)
+    if growth is not None:
+        evidence.update(growth.evidence())
+        line = (
+            f"unit memory grew {growth.grown / GIB:.1f} GiB in step with requests served "
+            f"({growth.per_request:.0f} bytes each, r={growth.correlation:.2f})"
+        )
+        return Diagnosis("host_memory_growth", line, evidence, symptom="memory growth"), state
+
+    if state.speed.active and stats is not None and cmp is not None and cmp.ratio is not None:
+        symptom = f"speed {cmp.ratio:.2f} of this run's fresh baseline at {situation.regime}"
+        vetoed = _veto(s, stats, cmp, capacity, throttle, evidence, symptom)
+        if vetoed:
+            return vetoed, state
+        return Diagnosis(
+            "uptime_decline",
+            f"{symptom} for {_minutes(state.speed.held_for(now))}, at unchanged load and mix",
+            evidence,
+            symptom=symptom,
+        ), state
+
+    if throttle:
+        return Diagnosis(
+            "gpu_throttle", f"GPU throttled ({throttle}); speed not below baseline", evidence
+        ), state
+    return Diagnosis(None, _quiet_summary(s, state, situation, now), evidence), state
+
+
+def _step_symptoms(
+    s: DiagnosisSettings,
+    state: DiagnosisState,
+    stats: WindowStats | None,
+    cmp: Comparison | None,
+    capacity: Capacity | None,
+    now: float,
+) -> DiagnosisState:
+    ratio = cmp.ratio if cmp is not None else None
+    speed = state.speed.step(
+        None if ratio is None else ratio < s.enter_ratio,
+        None if ratio is None else ratio > s.leave_ratio,
+        now,
+        s.hold,
+    )
+    kv = None if stats is None else _kv_signature(s, stats)
+    kv_gone = None if stats is None else _kv_clear(s, stats)
+    stranded = _stranded_signature(s, stats, capacity)
+    return replace(
+        state,
+        speed=speed,
+        kv=state.kv.step(kv, kv_gone, now, s.hold),
+        stranded=state.stranded.step(
+            stranded, None if stranded is None else not stranded, now, s.hold
+        ),
+    )
+
+
+def _kv_signature(s: DiagnosisSettings, stats: WindowStats) -> bool:
+    """KV near full, preemptions going on and requests waiting: all three together."""
+    return (
+        stats.kv_usage is not None
+        and stats.kv_usage >= s.kv_full
+        and (stats.preemptions_per_s or 0.0) >= s.min_preemptions_per_s
+        and (stats.waiting or 0.0) >= s.min_waiting
+    )
+
+
+def _kv_clear(s: DiagnosisSettings, stats: WindowStats) -> bool:
+    """KV pressure is over: usage well below full, or no preemption, or no queue."""
+    return (
+        stats.kv_usage is None
+        or stats.kv_usage < s.kv_stranded_below
+        or (stats.preemptions_per_s or 0.0) < s.min_preemptions_per_s
+        or (stats.waiting or 0.0) < s.min_waiting
+    )
+
+
+def _stranded_signature(
+    s: DiagnosisSettings, stats: WindowStats | None, capacity: Capacity | None
+) -> bool | None:
+    """Requests wait beside free KV while the server serves clearly less than the load its
+    fresh self served without a queue. None: no fresh capacity to compare with."""
+    if stats is None or stats.kv_usage is None or stats.waiting is None:
+        return None
+    if stats.waiting < s.min_waiting or stats.kv_usage >= s.kv_stranded_below:
+        return False
+    if capacity is None or stats.generation_tokens_per_s is None:
+        return None
+    return stats.generation_tokens_per_s < capacity.generation_tokens_per_s * s.enter_ratio
+
+
+def _kv_pressure(
+    s: DiagnosisSettings,
+    state: DiagnosisState,
+    situation: Situation,
+    evidence: dict[str, EvidenceValue],
+    now: float,
+) -> Diagnosis:
+    """KV pressure is a degradation only at a load the fresh server handled cleanly; at more
+    demand than that it is load. Demand is estimated as arrivals (completions plus the growth
+    of the queue), since a degraded server completes less than it is asked."""
+    stats = situation.stats
+    assert stats is not None
+    symptom = (
+        f"KV usage {_num(stats.kv_usage)}, {_num(stats.preemptions_per_s)} "
+        f"preemptions/s, {_num(stats.waiting, '.1f')} waiting, for "
+        f"{_minutes(state.kv.held_for(now))}"
+    )
+    capacity = situation.capacity
+    if capacity is None:
+        return Diagnosis(
+            None,
+            f"unknown baseline: {symptom}, but this run has no fresh "
+            "preemption-free baseline to tell load from degradation",
+            evidence,
+            symptom=symptom,
+        )
+    demand = _demand(stats)
+    if demand > capacity.requests_per_s * (1 + s.load_tolerance):
+        return Diagnosis(
+            "load_shift",
+            f"{symptom} at {demand:.2f} requests/s of demand, "
+            f"beyond the {capacity.requests_per_s:.2f}/s the fresh server served "
+            "without preemption",
+            evidence,
+            symptom=symptom,
+        )
+    suggestion = kv_suggestion(capacity, situation.flags, situation.cache_config)
+    return Diagnosis(
+        "kv_pressure",
+        f"{symptom} at {demand:.2f} requests/s of demand, a load "
+        f"the fresh server served without preemption "
+        f"({capacity.requests_per_s:.2f}/s)",
+        evidence,
+        symptom=symptom,
+        suggestion=suggestion,
+    )
+
+
+def _demand(stats: WindowStats) -> float:
+    """The load asked of the server: arrivals, or completions when it is working off a
+    backlog (then it serves more than it is asked, and more than its fresh self did)."""
+    return max(stats.arrivals_per_s or 0.0, stats.requests_per_s or 0.0)
+
+
+def _veto(
+    s: DiagnosisSettings,
+    stats: WindowStats,
+    cmp: Comparison | None,
+    capacity: Capacity | None,
+    throttle: str,
+    evidence: dict[str, EvidenceValue],
+    symptom: str,
+) -> Diagnosis | None:
+    """The explanation a restart cannot fix, if one explains the symptom."""
+    if throttle:
+        return Diagnosis(
+            "gpu_throttle",
+            f"{symptom}, and the GPU is throttled ({throttle})",
+            evidence,
+            symptom=symptom,
+        )
+    mix = stats.prompt_share
+    fresh_mix = cmp.baseline.get("prompt_share") if cmp is not None else None
+    if mix is not None and fresh_mix is not None and abs(mix - fresh_mix) > s.mix_tolerance:
+        return Diagnosis(
+            "load_shift",
+            f"{symptom}, but the request mix changed: prompt share "
+            f"{mix:.2f} against {fresh_mix:.2f} fresh",
+            evidence,
+            symptom=symptom,
+        )
+    demand = _demand(stats)
+    queueing = (stats.waiting or 0.0) >= s.min_waiting
+    if (
+        queueing
+        and capacity is not None
+        and demand > capacity.requests_per_s * (1 + s.load_tolerance)
+    ):
+        return Diagnosis(
+            "load_shift",
+            f"{symptom}, but requests queue at {demand:.2f}/s of "
+            f"demand, beyond the {capacity.requests_per_s:.2f}/s the fresh server "
+            "served",
+            evidence,
+            symptom=symptom,
+        )
+    return None
+
+
+# -- GPUs --------------------------------------------------------------------------------------
+
+
+def _remember_gpus(
+    s: DiagnosisSettings,
+    state: DiagnosisState,
+    gpus: Sequence[tuple[GpuReading, ...]],
+    now: float,
+) -> DiagnosisState:
+    """Throttling and faults are seen in some samples only (an XID is reported once); keep
+    the latest of each, so it vetoes for as long as it can explain a held symptom."""
+    throttled, faults = [], []
+    for readings in gpus:
+        for gpu in readings:
+            if _throttled(s, gpu):
+                throttled.append(
+                    f"GPU {gpu.index} {'+'.join(gpu.throttled_by)}, SM clock "
+                    f"{gpu.sm_clock_mhz:.0f}/{gpu.sm_clock_max_mhz:.0f} MHz"
+                )
+            if gpu.xid_errors:
+                faults.append(f"GPU {gpu.index} XID {','.join(map(str, gpu.xid_errors))}")
+            if gpu.ecc_uncorrected_volatile:
+                faults.append(
+                    f"GPU {gpu.index} {gpu.ecc_uncorrected_volatile} uncorrectable ECC errors"
+                )
+    if throttled:
+        state = replace(state, throttled_at=now, throttle_note=throttled[-1])
+    if faults:
+        state = replace(state, fault_at=now, fault_note="; ".join(dict.fromkeys(faults)))
+    return state
+
+
+def _throttled(s: DiagnosisSettings, gpu: GpuReading) -> bool:
+    clock, top = gpu.sm_clock_mhz, gpu.sm_clock_max_mhz
+    return bool(
+        gpu.throttled_by and clock is not None and top and clock < top * (1 - s.throttle_clock_drop)
+    )
+
+
+def _throttle(s: DiagnosisSettings, state: DiagnosisState, now: float) -> str:
+    """The throttling that can still explain a symptom held for ``hold``, or ""."""
+    if state.throttled_at is not None and now - state.throttled_at <= s.hold:
+        return state.throttle_note
+    return ""
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryTrend:
+    """Memory rising with requests served: the fit behind ``host_memory_growth``."""
+
+    grown: float  # bytes, along the fitted line over the requests served in the series
+    per_request: float  # bytes per request served (the slope)
+    correlation: float
+    current: float  # bytes now
+    span: float  # seconds covered
+
+    def evidence(self) -> dict[str, EvidenceValue]:
+        return {
+            "memory_growth_bytes": self.grown,
+            "bytes_per_request": self.per_request,
+            "memory_correlation": self.correlation,
+            "memory_bytes": self.current,
+            "memory_span_s": self.span,
+        }
+
+
+def memory_growth(
+    s: DiagnosisSettings, points: Sequence[MemoryPoint], since: float | None = None
+) -> MemoryTrend | None:
+    """Memory that rises steadily with requests served (a per-request leak), or None.
+
+    A least-squares line of bytes against requests served, over this run's points (those
+    from monotonic time ``since`` on; oldest first): it must span ``memory_min_span``,
+    follow requests closely (correlation) and have grown ``memory_min_growth``. At most
+    ``_FIT_POINTS`` points, evenly spread, enter the fit, so a long series costs no more."""
+    first = 0 if since is None else _first_from(points, since)
+    if len(points) - first < 6 or points[-1].mono - points[first].mono < s.memory_min_span:
+        return None
+    step = max(1, (len(points) - first) // _FIT_POINTS)
+    kept = list(points[first::step])
+    if kept[-1] is not points[-1]:
+        kept.append(points[-1])
+    n = len(kept)
+    mean_r = sum(p.requests_served for p in kept) / n
+    mean_b = sum(p.bytes for p in kept) / n
+    srr = sum((p.requests_served - mean_r) ** 2 for p in kept)
+    sbb = sum((p.bytes - mean_b) ** 2 for p in kept)
+    srb = sum((p.requests_served - mean_r) * (p.bytes - mean_b) for p in kept)
+    if srr <= 0 or sbb <= 0:
+        return None
+    slope = srb / srr
+    correlation = srb / math.sqrt(srr * sbb)
+    grown = slope * (kept[-1].requests_served - kept[0].requests_served)
+    if slope <= 0 or correlation < s.memory_min_correlation or grown < s.memory_min_growth:
+        return None
+    return MemoryTrend(grown, slope, correlation, kept[-1].bytes, kept[-1].mono - kept[0].mono)
+
+
+_FIT_POINTS = 64
+
+
+def _first_from(points: Sequence[MemoryPoint], since: float) -> int:
+    """Index of the first point at or after ``since`` (binary search; bisect's ``key`` needs
+    Python 3.10)."""
+    low, high = 0, len(points)
+    while low < high:
+        middle = (low + high) // 2
+        if points[middle].mono < since:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+# -- suggestion --------------------------------------------------------------------------------
+
+
+def kv_suggestion(
+    capacity: Capacity, flags: Mapping[str, FlagValue], cache_config: Mapping[str, str]
+) -> dict[str, FlagValue]:
+    """Flag changes that give KV more room or ask less of it, for an operator to review:
+    a little more memory for the cache; at most 1.5 times the concurrency the fresh server
+    needed at its heaviest clean load (more only preempts); half the prefill chunk. Only
+    values derived from what is known, each within the catalogue's limits."""
+    out: dict[str, FlagValue] = {}
+    memory = _number(flags.get("gpu-memory-utilization"))
+    if memory is None:
+        memory = _number(cache_config.get("gpu_memory_utilization"))
+    top = min(0.95, CATALOGUE["gpu-memory-utilization"].maximum or 0.95)
+    if memory is not None and memory < top:
+        out["gpu-memory-utilization"] = round(min(top, memory + 0.03), 2)
+    seqs = _number(flags.get("max-num-seqs"))
+    if capacity.running is not None:
+        cap = max(8, math.ceil(capacity.running * 1.5 / 8) * 8)
+        if seqs is None or cap < seqs:
+            out["max-num-seqs"] = cap
+    batched = _number(flags.get("max-num-batched-tokens"))
+    if batched is not None and batched > 2048:
+        # Never below 2048, nor below the sequences one step must hold.
+        sequences = _number(out.get("max-num-seqs")) or seqs or 1
+        out["max-num-batched-tokens"] = int(max(2048, sequences, batched // 2))
+    return out
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+# -- words -------------------------------------------------------------------------------------
+
+
+def _window_evidence(
+    stats: WindowStats | None, cmp: Comparison | None, situation: Situation
+) -> dict[str, EvidenceValue]:
+    out: dict[str, EvidenceValue] = {"regime": situation.regime}
+    if stats is not None:
+        out.update(stats.values())
+        out["arrivals_per_s"] = stats.arrivals_per_s
+        out["window_s"] = stats.seconds
+    if cmp is not None:
+        out["ratio"] = cmp.ratio
+        out["decode_ratio"] = cmp.decode
+        out["per_request_ratio"] = cmp.per_request
+        out["throughput_ratio"] = cmp.throughput
+        out["ttft_ratio"] = cmp.ttft
+        for name in ("itl", "per_request", "running", "requests_per_s", "prompt_share"):
+            if name in cmp.baseline:
+                out["baseline_" + name] = cmp.baseline[name]
+    return out
+
+
+def _quiet_summary(
+    s: DiagnosisSettings, state: DiagnosisState, situation: Situation, now: float
+) -> str:
+    """Why nothing is wrong, or why nothing can be said yet."""
+    stats, cmp = situation.stats, situation.comparison
+    if stats is None:
+        return "learning: not enough samples in this run's window yet"
+    if situation.regime == "idle":
+        return "idle: no request running, nothing to compare"
+    if cmp is None or cmp.ratio is None:
+        if situation.learning:
+            return f"learning: {situation.learning}"
+        return (
+            f"unknown baseline: nothing learned at {situation.regime} "
+            f"(known: {situation.known or 'none'})"
+        )
+    if state.speed.pending_since is not None:
+        return (
+            f"watching: speed {cmp.ratio:.2f} of baseline at {situation.regime} for "
+            f"{_minutes(state.speed.held_for(now))} (needs {_minutes(s.hold)})"
+        )
+    if state.kv.pending_since is not None or state.stranded.pending_since is not None:
+        return f"watching: KV signature building up at {situation.regime}"
+    if cmp.ratio < s.leave_ratio:
+        return (
+            f"watching: speed {cmp.ratio:.2f} of baseline at {situation.regime} (acts below "
+            f"{s.enter_ratio:g} held {_minutes(s.hold)})"
+        )
+    return f"healthy: speed {cmp.ratio:.2f} of baseline at {situation.regime}"
+
+
+def _num(value: float | None, spec: str = ".2f") -> str:
+    return "?" if value is None else format(value, spec)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min"

@@ -1,0 +1,477 @@
+"""The decision engine: ``decide(settings, state, observed, now) -> Decision``.
+
+One pure function shared by the daemon, replay, the demo and the benchmark: baseline, then
+diagnosis, then policy. Everything it needs comes in as values (recent samples, the unit's
+state and memory, the restart history, the operator's pause/resume, ``now``); everything it
+concludes goes out as a value, including why it did not act and the state to pass to the next
+call (this run's baseline, the held symptoms, the stall clock). It reads no clock, does no I/O
+and keeps nothing between calls; ``EngineState.to_json`` is what a caller persists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any
+
+from vkvagent import policy
+from vkvagent.baseline import (
+    Baseline,
+    BaselineSettings,
+    WindowStats,
+    compare,
+    regime_label,
+    regime_of,
+    window_stats,
+)
+from vkvagent.diagnosis import (
+    Diagnosis,
+    DiagnosisSettings,
+    DiagnosisState,
+    Evidence,
+    EvidenceValue,
+    MemoryPoint,
+    Situation,
+    diagnose,
+)
+from vkvagent.flags import FlagValue
+from vkvagent.metrics import VllmMetrics
+from vkvagent.policy import Controls, PolicySettings, RestartRecord
+from vkvagent.rates import is_reset
+from vkvagent.sample import Sample
+
+ACTIONS = ("restart", "hold", "none")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The engine's settings, one part per stage."""
+
+    baseline: BaselineSettings = field(default_factory=BaselineSettings)
+    diagnosis: DiagnosisSettings = field(default_factory=DiagnosisSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the caller observed, up to ``now``.
+
+    ``samples``: the recent samples, oldest first, covering at least the baseline window
+    (more is harmless: only the trailing window is summarised; samples already seen by an
+    earlier call are recognised by their monotonic time). ``memory``: the unit's memory
+    (systemd's MemoryCurrent) with ``request_success_total`` at the same moment, oldest first,
+    since this vLLM run began (earlier points are ignored); one point a minute is plenty.
+    """
+
+    samples: Sequence[Sample]
+    unit_active: bool | None = None  # systemd ActiveState == "active"; None: not known
+    unit_started: float | None = None  # UTC when the unit became active: uptime fallback
+    memory: Sequence[MemoryPoint] = ()
+    restarts: Sequence[RestartRecord] = ()
+    controls: Controls = field(default_factory=Controls)
+    flags: Mapping[str, FlagValue] = field(default_factory=dict)  # vLLM flags in effect
+
+
+@dataclass(frozen=True)
+class RunState:
+    """Which vLLM run the samples belong to, and how far they have been read."""
+
+    key: str | None = None  # "start:<process_start_time>" or "mono:<first sample>"
+    started: float | None = None  # process_start_time (UTC), when the page has it
+    first_mono: float | None = None  # monotonic time of the run's first sample seen
+    cursor: float | None = None  # monotonic time of the last sample read
+    counters: tuple[float | None, ...] = ()  # that sample's cumulative counters
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "started": self.started,
+            "first_mono": self.first_mono,
+            "cursor": self.cursor,
+            "counters": list(self.counters),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> RunState:
+        return cls(
+            key=None if data["key"] is None else str(data["key"]),
+            started=_opt(data["started"]),
+            first_mono=_opt(data["first_mono"]),
+            cursor=_opt(data["cursor"]),
+            counters=tuple(_opt(v) for v in data["counters"]),
+        )
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """Everything carried from one call to the next (persist it with ``to_json``)."""
+
+    run: RunState = field(default_factory=RunState)
+    baseline: Baseline | None = None  # this run's
+    previous: Baseline | None = None  # the last run's, to judge whether a restart helped
+    diagnosis: DiagnosisState = field(default_factory=DiagnosisState)
+    recovered: bool | None = None  # did this run's fresh speed match the previous run's
+    seen: float | None = None  # monotonic time of the newest sample read, valid or not
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "run": self.run.to_json(),
+            "baseline": self.baseline.to_json() if self.baseline else None,
+            "previous": self.previous.to_json() if self.previous else None,
+            "diagnosis": self.diagnosis.to_json(),
+            "recovered": self.recovered,
+            "seen": self.seen,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> EngineState:
+        """The inverse of ``to_json``; ValueError (one line) for anything malformed, so a
+        corrupt state file costs the learned baselines, never the daemon."""
+        try:
+            if data.get("version") != 1:
+                raise ValueError(f"unknown version {data.get('version')!r}")
+            recovered = data["recovered"]
+            if recovered is not None and not isinstance(recovered, bool):
+                raise ValueError("recovered must be true, false or null")
+            return cls(
+                run=RunState.from_json(data["run"]),
+                baseline=Baseline.from_json(data["baseline"]) if data["baseline"] else None,
+                previous=Baseline.from_json(data["previous"]) if data["previous"] else None,
+                diagnosis=DiagnosisState.from_json(data["diagnosis"]),
+                recovered=recovered,
+                seen=_opt(data["seen"]),
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"engine state: {type(exc).__name__}: {exc}") from None
+
+
+def _opt(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number or null, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One evaluation's outcome. ``action``: restart (act now), hold (a restart would help or
+    a symptom is present, but ``reason`` blocks it) or none (nothing to do). ``reason`` always
+    says why, starting with the deciding word ("restart", "outside window", "cooldown",
+    "budget", "vetoed", "unknown baseline", "observe mode", "healthy", ...)."""
+
+    time: datetime
+    action: str
+    cause: str | None
+    reason: str
+    evidence: Evidence
+    ratio: float | None  # current speed / this run's fresh baseline at the same regime
+    window_open: bool
+    next_window: datetime | None
+    uptime: float | None
+    state: EngineState
+    suggestion: Mapping[str, FlagValue] = field(default_factory=dict)  # kv_pressure flags
+    recovered: bool | None = None  # whether the last restart restored the fresh speed
+    drain_max_in_flight: int | None = None  # for a restart; None: do not drain (emergency)
+
+    def to_json(self) -> dict[str, Any]:
+        """The decision as replay's JSON prints it (the state is persisted separately)."""
+        return {
+            "time": _iso(self.time),
+            "action": self.action,
+            "cause": self.cause,
+            "reason": self.reason,
+            "window_open": self.window_open,
+            "next_window": _iso(self.next_window) if self.next_window else None,
+            "ratio": _rounded(self.ratio),
+            "uptime": _rounded(self.uptime),
+            "evidence": {k: _rounded(v) for k, v in self.evidence.items()},
+            "suggestion": dict(self.suggestion),
+            "recovered": self.recovered,
+            "drain_max_in_flight": self.drain_max_in_flight,
+        }
+
+
+def _iso(at: datetime) -> str:
+    return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _rounded(value: EvidenceValue) -> EvidenceValue:
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.6g}")
+    return value
+
+
+def decide(
+    settings: Settings, state: EngineState, observed: Observation, now: datetime
+) -> Decision:
+    """Evaluate once. ``now`` must be timezone-aware; ``state`` is the previous decision's
+    (``EngineState()`` the first time)."""
+    if now.tzinfo is None or now.utcoffset() is None:
+        raise ValueError("decide: now must be a timezone-aware datetime")
+    at = now.timestamp()
+    b = settings.baseline
+    state = _after_reboot(state, observed.samples)
+    fresh = [s for s in observed.samples if state.seen is None or s.mono > state.seen]
+    valid = _ordered(observed.samples)
+    state = _read_samples(state, valid)
+    latest = valid[-1] if valid else None
+    segment = _segment(valid, b.window)
+    stats = _stats(segment, b)
+    uptime = _uptime(state.run, latest, observed.unit_started)
+
+    baseline = state.baseline or Baseline(run=state.run.key or "none")
+    key = regime_of(stats, b) if stats else None
+    regime = baseline.known(key, b)
+    comparison = compare(stats, key, regime) if stats and regime and key is not None else None
+    situation = Situation(
+        stats=stats,
+        comparison=comparison,
+        regime="idle" if key is None else regime_label(key, b),
+        known=", ".join(regime_label(k, b) for k in baseline.known_keys(b)),
+        learning=_learning(b, baseline, uptime),
+        capacity=baseline.capacity(b),
+        gpus=[s.gpus for s in fresh],
+        stalled_for=(
+            state.diagnosis.progress.stalled_for(latest.vllm, latest.mono)
+            if latest is not None and latest.vllm is not None
+            else 0.0
+        ),
+        memory=observed.memory,
+        run_began=latest.mono - uptime if latest is not None and uptime is not None else None,
+        down=_down(observed),
+        flags=observed.flags,
+        cache_config=latest.vllm.cache_config if latest is not None and latest.vllm else {},
+    )
+    diagnosis, dstate = diagnose(settings.diagnosis, state.diagnosis, situation, at)
+
+    quiet = (
+        diagnosis.cause is None
+        and dstate.speed.pending_since is None
+        and dstate.kv.pending_since is None
+        and (dstate.throttled_at is None or at - dstate.throttled_at > settings.diagnosis.hold)
+    )
+    if stats is not None and latest is not None and quiet:
+        baseline = baseline.learn(stats, mono=latest.mono, uptime=uptime, settings=b)
+    recovered = state.recovered
+    if recovered is None and state.previous is not None:
+        recovered = _recovered(settings, state.previous, baseline)
+    seen = max((s.mono for s in fresh), default=state.seen)
+    state = replace(state, baseline=baseline, diagnosis=dstate, recovered=recovered, seen=seen)
+
+    verdict = policy.evaluate(
+        settings.policy,
+        cause=diagnosis.cause,
+        wanted=diagnosis.fixable,
+        uptime=uptime,
+        request_rate=stats.requests_per_s if stats else None,
+        history=observed.restarts,
+        controls=observed.controls,
+        now=now,
+    )
+    action, reason = _action(settings.policy, diagnosis, verdict, uptime)
+    evidence = dict(diagnosis.evidence)
+    evidence["uptime_s"] = uptime
+    evidence["run"] = state.run.key
+    return Decision(
+        time=now,
+        action=action,
+        cause=verdict.cause if verdict.cause == policy.SCHEDULED else diagnosis.cause,
+        reason=reason,
+        evidence=evidence,
+        ratio=comparison.ratio if comparison and diagnosis.cause != "engine_down" else None,
+        window_open=verdict.window_open,
+        next_window=verdict.next_window,
+        uptime=uptime,
+        state=state,
+        suggestion=diagnosis.suggestion,
+        recovered=recovered,
+        drain_max_in_flight=verdict.drain_max_in_flight if action == "restart" else None,
+    )
+
+
+def _action(
+    settings: PolicySettings, diagnosis: Diagnosis, verdict: policy.Verdict, uptime: float | None
+) -> tuple[str, str]:
+    """Combine what diagnosis found with what the policy allows into (action, reason)."""
+    if settings.mode == "off":
+        return "none", verdict.reason
+    if verdict.cause == policy.SCHEDULED:
+        why = f"scheduled: uptime {(uptime or 0) / 3600:.1f} h >= {settings.max_uptime / 3600:g} h"
+        return verdict.action, f"{verdict.reason}; {why}"
+    if diagnosis.fixable:
+        return verdict.action, f"{verdict.reason}; {diagnosis.cause}: {diagnosis.summary}"
+    if diagnosis.vetoed:
+        action = "hold" if diagnosis.symptom else "none"
+        return action, f"vetoed: {diagnosis.cause}: {diagnosis.summary}"
+    return "none", diagnosis.summary
+
+
+# -- reading samples ---------------------------------------------------------------------------
+
+
+def _ordered(samples: Sequence[Sample]) -> list[Sample]:
+    """Valid samples in increasing monotonic time (a repeated or earlier time is dropped)."""
+    out: list[Sample] = []
+    for sample in samples:
+        if sample.vllm is not None and (not out or sample.mono > out[-1].mono):
+            out.append(sample)
+    return out
+
+
+def _after_reboot(state: EngineState, samples: Sequence[Sample]) -> EngineState:
+    """A persisted state read after the host rebooted: the monotonic clock began again, so
+    every sample looks older than the last one read. Forget how far samples were read; the
+    run itself is then recognised (or not) by its process start time and counters."""
+    if not samples or state.seen is None or max(s.mono for s in samples) >= state.seen:
+        return state
+    return replace(state, seen=None, run=replace(state.run, cursor=None))
+
+
+def _counters(metrics: VllmMetrics) -> tuple[float | None, ...]:
+    # The counters rates.is_reset reads, compact enough to keep between calls.
+    return (
+        metrics.generation_tokens_total,
+        metrics.prompt_tokens_total,
+        metrics.request_success_total,
+        metrics.num_preemptions_total,
+        metrics.engine_steps_total,
+    )
+
+
+def _read_samples(state: EngineState, valid: list[Sample]) -> EngineState:
+    """Advance the run tracking and the stall clock over the samples not read before. A new
+    process start time or a counter going down starts a new run (and a new baseline)."""
+    run, progress = state.run, state.diagnosis.progress
+    for index, sample in enumerate(valid):
+        if run.cursor is not None and sample.mono <= run.cursor:
+            continue
+        metrics = sample.vllm
+        assert metrics is not None
+        before = valid[index - 1].vllm if index > 0 else None
+        restarted = is_reset(before, metrics) if before is not None else _differs(run, metrics)
+        if run.key is None or restarted:
+            state = _new_run(
+                replace(state, diagnosis=replace(state.diagnosis, progress=progress)), sample
+            )
+            run, progress, before = state.run, state.diagnosis.progress, None
+        progress = progress.observe(before, metrics, sample.mono)
+        run = replace(
+            run,
+            cursor=sample.mono,
+            counters=_counters(metrics),
+            started=metrics.process_start_time or run.started,
+        )
+    return replace(state, run=run, diagnosis=replace(state.diagnosis, progress=progress))
+
+
+def _differs(run: RunState, metrics: VllmMetrics) -> bool:
+    """Whether a sample with no predecessor in the window belongs to another run than the
+    last one read (compared with what was kept of it)."""
+    if run.key is None:
+        return False
+    start = metrics.process_start_time
+    if start is not None and run.started is not None and start != run.started:
+        return True
+    return any(
+        old is not None and new is not None and new < old
+        for old, new in zip(run.counters, _counters(metrics))
+    )
+
+
+def _new_run(state: EngineState, sample: Sample) -> EngineState:
+    metrics = sample.vllm
+    assert metrics is not None
+    start = metrics.process_start_time
+    key = f"start:{start:.3f}" if start is not None else f"mono:{sample.mono:.3f}"
+    old = state.baseline
+    keep = old if old is not None and old.regimes else state.previous
+    return EngineState(
+        run=RunState(key=key, started=start, first_mono=sample.mono),
+        baseline=Baseline(run=key),
+        previous=keep if state.run.key is not None else state.previous,
+        diagnosis=state.diagnosis.for_new_run(),
+        recovered=None,
+        seen=state.seen,
+    )
+
+
+def _segment(valid: list[Sample], window: float) -> list[Sample]:
+    """The trailing ``window`` seconds of this run: samples after the last restart."""
+    if not valid:
+        return []
+    newest = valid[-1].mono
+    first = len(valid) - 1
+    while first > 0 and newest - valid[first - 1].mono <= window:
+        before, after = valid[first - 1].vllm, valid[first].vllm
+        assert before is not None and after is not None
+        if is_reset(before, after):
+            break
+        first -= 1
+    return valid[first:]
+
+
+def _stats(segment: list[Sample], settings: BaselineSettings) -> WindowStats | None:
+    """The window's statistics, when it covers at least half the configured window."""
+    if len(segment) < 2 or segment[-1].mono - segment[0].mono < settings.window / 2:
+        return None
+    points = [(s.mono, s.vllm) for s in segment if s.vllm is not None]
+    return window_stats(points, settings.min_running)
+
+
+def _uptime(run: RunState, latest: Sample | None, unit_started: float | None) -> float | None:
+    """Seconds since the vLLM process started: from its start time when the page has it,
+    else from the unit's start, else from the first sample of the run."""
+    if latest is None:
+        return None
+    if run.started is not None:
+        return max(0.0, latest.time - run.started)
+    if unit_started is not None:
+        return max(0.0, latest.time - unit_started)
+    if run.first_mono is not None:
+        return latest.mono - run.first_mono
+    return None
+
+
+def _down(observed: Observation) -> str | None:
+    if observed.unit_active is False:
+        return "the unit is not active"
+    if not observed.samples:
+        return "no sample"
+    last = observed.samples[-1]
+    if last.vllm is None:
+        return f"/metrics unreachable: {last.vllm_error or 'no valid sample'}"
+    return None
+
+
+def _learning(settings: BaselineSettings, baseline: Baseline, uptime: float | None) -> str:
+    if uptime is None:
+        return ""
+    ready = settings.warmup + settings.window / 2
+    if uptime < ready:
+        return f"warm-up: uptime {uptime / 60:.0f} min, baseline from {ready / 60:.0f} min"
+    if uptime <= settings.warmup + settings.learn_for and not baseline.known_keys(settings):
+        return f"collecting this run's baseline (uptime {uptime / 60:.0f} min)"
+    return ""
+
+
+def _recovered(settings: Settings, previous: Baseline, current: Baseline) -> bool | None:
+    """Whether this run's fresh speed matches the previous run's, where both know the same
+    regime: the judgement of the restart in between. None until it can be told."""
+    b = settings.baseline
+    ratios = []
+    for key in set(previous.known_keys(b)) & set(current.known_keys(b)):
+        old, new = previous.regimes[key].median("itl"), current.regimes[key].median("itl")
+        if old is not None and new:
+            ratios.append(old / new)
+    if not ratios:
+        return None
+    ratio = sorted(ratios)[len(ratios) // 2]
+    if ratio >= settings.diagnosis.leave_ratio:
+        return True
+    if ratio < settings.diagnosis.enter_ratio:
+        return False
+    return None

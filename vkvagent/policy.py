@@ -1,0 +1,289 @@
+"""Policy: whether a restart that would help may happen now.
+
+A restart costs a cold start (minutes of no service), so it belongs where it costs least: in
+the operator's calendar windows, when traffic is low, not too often, and never in a loop that
+does not help. Emergencies (by default only a stall: nothing is being served anyway) may go
+outside the windows. A scheduled restart (maximum uptime) is an explicit opt-in, run in the
+next window like any other.
+
+Pure: the restart history, the operator's pause/resume and ``now`` (an aware datetime) come in
+as values; the verdict says what it would do and, when it does not act, what blocked it.
+Windows are evaluated in their IANA time zone and compared as UTC instants, so daylight-saving
+changes neither skip nor double a window.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+from functools import cached_property
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from vkvagent.diagnosis import FIXABLE
+
+MODES = ("off", "observe", "enforce")
+DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+SCHEDULED = "scheduled"  # the cause of a restart for reaching the maximum uptime
+DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class RestartWindow:
+    """Days of the week (0 = Monday) and a local start and end in minutes after midnight. An
+    end at or before the start crosses midnight: the window belongs to the day it starts."""
+
+    days: frozenset[int]
+    start: int
+    end: int
+
+    def occurrences(self, around: date, zone: ZoneInfo) -> list[tuple[datetime, datetime]]:
+        """(start, end) as UTC instants for windows starting from the day before ``around``
+        to a week after it."""
+        out = []
+        for offset in range(-1, 8):
+            day = around + timedelta(days=offset)
+            if day.weekday() not in self.days:
+                continue
+            end_day = day if self.end > self.start else day + timedelta(days=1)
+            out.append((_instant(day, self.start, zone), _instant(end_day, self.end, zone)))
+        return out
+
+
+def _instant(day: date, minutes: int, zone: ZoneInfo) -> datetime:
+    # A local time that does not exist (spring forward) reads with the offset before the
+    # change (fold=0), i.e. as the instant an unchanged clock would have shown it.
+    if minutes == 1440:
+        day, minutes = day + timedelta(days=1), 0
+    local = datetime(day.year, day.month, day.day, minutes // 60, minutes % 60, tzinfo=zone)
+    return local.astimezone(timezone.utc)
+
+
+_WINDOW = re.compile(r"^\s*(\S+)\s+(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
+
+
+def parse_window(text: str) -> RestartWindow:
+    """``DAYS HH:MM-HH:MM``: DAYS is ``daily``, ``*``, a day (``mon``), a range (``mon-fri``,
+    ``fri-mon`` wraps) or a comma list of those (``mon,wed,fri-sun``); the end may be
+    ``24:00``, and one at or before the start means the window crosses midnight.
+    ValueError (one line) otherwise."""
+    found = _WINDOW.match(text)
+    if not found:
+        raise ValueError(f"window {text!r}: expected DAYS HH:MM-HH:MM (e.g. mon-fri 01:00-05:00)")
+    days_text, sh, sm, eh, em = found.groups()
+    start, end = int(sh) * 60 + int(sm), int(eh) * 60 + int(em)
+    if int(sm) > 59 or int(em) > 59 or start > 1439 or end > 1440:
+        raise ValueError(f"window {text!r}: times must be 00:00 to 23:59 (the end up to 24:00)")
+    if start == end:
+        raise ValueError(f"window {text!r}: start and end are equal (use 00:00-24:00 all day)")
+    return RestartWindow(_parse_days(days_text, text), start, end)
+
+
+def _parse_days(spec: str, text: str) -> frozenset[int]:
+    if spec.lower() in ("daily", "*"):
+        return frozenset(range(7))
+    days: set[int] = set()
+    for part in spec.lower().split(","):
+        ends = part.split("-")
+        if len(ends) > 2 or not all(e in DAYS for e in ends):
+            raise ValueError(
+                f"window {text!r}: bad days {part!r} (allowed: daily, *, {', '.join(DAYS)}, "
+                "ranges like mon-fri, comma lists)"
+            )
+        first, last = DAYS.index(ends[0]), DAYS.index(ends[-1])
+        days.update((first + i) % 7 for i in range((last - first) % 7 + 1))
+    return frozenset(days)
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """When restarts may happen. Durations in seconds; windows as ``parse_window`` reads."""
+
+    mode: str = "observe"  # off: do nothing; observe: decide and log, never act; enforce
+    timezone: str = "UTC"  # IANA zone the windows are written in
+    windows: tuple[str, ...] = ("daily 02:00-05:00",)  # none: only emergencies
+    max_request_rate: float = 0.0  # traffic gate in a window (requests/s); 0: no gate
+    min_interval: float = 3600.0  # between two restarts, whatever the cause
+    max_per_day: int = 3  # restarts in any rolling 24 hours
+    cooldown: float = 7200.0  # after a restart, non-emergency causes wait this long
+    emergency: tuple[str, ...] = ("stall",)  # causes allowed outside the windows
+    max_uptime: float = 0.0  # opt-in scheduled restart after this uptime; 0: never
+    escalate_after: int = 2  # restarts in a row that did not help: stop until resumed
+    drain_max_in_flight: int = 0  # handed to the actuator; emergencies skip the drain
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mode not in MODES:
+            problems.append(f"mode {self.mode!r} (allowed: {', '.join(MODES)})")
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            problems.append(f"timezone {self.timezone!r} is not an IANA zone (e.g. Europe/Paris)")
+        for text in self.windows:
+            try:
+                parse_window(text)
+            except ValueError as exc:
+                problems.append(str(exc))
+        unknown = [c for c in self.emergency if c not in FIXABLE]
+        if unknown:
+            problems.append(f"emergency causes {unknown} (allowed: {', '.join(sorted(FIXABLE))})")
+        if self.max_per_day < 1 or self.escalate_after < 1:
+            problems.append("max_per_day and escalate_after must be at least 1")
+        if problems:
+            raise ValueError("policy: " + "; ".join(problems))
+
+    @cached_property
+    def zone(self) -> ZoneInfo:
+        return ZoneInfo(self.timezone)
+
+    @cached_property
+    def parsed(self) -> tuple[RestartWindow, ...]:
+        return tuple(parse_window(text) for text in self.windows)
+
+
+@dataclass(frozen=True)
+class RestartRecord:
+    """A restart that happened (any cause), as the ledger records it."""
+
+    time: float  # UTC Unix seconds when it began
+    cause: str
+    recovered: bool | None = None  # did performance come back; None: not judged (yet)
+
+
+@dataclass(frozen=True)
+class Controls:
+    """The operator's commands: ``vkvagent pause --until`` and ``vkvagent resume``."""
+
+    paused_until: float | None = None  # UTC Unix seconds
+    resumed_at: float | None = None  # UTC Unix seconds; restarts before it no longer escalate
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the policy allows: restart now, hold (a reason blocks it) or none (nothing to do)."""
+
+    action: str
+    reason: str
+    cause: str | None
+    window_open: bool
+    next_window: datetime | None  # the next window start after now (UTC), if any
+    drain_max_in_flight: int | None = None  # for a restart: None means do not drain
+
+
+def window_state(settings: PolicySettings, now: datetime) -> tuple[bool, datetime | None]:
+    """Whether a window is open at ``now`` (aware), and when the next one starts."""
+    now = now.astimezone(timezone.utc)
+    local = now.astimezone(settings.zone).date()
+    is_open, upcoming = False, None
+    for window in settings.parsed:
+        for start, end in window.occurrences(local, settings.zone):
+            if start <= now < end:
+                is_open = True
+            if start > now and (upcoming is None or start < upcoming):
+                upcoming = start
+    return is_open, upcoming
+
+
+def escalated(
+    settings: PolicySettings, history: Sequence[RestartRecord], controls: Controls
+) -> int:
+    """How many restarts in a row, since the last resume, did not restore performance, once
+    that reaches ``escalate_after`` (else 0). Scheduled restarts are not judged."""
+    judged = [
+        r
+        for r in sorted(history, key=lambda r: r.time)
+        if r.cause != SCHEDULED and (controls.resumed_at is None or r.time > controls.resumed_at)
+    ]
+    streak = 0
+    for record in reversed(judged):
+        if record.recovered is not False:
+            break
+        streak += 1
+    return streak if streak >= settings.escalate_after else 0
+
+
+def evaluate(
+    settings: PolicySettings,
+    *,
+    cause: str | None,
+    wanted: bool,
+    uptime: float | None,
+    request_rate: float | None,
+    history: Sequence[RestartRecord],
+    controls: Controls,
+    now: datetime,
+) -> Verdict:
+    """The verdict for a diagnosed ``cause``; ``wanted`` says a restart would fix it. With no
+    such cause, a scheduled restart is proposed once the uptime passes ``max_uptime``."""
+    is_open, upcoming = window_state(settings, now)
+
+    def verdict(action: str, reason: str, drain: int | None = None) -> Verdict:
+        return Verdict(action, reason, cause, is_open, upcoming, drain)
+
+    due = settings.max_uptime > 0 and uptime is not None and uptime >= settings.max_uptime
+    if due and not wanted and cause not in ("gpu_fault", "engine_down"):
+        cause, wanted = SCHEDULED, True
+    if settings.mode == "off":
+        return verdict("none", "mode off")
+    if not wanted:
+        return verdict("none", "nothing a restart would fix")
+
+    at = now.timestamp()
+    streak = escalated(settings, history, controls)
+    if streak:
+        return verdict(
+            "hold",
+            f"escalated: the last {streak} restarts did not restore "
+            "performance; waiting for `vkvagent resume`",
+        )
+    if controls.paused_until is not None and at < controls.paused_until:
+        return verdict("hold", f"paused until {_iso(controls.paused_until)}")
+    past = sorted((r.time for r in history if r.time <= at), reverse=True)
+    if past and at - past[0] < settings.min_interval:
+        return verdict(
+            "hold",
+            f"min interval: last restart {_ago(at - past[0])} ago "
+            f"(at least {_ago(settings.min_interval)} apart)",
+        )
+    recent = [t for t in past if at - t < DAY]
+    if len(recent) >= settings.max_per_day:
+        return verdict(
+            "hold",
+            f"budget: {len(recent)} restarts in the last 24 h (at most {settings.max_per_day})",
+        )
+    emergency = cause in settings.emergency
+    if not emergency:
+        if past and at - past[0] < settings.cooldown:
+            return verdict(
+                "hold",
+                f"cooldown: last restart {_ago(at - past[0])} ago "
+                f"(cooldown {_ago(settings.cooldown)})",
+            )
+        if not is_open:
+            following = f" (next {_iso(upcoming.timestamp())})" if upcoming else " (none set)"
+            return verdict("hold", f"outside window{following}")
+        if settings.max_request_rate > 0:
+            if request_rate is None:
+                return verdict("hold", "traffic gate: request rate unknown")
+            if request_rate > settings.max_request_rate:
+                return verdict(
+                    "hold",
+                    f"traffic gate: {request_rate:.2f} requests/s above "
+                    f"{settings.max_request_rate:g}",
+                )
+    drain = None if emergency else settings.drain_max_in_flight
+    where = "emergency, any time" if emergency else "in window"
+    if settings.mode == "observe":
+        return verdict("hold", f"observe mode: would restart now ({where})", drain)
+    return verdict("restart", f"restart: {where}", drain)
+
+
+def _iso(at: float) -> str:
+    return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _ago(seconds: float) -> str:
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.0f} min"
