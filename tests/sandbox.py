@@ -568,3 +568,11 @@ def _remove_stale() -> None:
         if not any((parent / name).exists() for parent in parents):
             for state in temporary.glob(f"{name}.*"):
                 shutil.rmtree(state, ignore_errors=True)
+
+
+def reach_python(box: Sandbox) -> None:
+    """Let any user inside the container run this Python: o+x on every directory above it
+    (in the container's overlay only; the host is never written)."""
+    for parent in reversed(Path(sys.executable).resolve().parents):  # the real interpreter
+        if str(parent) != "/":
+            box.run("chmod", "o+x", str(parent))

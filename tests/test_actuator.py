@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.sandbox import (
     Sandbox,
     exec_line,
+    reach_python,
     require,
     sandbox_fixture,  # noqa: F401 - the `sandbox` fixture
     sim_argv,
@@ -479,7 +480,7 @@ def test_a_rolled_back_change_counts_as_two_starts() -> None:
 
 
 def test_an_unprivileged_user_is_told_access_is_denied(sandbox: Sandbox) -> None:
-    sandbox.run("chmod", "o+x", "/root")  # in the overlay: the venv's Python lives in /root
+    reach_python(sandbox)
     home = "/tmp/vkv-nobody"
     config = f"{home}/config.toml"
     write_config(sandbox, FLAGS, path=config, state_dir=f"{home}/state", owner=65534)
@@ -594,7 +595,7 @@ def test_a_second_vkvagent_waits_its_turn(sandbox: Sandbox) -> None:
     """While one vkvagent acts, another must not: its recover() would take the first one's
     open action for an interrupted one and undo it mid-way."""
     write_config(sandbox, FLAGS)
-    lock = sandbox.root / STATE_DIR.lstrip("/") / f"lock-{VLLM}"
+    lock = sandbox.root / STATE_DIR.lstrip("/") / "lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     before = unit(sandbox)
     with lock.open("a") as held:
@@ -604,7 +605,7 @@ def test_a_second_vkvagent_waits_its_turn(sandbox: Sandbox) -> None:
             assert done.returncode == 1, output(done)
             assert done.stderr == (
                 f"vkvagent: another vkvagent is acting on vllm.service now (it holds "
-                f"{STATE_DIR}/lock-{VLLM}); try again when it has finished\n"
+                f"{STATE_DIR}/lock); try again when it has finished\n"
             )
     assert unit(sandbox).invocation_id == before.invocation_id
     done = vkvagent(sandbox, "apply", "--now")  # and once it is free, it goes ahead

@@ -126,10 +126,19 @@ def test_noise_between_the_lines_neither_resets_nor_fires_the_clock() -> None:
     h = Hysteresis().step(True, False, 0.0, hold=900.0)
     h = h.step(False, False, 400.0, hold=900.0)  # 0.78: between enter 0.75 and leave 0.85
     assert h.pending_since == 0.0 and not h.active
-    h = h.step(False, False, 950.0, hold=900.0)  # still between: it has not crossed again
-    assert not h.active
+    h = h.step(True, False, 800.0, hold=900.0)  # crossed again within the hold: same clock
+    h = h.step(False, False, 850.0, hold=900.0)
+    assert h.pending_since == 0.0 and not h.active
     assert h.step(True, False, 960.0, hold=900.0).active
     assert h.step(False, True, 960.0, hold=900.0) == Hysteresis()  # clearly back: reset
+
+
+def test_one_dip_before_a_quiet_night_and_one_after_are_not_a_held_symptom() -> None:
+    h = Hysteresis().step(True, False, 0.0, hold=900.0)  # 23:50, one slow window
+    h = h.step(None, None, 3600.0, hold=900.0)  # the quiet night: no evidence at all
+    assert h == Hysteresis()  # not crossed again within the hold: forgotten
+    h = h.step(True, False, 8400.0, hold=900.0)  # 02:10, one slow window again
+    assert not h.active and h.pending_since == 8400.0
 
 
 def test_hysteresis_state_round_trips_through_json() -> None:

@@ -230,3 +230,17 @@ def test_settings_report_every_problem_at_once() -> None:
     for part in ("mode 'act'", "Mars/Olympus", "someday", "max_per_day"):
         assert part in message
     assert PolicySettings(timezone="Asia/Kolkata").zone.key == "Asia/Kolkata"
+
+
+def test_a_window_inside_the_spring_forward_gap_still_opens() -> None:
+    """Paris skips 02:00-03:00 on 2025-03-30: a 02:00-03:00 window still opens for an hour."""
+    from datetime import datetime, timezone
+
+    from vkvagent.policy import PolicySettings, window_state
+
+    settings = PolicySettings(timezone="Europe/Paris", windows=("daily 02:00-03:00",))
+    during = datetime(2025, 3, 30, 1, 30, tzinfo=timezone.utc)  # 03:30 local, after the jump
+    before = datetime(2025, 3, 30, 0, 30, tzinfo=timezone.utc)  # 01:30 local
+    is_open, upcoming = window_state(settings, before)
+    assert not is_open and upcoming == datetime(2025, 3, 30, 1, 0, tzinfo=timezone.utc)
+    assert window_state(settings, during)[0]

@@ -220,3 +220,15 @@ def test_step_is_fixed() -> None:
     c = cluster()
     c.advance_to(STEP * 10 + STEP / 2)
     assert c.now == STEP * 10
+
+
+def test_heat_and_demand_follow_the_world_not_the_process() -> None:
+    """A restart cures what uptime causes, never a hot GPU or a surge of demand."""
+    hot = cluster(rate=3.0, scenario="thermal-throttle", onset=600)
+    hot.world_offset = 3600.0  # restarted an hour into the world's throttling
+    hot.advance_to(60)
+    assert hot.state()["speed_factor"] == 0.6
+    aged = cluster(rate=3.0, scenario="uptime-decline", onset=600)
+    aged.world_offset = 3 * 3600.0  # the world's clock means nothing to uptime decline
+    aged.advance_to(60)
+    assert aged.state()["speed_factor"] == 1.0

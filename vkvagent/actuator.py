@@ -28,12 +28,16 @@ from typing import Any
 from vkvagent import flags as vflags
 from vkvagent.dropin import (
     DropinFile,
+    ExecCommand,
+    ExecSyntaxError,
     argv_hash,
+    expand_exec_env,
     is_foreign_edit,
     other_settings,
     parse_dropin,
     render_dropin,
     split_exec_start,
+    write_atomically,
 )
 from vkvagent.ledger import Action, Ledger
 from vkvagent.metrics import VllmMetrics
@@ -118,15 +122,20 @@ class Actuator:
         current = _argv(state)
         base = self._base(state)
         values = vflags.validate(wanted, vllm_version)
-        after = tuple(vflags.apply_flags(base, values, vllm_version=vllm_version))
+        try:
+            after = tuple(vflags.apply_flags(base, values, vllm_version=vllm_version))
+        except ValueError as exc:  # CommandError: not a vllm serve command line
+            raise ActuatorError(f"{self.unit}: {exc}") from None
         attestable = tuple(n for n in values if vflags.CATALOGUE[n].attest_label)
         return Plan(self.unit, current, after, values, attestable, after != current)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """Hold the unit's lock while acting: refuses (ActuatorError) while another vkvagent
-        holds it. The kernel drops it when the process dies, so ``kill -9`` leaves none."""
-        path = self._state_dir / f"lock-{self.unit}"
+        """Hold the state directory's lock while acting: refuses (ActuatorError) while another
+        vkvagent holds it. One lock for the directory, not per unit: the ledger is shared, and
+        another unit's open action must never be taken for an interrupted one of this unit.
+        The kernel drops it when the process dies, so ``kill -9`` leaves none."""
+        path = self._state_dir / "lock"
         try:
             self._state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
@@ -337,6 +346,11 @@ class Actuator:
                 f"{self.unit} is {state.active_state} ({state.sub_state}); "
                 "systemd's Restart= handles a unit that is down"
             )
+        if len(state.exec_start) != 1:
+            raise ActuatorError(
+                f"{self.unit} has {len(state.exec_start)} ExecStart= commands; vkvagent manages "
+                "units that run one"
+            )
         if change:
             self._check_access()
         self._check_foreign(state)
@@ -382,7 +396,7 @@ class Actuator:
         window = state.start_limit_interval_usec / 1e6
         since = self._wall() - window
         ours: list[tuple[float, float]] = []  # (begun, ended) of each restart step
-        for action in self.ledger.actions(where=f"ended IS NULL OR ended >= {since!r}", limit=1000):
+        for action in self.ledger.since(since):
             begun: float | None = None
             for step in action.steps:
                 if step.step != "restart":
@@ -426,9 +440,23 @@ class Actuator:
             self._save_base(_argv(state), own=_fragment_argv(state))
         base = self._stored_base()
         assert base is not None
+        own = _fragment_command(state)
+        # The unit's own prefix ("-", ":", "+", "@"...) and program path stay as they were; with
+        # ":" systemd expands no variables, so "$" must not be doubled either.
+        prefix = (
+            own.prefix if own is not None else ("-" if state.exec_start[0].ignore_failure else "")
+        )
+        path = own.path if own is not None else None
         try:
             self.dropin.write(
-                render_dropin(self.unit, argv, source_hash=base["own_hash"], escape_dollar=False)
+                render_dropin(
+                    self.unit,
+                    argv,
+                    source_hash=base["own_hash"],
+                    path=path,
+                    prefix=prefix,
+                    escape_dollar=False,
+                )
             )
         except OSError as exc:
             raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
@@ -517,7 +545,8 @@ class Actuator:
     ) -> None:
         state = self._unit()
         running = _cmdline(self.proc, state.main_pid)
-        if running is not None and not _same_command(running, argv):
+        environ = _environ(self.proc, state.main_pid)
+        if running is not None and not _same_command(running, argv, environ):
             raise ActuatorError(
                 f"the running process's command line is not the one written: "
                 f"{' '.join(running)[:200]}"
@@ -548,7 +577,7 @@ class Actuator:
 
     def _fail(self, action: int, error: ActuatorError, change: bool, started: float) -> Outcome:
         message = str(error)
-        progress = self.ledger.actions(where=f"id = {int(action)}", limit=1)[0]
+        progress = self.ledger.action(action)
         previous = progress.detail.get("previous_dropin")
         restarted = progress.reached("restart") and not isinstance(error, _JobRefused)
         # A write that failed before changing the file leaves nothing to undo.
@@ -629,10 +658,8 @@ class Actuator:
 
     def _save_base(self, argv: tuple[str, ...], own: tuple[str, ...] | None = None) -> None:
         record = {"argv": list(argv), "own_hash": argv_hash(own or argv)}
-        temporary = self._base_file.with_name(self._base_file.name + ".tmp")
         try:
-            temporary.write_text(json.dumps(record), encoding="utf-8")
-            os.replace(temporary, self._base_file)
+            write_atomically(self._base_file, json.dumps(record), 0o640)
         except OSError as exc:
             raise ActuatorError(_write_problem(self._base_file, exc)) from None
 
@@ -668,17 +695,35 @@ def _argv(state: UnitState) -> tuple[str, ...]:
     return tuple(state.exec_start[-1].argv)
 
 
-def _fragment_argv(state: UnitState) -> tuple[str, ...] | None:
-    """The unit file's own ExecStart, whatever drop-ins say."""
+def _fragment_command(state: UnitState) -> ExecCommand | None:
+    """The unit file's own ExecStart, whatever drop-ins say; None when it cannot be read."""
     try:
         text = Path(state.fragment_path).read_text(encoding="utf-8")
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
     exec_start = parse_dropin(text).exec_start  # a unit file reads like a drop-in
     if exec_start is None:
         return None
-    commands = split_exec_start(exec_start, strict=False)
-    return tuple(commands[-1].argv) if commands else None
+    try:
+        commands = split_exec_start(exec_start, specifiers=_specifiers(state.name), strict=False)
+    except ExecSyntaxError:
+        return None
+    return commands[-1] if commands else None
+
+
+def _fragment_argv(state: UnitState) -> tuple[str, ...] | None:
+    command = _fragment_command(state)
+    return tuple(command.argv) if command is not None else None
+
+
+def _specifiers(unit: str) -> dict[str, str]:
+    """The unit-name specifiers of ``unit`` (``vllm@a.service``: %n, %N, %p, %i, %I, %j)."""
+    name, _dot, _kind = unit.rpartition(".")
+    prefix, at, instance = name.partition("@")
+    return {
+        "n": unit, "N": name, "p": prefix, "P": prefix, "i": instance if at else "",
+        "I": instance if at else "", "j": prefix.rsplit("-", 1)[-1], "J": prefix.rsplit("-", 1)[-1],
+    }  # fmt: skip
 
 
 def _in_flight(metrics: VllmMetrics | None) -> float | None:
@@ -705,9 +750,25 @@ def _cmdline(proc: Path, pid: int) -> tuple[str, ...] | None:
     return tuple(part.decode("utf-8", "surrogateescape") for part in raw.split(b"\0")[:-1])
 
 
-def _same_command(running: tuple[str, ...], intended: tuple[str, ...]) -> bool:
-    """The process's argv against the written one; arguments with ``$`` are expanded by
-    systemd from the environment, so only their position is compared."""
+def _environ(proc: Path, pid: int) -> dict[str, str] | None:
+    if pid <= 0:
+        return None
+    try:
+        raw = (proc / str(pid) / "environ").read_bytes()
+    except OSError:
+        return None
+    pairs = (item.decode("utf-8", "surrogateescape").partition("=") for item in raw.split(b"\0"))
+    return {name: value for name, _eq, value in pairs if name}
+
+
+def _same_command(
+    running: tuple[str, ...], intended: tuple[str, ...], environ: dict[str, str] | None
+) -> bool:
+    """The process's argv against the written one, after systemd's ``$VAR`` expansion with
+    the process's own environment (``$EXTRA_ARGS`` may become several words). Without the
+    environment, arguments with ``$`` are compared by position only."""
+    if environ is not None:
+        return list(running) == expand_exec_env(intended, environ)
     if len(running) != len(intended):
         return False
     return all("$" in want or got == want for got, want in zip(running, intended))

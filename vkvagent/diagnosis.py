@@ -73,6 +73,7 @@ class Hysteresis:
     active: bool = False
     pending_since: float | None = None
     active_since: float | None = None
+    last_entering: float | None = None  # when the entering threshold was last crossed
 
     def step(
         self, entering: bool | None, leaving: bool | None, now: float, hold: float
@@ -80,15 +81,22 @@ class Hysteresis:
         """``entering``: the symptom's threshold is crossed now; ``leaving``: it is clearly
         gone. In between (or None: no evidence, e.g. no baseline at this load) nothing
         changes, so noise around the entering threshold neither resets the clock nor fires:
-        the symptom becomes active when it is crossed again ``hold`` after it first was."""
+        the symptom becomes active when it is crossed again ``hold`` after it first was. A
+        symptom not crossed again within ``hold`` is forgotten, so one dip before a quiet night
+        and one after it are not a held symptom."""
         if leaving:
             return Hysteresis()
-        if self.active or not entering:
+        if self.active:
             return self
-        since = self.pending_since if self.pending_since is not None else now
+        if not entering:
+            if self.last_entering is not None and now - self.last_entering > hold:
+                return Hysteresis()
+            return self
+        stale = self.last_entering is not None and now - self.last_entering > hold
+        since = self.pending_since if self.pending_since is not None and not stale else now
         if now - since >= hold:
-            return Hysteresis(True, since, now)
-        return Hysteresis(False, since, None)
+            return Hysteresis(True, since, now, now)
+        return Hysteresis(False, since, None, now)
 
     def held_for(self, now: float) -> float:
         return 0.0 if self.pending_since is None else now - self.pending_since
@@ -98,6 +106,7 @@ class Hysteresis:
             "active": self.active,
             "pending_since": self.pending_since,
             "active_since": self.active_since,
+            "last_entering": self.last_entering,
         }
 
     @classmethod
@@ -106,6 +115,7 @@ class Hysteresis:
             bool(data["active"]),
             _opt_float(data["pending_since"]),
             _opt_float(data["active_since"]),
+            _opt_float(data.get("last_entering")),
         )
 
 
@@ -301,7 +311,7 @@ def diagnose(
         evidence["fresh_capacity_generation_tokens_per_s"] = capacity.generation_tokens_per_s
 
     if state.kv.active and stats is not None:
-        return _kv_pressure(s, state, situation, evidence, now), state
+        return _kv_pressure(s, state, situation, evidence, throttle, now), state
 
     if state.stranded.active and stats is not None and capacity is not None:
         symptom = (
@@ -415,11 +425,14 @@ def _kv_pressure(
     state: DiagnosisState,
     situation: Situation,
     evidence: dict[str, EvidenceValue],
+    throttle: str,
     now: float,
 ) -> Diagnosis:
     """KV pressure is a degradation only at a load the fresh server handled cleanly; at more
     demand than that it is load. Demand is estimated as arrivals (completions plus the growth
-    of the queue), since a degraded server completes less than it is asked."""
+    of the queue), since a degraded server completes less than it is asked. A throttled GPU
+    or a changed request mix (longer outputs fill the KV cache at the same request rate)
+    explains it just as well, and a restart cures neither."""
     stats = situation.stats
     assert stats is not None
     symptom = (
@@ -428,6 +441,10 @@ def _kv_pressure(
         f"{_minutes(state.kv.held_for(now))}"
     )
     capacity = situation.capacity
+    if throttle or _mix_changed(s, stats, situation.comparison):
+        vetoed = _veto(s, stats, situation.comparison, capacity, throttle, evidence, symptom)
+        if vetoed is not None:
+            return vetoed
     if capacity is None:
         return Diagnosis(
             None,
@@ -458,6 +475,12 @@ def _kv_pressure(
     )
 
 
+def _mix_changed(s: DiagnosisSettings, stats: WindowStats, cmp: Comparison | None) -> bool:
+    mix = stats.prompt_share
+    fresh_mix = cmp.baseline.get("prompt_share") if cmp is not None else None
+    return mix is not None and fresh_mix is not None and abs(mix - fresh_mix) > s.mix_tolerance
+
+
 def _demand(stats: WindowStats) -> float:
     """The load asked of the server: arrivals, or completions when it is working off a
     backlog (then it serves more than it is asked, and more than its fresh self did)."""
@@ -481,9 +504,8 @@ def _veto(
             evidence,
             symptom=symptom,
         )
-    mix = stats.prompt_share
-    fresh_mix = cmp.baseline.get("prompt_share") if cmp is not None else None
-    if mix is not None and fresh_mix is not None and abs(mix - fresh_mix) > s.mix_tolerance:
+    if _mix_changed(s, stats, cmp):
+        mix, fresh_mix = stats.prompt_share, cmp.baseline.get("prompt_share") if cmp else None
         return Diagnosis(
             "load_shift",
             f"{symptom}, but the request mix changed: prompt share "

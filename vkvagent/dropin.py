@@ -672,13 +672,15 @@ class DropinFile:
             return self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return None
+        except UnicodeDecodeError:  # not vkvagent's writing: report it as a foreign edit
+            return self.path.read_bytes().decode("utf-8", "replace")
 
     def write(self, text: str, *, keep: bool = True) -> None:
         """Put ``text`` in place; with ``keep``, push what it replaces."""
         if keep:
             self._keep(self.read())
         self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        _write_atomically(self.path, text, 0o644)
+        write_atomically(self.path, text, 0o644)
 
     def remove(self, *, keep: bool = True) -> None:
         current = self.read()
@@ -713,7 +715,7 @@ class DropinFile:
         kept = self._kept()
         number = int(kept[-1].name.split("-", 1)[0]) + 1 if kept else 1
         tag = _ABSENT if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
-        _write_atomically(self.keep_dir / f"{number:06d}-{tag}.conf", text or "", 0o640)
+        write_atomically(self.keep_dir / f"{number:06d}-{tag}.conf", text or "", 0o640)
         for old in self._kept()[:-KEEP]:
             old.unlink()
 
@@ -729,7 +731,7 @@ def _entry(path: Path) -> str | None:
     return path.read_text(encoding="utf-8")
 
 
-def _write_atomically(path: Path, text: str, mode: int) -> None:
+def write_atomically(path: Path, text: str, mode: int) -> None:
     """Write ``path`` through a fsynced temporary file renamed over it: a crash leaves the old
     version or the new one, never a part (the temporary's name is one systemd does not load)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")

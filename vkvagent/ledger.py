@@ -118,13 +118,6 @@ class Ledger:
                 (action_id, now, step, state, note),
             )
 
-    def update_detail(self, action_id: int, detail: dict[str, Any]) -> None:
-        with self._transaction():
-            self._db.execute(
-                "UPDATE actions SET detail = ? WHERE id = ?",
-                (json.dumps(detail, sort_keys=True), action_id),
-            )
-
     def end(self, action_id: int, outcome: str, now: float) -> None:
         with self._transaction():
             self._db.execute(
@@ -134,18 +127,26 @@ class Ledger:
 
     def open_action(self) -> Action | None:
         """The action a crash interrupted, if any (at most one: actions run one at a time)."""
-        found = self.actions(where="outcome IS NULL", limit=1)
+        found = self._select("outcome IS NULL", (), 1)
         return found[0] if found else None
 
-    def recent(self, limit: int = 20) -> list[Action]:
-        return self.actions(limit=limit)
+    def action(self, action_id: int) -> Action:
+        return self._select("id = ?", (action_id,), 1)[0]
 
-    def actions(self, where: str = "1", limit: int = 20) -> list[Action]:
+    def recent(self, limit: int = 20) -> list[Action]:
+        """The latest actions, newest first."""
+        return self._select("1", (), limit)
+
+    def since(self, when: float, limit: int = 1000) -> list[Action]:
+        """Actions still open, or ended at or after ``when`` (UTC Unix seconds)."""
+        return self._select("ended IS NULL OR ended >= ?", (when,), limit)
+
+    def _select(self, where: str, params: tuple[Any, ...], limit: int) -> list[Action]:
         try:
             rows = self._db.execute(
-                f"SELECT id, kind, reason, started, ended, outcome, detail FROM actions "
-                f"WHERE {where} ORDER BY id DESC LIMIT ?",
-                (limit,),
+                "SELECT id, kind, reason, started, ended, outcome, detail FROM actions "
+                f"WHERE {where} ORDER BY id DESC LIMIT ?",  # where: a constant of this module
+                (*params, limit),
             ).fetchall()
             out = []
             for row in rows:

@@ -47,7 +47,11 @@ class RestartWindow:
             if day.weekday() not in self.days:
                 continue
             end_day = day if self.end > self.start else day + timedelta(days=1)
-            out.append((_instant(day, self.start, zone), _instant(end_day, self.end, zone)))
+            start, end = _instant(day, self.start, zone), _instant(end_day, self.end, zone)
+            if end <= start:  # both ends fell in the spring-forward gap: keep the length
+                length = (self.end - self.start) % 1440 or 1440
+                end = start + timedelta(minutes=length)
+            out.append((start, end))
         return out
 
 

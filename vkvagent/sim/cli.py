@@ -87,6 +87,14 @@ def _options_parser() -> argparse.ArgumentParser:
         help="host memory held per request served in the memory-growth scenario",
     )
     add("--leak-cap", type=int, default=default.leak_cap, metavar="BYTES")
+    add(
+        "--world-epoch",
+        type=float,
+        default=None,
+        metavar="UNIX_TIME",
+        help="when the simulated world began: thermal throttling and load surges follow it, "
+        "not this process's uptime, so a restart does not end them (default: now)",
+    )
     return parser
 
 
@@ -114,6 +122,7 @@ def serve_main(argv: Sequence[str], out: TextIO | None = None, err: TextIO | Non
         gpu_recording=known.gpu_recording,
         leak_per_request=known.leak_per_request,
         leak_cap=known.leak_cap,
+        world_epoch=known.world_epoch,
     )
     try:
         args = parse_serve_args(rest, options.flavor)

@@ -43,6 +43,9 @@ SCENARIOS = {
 }
 
 
+WORLD_SCENARIOS = frozenset({"thermal-throttle", "load-surge"})
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A degradation and the uptime at which it begins."""
@@ -57,6 +60,12 @@ class Scenario:
     @property
     def starts_at(self) -> float:
         return SCENARIOS[self.name][0] if self.onset is None else self.onset
+
+    @property
+    def external(self) -> bool:
+        """Heat and demand come from outside the process: they follow the world's clock, not
+        the process's uptime, so a restart does not end them (``Cluster.world_offset``)."""
+        return self.name in WORLD_SCENARIOS
 
     def active(self, name: str, uptime: float) -> bool:
         return self.name == name and uptime >= self.starts_at
@@ -298,7 +307,13 @@ class Cluster:
     workload: Workload
     scenario: Scenario = field(default_factory=Scenario)
     now: float = 0.0  # simulated seconds since the process started (its uptime)
+    world_offset: float = 0.0  # simulated seconds the world had run when the process started
     _next_engine: int = 0
+
+    def scenario_time(self, uptime: float) -> float:
+        """The time the scenario's effects follow: the world's for heat and demand, the
+        process's uptime for everything a restart cures."""
+        return uptime + self.world_offset if self.scenario.external else uptime
 
     def advance_to(self, uptime: float) -> None:
         """Run whole steps up to ``uptime``."""
@@ -307,14 +322,15 @@ class Cluster:
 
     def _step(self) -> None:
         scenario, now = self.scenario, self.now
-        for request in self.workload.arrivals(now, now + STEP, scenario.demand_multiplier(now)):
+        t = self.scenario_time(now)
+        for request in self.workload.arrivals(now, now + STEP, scenario.demand_multiplier(t)):
             self.engines[self._next_engine].submit(request)
             self._next_engine = (self._next_engine + 1) % len(self.engines)
         for engine in self.engines:
             engine.step(
                 now,
-                scenario.speed_factor(now),
-                scenario.leaked_fraction(now),
+                scenario.speed_factor(t),
+                scenario.leaked_fraction(t),
                 stalled=scenario.active("stall", now) or scenario.active("engine-dead", now),
             )
         self.now = now + STEP
@@ -342,7 +358,7 @@ class Cluster:
             "prompt_tokens": sum(s.prompt_tokens for s in engines),
             "preemptions": sum(s.preemptions for s in engines),
             "num_gpu_blocks": self.engines[0].cap.num_gpu_blocks,
-            "speed_factor": self.scenario.speed_factor(self.now),
+            "speed_factor": self.scenario.speed_factor(self.scenario_time(self.now)),
             "stalled": self.scenario.active("stall", self.now),
             "dead": self.dead,
         }
@@ -350,7 +366,7 @@ class Cluster:
     def gpu_recording(self, gpus: int) -> dict[str, Any]:
         """GPU readings in the format of ``vkvagent gpu --record`` (the agent's recorded-
         readings mode reads it): hot and slowed during thermal throttling."""
-        hot = self.scenario.active("thermal-throttle", self.now)
+        hot = self.scenario.active("thermal-throttle", self.scenario_time(self.now))
         busy = any(engine.running for engine in self.engines)
         devices = [
             {

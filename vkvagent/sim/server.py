@@ -50,6 +50,7 @@ class SimOptions:
     gpu_recording: str = ""  # write GPU readings here, for the agent's recorded-readings mode
     leak_per_request: int = 64 * 1024  # bytes of host memory per request (memory-growth)
     leak_cap: int = 512 * 1024 * 1024
+    world_epoch: float | None = None  # Unix time the simulated world began; None: now
 
 
 class Simulation:
@@ -88,6 +89,8 @@ class Simulation:
             engines=[EngineModel(self.capacity, bounds) for _ in range(args.data_parallel_size)],
             workload=Workload(curve, azure_sizes(), rng),
             scenario=Scenario(options.scenario, options.scenario_onset),
+            world_offset=max(0.0, time.time() - (options.world_epoch or time.time()))
+            * options.time_scale,
         )
         self.info = ServerInfo(
             model=args.served_model_name or args.model,
