@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -10,8 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vkvagent import config
+from vkvagent.baseline import BaselineSettings
 from vkvagent.cli import main
 from vkvagent.config import Config, ConfigError
+from vkvagent.diagnosis import DiagnosisSettings
+from vkvagent.engine import Settings
+from vkvagent.policy import PolicySettings
+from vkvagent.replay import engine_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,7 +83,8 @@ def test_the_values_are_immutable(etc: Path) -> None:
         (
             "[vlm]\nurl = 'x'\n",
             1,
-            "vlm: unknown section (allowed: agent, gpu, history, restart, vllm)",
+            "vlm: unknown section (allowed: agent, baseline, diagnosis, gpu, history, policy, "
+            "restart, vllm)",
         ),
         (
             "\n\n[vllm]\nread_timeout = 'fast'\n",
@@ -95,6 +102,8 @@ def test_the_values_are_immutable(etc: Path) -> None:
             "max_page_bytes: expected an integer, got number 1.5",
         ),
         ("[gpu]\nenabled = 1\n", 2, "gpu.enabled: expected true or false, got integer 1"),
+        ("[vllm]\nunit = '../../tmp/x.service'\n", 2, "vllm.unit: '../../tmp/x.service' is not"),
+        ("[vllm]\nunit = 'vllm'\n", 2, "vllm.unit: 'vllm' is not a service unit name"),
         ("[gpu]\ndevices = 0\n", 2, "gpu.devices: expected a list of integers, got integer 0"),
         ("[gpu]\ndevices = [0, -1]\n", 2, "gpu.devices: list item integer -1: -1 is out of range"),
         ("[vllm]\nread_timeout = nan\n", 2, "vllm.read_timeout: must be finite"),
@@ -113,6 +122,110 @@ def test_errors_name_file_line_key_and_what_is_allowed(
     problem = caught.value.problems[0]
     assert problem.startswith(f"{path}:{line}: "), problem
     assert expected in problem
+
+
+# -- the decision engine's sections ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "engine"),
+    [("baseline", BaselineSettings), ("diagnosis", DiagnosisSettings), ("policy", PolicySettings)],
+)
+def test_engine_sections_mirror_the_engine_settings_key_for_key(name: str, engine: type) -> None:
+    section = getattr(Config(), name)
+    keys = {f.name: f.default for f in dataclasses.fields(section)}
+    wanted = {f.name: f.default for f in dataclasses.fields(engine)}
+    if name == "policy":  # the drain belongs to [restart], which the actuator reads too
+        assert wanted.pop("drain_max_in_flight") == Config().restart.drain_max_in_flight
+    assert keys == wanted
+    for spec in dataclasses.fields(section):
+        assert spec.metadata["doc"].endswith("."), spec.name
+
+
+def test_the_defaults_build_the_engine_defaults_and_never_restart(etc: Path) -> None:
+    loaded = config.load(etc, as_root=False)
+    assert engine_settings(loaded) == Settings()
+    assert loaded.policy.mode == "observe"  # an operator must opt in to enforce
+
+
+def test_engine_sections_reach_the_engine(etc: Path) -> None:
+    write(
+        etc / "config.toml",
+        "[baseline]\nwindow = 120\nmin_values = 5\n[diagnosis]\nenter_ratio = 0.7\n"
+        "[policy]\nmode = 'enforce'\ntimezone = 'Europe/Paris'\n"
+        "windows = ['mon-fri 01:00-05:00', 'sat,sun 22:00-06:00']\nemergency = []\n"
+        "max_uptime = 21600\n[restart]\ndrain_max_in_flight = 4\n",
+    )
+    settings = engine_settings(config.load(etc, as_root=False))
+    assert (settings.baseline.window, settings.baseline.min_values) == (120.0, 5)
+    assert settings.diagnosis.enter_ratio == 0.7
+    p = settings.policy
+    assert (p.mode, p.timezone, p.emergency, p.max_uptime) == (
+        "enforce",
+        "Europe/Paris",
+        (),
+        21600.0,
+    )
+    assert p.windows == ("mon-fri 01:00-05:00", "sat,sun 22:00-06:00")
+    assert p.drain_max_in_flight == 4 and isinstance(p.max_uptime, float)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "expected"),
+    [
+        ("[policy]\nmode = 'on'\n", 2,
+         'policy.mode: string "on" is not allowed (allowed: off, observe, enforce)'),
+        ("[policy]\ntimezone = 'Mars/Olympus'\n", 2,
+         'policy.timezone: string "Mars/Olympus" is not an IANA time zone (allowed: names like '
+         "UTC, Europe/Paris)"),
+        ("[policy]\ntimezone = '../etc/passwd'\n", 2, "is not an IANA time zone"),
+        ("[policy]\nwindows = ['mon-fri 01:00-05:00', 'mon-fry 1:00-2:00']\n", 2,
+         "policy.windows: list item string \"mon-fry 1:00-2:00\": bad days 'mon-fry' (allowed: "
+         "daily, *, mon, tue"),
+        ("[policy]\nwindows = ['daily 25:00-03:00']\n", 2,
+         "times must be 00:00 to 23:59 (the end up to 24:00)"),
+        ("[policy]\nwindows = 'daily 01:00-02:00'\n", 2,
+         "policy.windows: expected a list of strings, got string"),
+        ("[policy]\nemergency = ['stall', 'gpu_throttle']\n", 2,
+         'policy.emergency: list item string "gpu_throttle": string "gpu_throttle" is not '
+         "allowed (allowed: host_memory_growth, kv_pressure, kv_stranded, stall, uptime_decline)"),
+        ("[policy]\nmax_per_day = 0\n", 2, "policy.max_per_day: 0 is out of range (allowed: 1 to"),
+        ("[baseline]\nwindow = 5\n", 2, "baseline.window: 5 is out of range (allowed: 10 to 3600)"),
+        ("[diagnosis]\nkv_full = 1.5\n", 2, "diagnosis.kv_full: 1.5 is out of range"),
+        ("\n[diagnosis]\nhold = 60\nenter_ratio = 0.9\n", 4,
+         "diagnosis.enter_ratio: need 0 < enter_ratio <= leave_ratio (enter_ratio = 0.9, "
+         "leave_ratio = 0.85)"),
+        ("[diagnosis]\nkv_full = 0.5\n", 2,
+         "diagnosis.kv_full: need 0 < kv_stranded_below <= kv_full <= 1 (kv_stranded_below = "
+         "0.8, kv_full = 0.5)"),
+        ("[baseline]\nmax_values = 5\n", 2,
+         "baseline.max_values: need 1 <= min_values <= max_values (min_values = 10, "
+         "max_values = 5)"),
+    ],
+)  # fmt: skip
+def test_engine_keys_are_checked_alone_and_together(
+    etc: Path, text: str, line: int, expected: str
+) -> None:
+    path = write(etc / "config.toml", text)
+    with pytest.raises(ConfigError) as caught:
+        config.load(etc, as_root=False)
+    assert len(caught.value.problems) == 1, caught.value.problems
+    problem = caught.value.problems[0]
+    assert problem.startswith(f"{path}:{line}: "), problem
+    assert expected in problem, problem
+
+
+def test_contradictions_across_files_are_located_and_reported_with_the_rest(etc: Path) -> None:
+    main_file = write(etc / "config.toml", "[diagnosis]\nleave_ratio = 0.8\n[vllm]\nurll = 1\n")
+    dropin = write(etc / "conf.d" / "50.toml", "[diagnosis]\nenter_ratio = 0.82\n")
+    with pytest.raises(ConfigError) as caught:
+        config.load(etc, as_root=False)
+    assert caught.value.problems[0].startswith(f"{main_file}:4: vllm.urll: unknown key")
+    assert caught.value.problems[1] == (
+        f"{dropin}:2: diagnosis.enter_ratio: need 0 < enter_ratio <= leave_ratio "
+        "(enter_ratio = 0.82, leave_ratio = 0.8)"
+    )
+    assert len(caught.value.problems) == 2
 
 
 def test_vllm_flags_are_checked_by_the_flag_catalogue(etc: Path) -> None:

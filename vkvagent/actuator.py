@@ -39,6 +39,7 @@ from vkvagent.dropin import (
     split_exec_start,
     write_atomically,
 )
+from vkvagent.gpu import GpuReader
 from vkvagent.ledger import Action, Ledger
 from vkvagent.metrics import VllmMetrics
 from vkvagent.systemd import TIMEOUT, Systemd, SystemdError, UnitState
@@ -108,9 +109,11 @@ class Actuator:
         wall: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
         progress: Callable[[str], None] = lambda _message: None,
+        gpus: GpuReader | None = None,
     ) -> None:
         self.unit, self.systemd, self.ledger, self.dropin = unit, systemd, ledger, dropin
         self.probe, self.settings, self.proc = probe, settings, proc
+        self._gpus = gpus
         self._state_dir = state_dir
         self._base_file = state_dir / f"base-{unit}.json"
         self._clock, self._wall, self._sleep, self._progress = clock, wall, sleep, progress
@@ -353,6 +356,7 @@ class Actuator:
             )
         if change:
             self._check_access()
+        self._check_gpus()
         self._check_foreign(state)
         self._check_start_limit(state, 2 if change else 1)
         return state
@@ -368,6 +372,24 @@ class Actuator:
                 raise ActuatorError(
                     f"access denied: cannot write {self.dropin.path} "
                     f"(changing {self.unit}'s flags needs root)"
+                )
+
+    def _check_gpus(self) -> None:
+        """A GPU with uncorrectable memory errors or XID faults needs a reset or a person; a
+        restart would only bring vLLM back onto the faulty device."""
+        if self._gpus is None:
+            return
+        readings, _problem = self._gpus.read()
+        for gpu in readings:
+            if gpu.xid_errors or (gpu.ecc_uncorrected_volatile or 0) > 0:
+                found = ", ".join(
+                    ([f"XID {list(gpu.xid_errors)}"] if gpu.xid_errors else [])
+                    + ([f"{gpu.ecc_uncorrected_volatile} uncorrectable ECC errors"]
+                       if gpu.ecc_uncorrected_volatile else [])
+                )  # fmt: skip
+                raise ActuatorError(
+                    f"GPU {gpu.index} ({gpu.uuid}) reports {found}: a restart cannot fix a GPU "
+                    "fault; it needs a GPU reset or a person"
                 )
 
     def _check_foreign(self, state: UnitState) -> None:

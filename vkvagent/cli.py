@@ -8,12 +8,13 @@ import json
 import os
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 from enum import IntEnum
 from pathlib import Path
 from typing import Callable, TextIO
 
-from vkvagent import __version__, config
+from vkvagent import __version__, config, replay
 from vkvagent.actuator import Actuator, ActuatorError, Outcome, Plan, RestartSettings
 from vkvagent.dropin import DropinFile
 from vkvagent.flags import FlagError
@@ -27,6 +28,7 @@ from vkvagent.gpu import (
 )
 from vkvagent.ledger import Ledger, LedgerError
 from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
+from vkvagent.policy import MODES
 from vkvagent.systemd import Systemd, SystemdError
 from vkvagent.vllm import ScrapeError, VllmClient
 
@@ -43,6 +45,10 @@ class ExitCode(IntEnum):
 
 class CommandError(Exception):
     """A one-line reason the command failed; printed as ``vkvagent: <reason>``."""
+
+
+class UsageError(CommandError):
+    """The command line is wrong in a way argparse cannot tell (exit 2)."""
 
 
 def main(
@@ -74,10 +80,11 @@ def main(
         SystemdError,
         LedgerError,
         FlagError,
+        replay.ReplayError,
     ) as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"vkvagent: {line}", file=err)
-        return ExitCode.FAILURE
+        return ExitCode.USAGE if isinstance(exc, UsageError) else ExitCode.FAILURE
     except KeyboardInterrupt:
         return ExitCode.FAILURE
     except Exception as exc:  # a bug: say so in one line unless asked for the traceback
@@ -165,6 +172,49 @@ def _parser() -> argparse.ArgumentParser:
     _config_option(adopt)
     adopt.set_defaults(command=_adopt)
 
+    replayer = commands.add_parser(
+        "replay",
+        help="run the decision engine over Prometheus history: what it would have done, when "
+        "and why",
+        description="Replays vLLM's raw series (and dcgm-exporter's GPU series) from Prometheus "
+        "query_range responses through the decision engine on a virtual clock. Restarts it "
+        "decides are virtual; real restarts in the data start a new baseline.",
+    )
+    replayer.add_argument(
+        "files",
+        nargs="*",
+        type=Path,
+        metavar="FILE",
+        help="a saved /api/v1/query_range JSON response (several are merged)",
+    )
+    replayer.add_argument(
+        "--prometheus", metavar="URL", help="fetch from this Prometheus instead of files"
+    )
+    replayer.add_argument(
+        "--match",
+        action="append",
+        default=[],
+        metavar="SELECTOR",
+        help="series to fetch, e.g. '{__name__=~\"vllm:.*|process_start_time_seconds\"}' "
+        "(repeat for DCGM_FI_* series)",
+    )
+    replayer.add_argument("--start", metavar="TIME", help="Unix seconds, ISO 8601, now-6h")
+    replayer.add_argument("--end", metavar="TIME", help="as --start (default: now)")
+    replayer.add_argument(
+        "--step", metavar="DURATION", default="15s", help="query resolution (default: 15s)"
+    )
+    replayer.add_argument(
+        "--instance", default="", help="replay the vLLM series of this instance label only"
+    )
+    replayer.add_argument(
+        "--mode",
+        choices=MODES,
+        help="replay as if policy.mode were this (default: the config's)",
+    )
+    replayer.add_argument("--json", action="store_true", help="print one JSON object")
+    _config_option(replayer)
+    replayer.set_defaults(command=_replay)
+
     config_cmd = commands.add_parser("config", help="configuration")
     config_sub = config_cmd.add_subparsers(metavar="ACTION")
     check = config_sub.add_parser(
@@ -224,6 +274,41 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
         file=out,
     )
     out.write(config.render(loaded))
+    return ExitCode.OK
+
+
+def _replay(args: argparse.Namespace, out: TextIO) -> int:
+    loaded = config.load(args.config)
+    settings = replay.engine_settings(loaded, args.mode)
+    step: float | None = None
+    if args.prometheus:
+        if args.files:
+            raise UsageError("replay: give FILEs or --prometheus, not both")
+        if not args.match or not args.start:
+            raise UsageError("replay: --prometheus needs --match SELECTOR and --start TIME")
+        now = time.time()
+        try:
+            start = replay.parse_time(args.start, now)
+            end = replay.parse_time(args.end or "now", now)
+            step = replay.parse_duration(args.step)
+        except ValueError as exc:
+            raise UsageError(f"replay: {exc}") from None
+        if not (step > 0 and end > start):
+            raise UsageError("replay: need --end after --start and a --step above 0")
+        replay.check_step(settings, step)
+        store = replay.fetch(args.prometheus, args.match, start, end, step)
+    elif args.files:
+        if args.match or args.start or args.end:
+            raise UsageError("replay: --match, --start and --end go with --prometheus")
+        store = replay.load_files(args.files)
+    else:
+        raise UsageError("replay: give query_range FILEs, or --prometheus URL --match ...")
+    result = replay.run(settings, store, step=step, model=loaded.vllm.model, instance=args.instance)
+    if args.json:
+        json.dump(result.to_json(), out, indent=1, allow_nan=False)
+        out.write("\n")
+    else:
+        out.write(replay.describe(result))
     return ExitCode.OK
 
 
@@ -321,6 +406,9 @@ def _actuator(settings: config.Config, err: TextIO) -> Actuator:
             ready_timeout=restart.ready_timeout,
         ),
         progress=progress,
+        gpus=reader_for(settings.gpu.devices, settings.gpu.recording)
+        if settings.gpu.enabled
+        else None,
     )
 
 

@@ -19,8 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from vkvagent import flags
+from vkvagent import flags, policy
+from vkvagent.baseline import BaselineSettings
+from vkvagent.diagnosis import FIXABLE, DiagnosisSettings
+from vkvagent.policy import PolicySettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,9 +44,11 @@ def setting(
     max: float | None = None,
     choices: Sequence[str] | None = None,
     item: type | None = None,
+    check: Callable[[Any], str | None] | None = None,
 ) -> Any:
-    """A config key: its default (whose type is the key's type), its doc and its limits."""
-    meta = {"doc": doc, "min": min, "max": max, "choices": choices, "item": item}
+    """A config key: its default (whose type is the key's type), its doc and its limits.
+    ``check(value)`` (of each item, for a list) says what else is wrong with it, or None."""
+    meta = {"doc": doc, "min": min, "max": max, "choices": choices, "item": item, "check": check}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -69,6 +75,17 @@ class AgentConfig:
     )
 
 
+_UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,250}\.service")
+
+
+def _check_unit(name: str) -> str | None:
+    """A service unit name as systemd allows it: it becomes part of a path under
+    /etc/systemd/system, so nothing else may pass."""
+    if not _UNIT_NAME.fullmatch(name) or name.startswith(".") or ".." in name:
+        return f"{name!r} is not a service unit name (allowed: e.g. vllm.service, vllm@a.service)"
+    return None
+
+
 def _check_flag(key: str, value: Any) -> str | None:
     try:
         flags.validate({key: value}, None, check_versions=False)
@@ -79,7 +96,7 @@ def _check_flag(key: str, value: Any) -> str | None:
 
 @dataclass(frozen=True)
 class VllmConfig:
-    unit: str = setting("vllm.service", "The systemd unit that runs vLLM.")
+    unit: str = setting("vllm.service", "The systemd unit that runs vLLM.", check=_check_unit)
     url: str = setting(
         "http://127.0.0.1:8000",
         "Base URL of vLLM's OpenAI server; /metrics and /version are read below it.",
@@ -154,6 +171,230 @@ class RestartConfig:
     )
 
 
+# -- the decision engine (vkvagent.engine): one section per stage, mirroring its settings --------
+# Defaults come from the engine's own settings classes, so the two cannot drift apart; the
+# engine's cross-field rules (enter_ratio <= leave_ratio, ...) are checked by building them.
+
+_B, _D, _P = BaselineSettings, DiagnosisSettings, PolicySettings
+DAY = 86400.0
+WEEK = 7 * DAY
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    window: float = setting(
+        _B.window,
+        "Seconds of samples summarised by one measurement (the trailing window compared "
+        "with the baseline).",
+        min=10, max=3600,
+    )  # fmt: skip
+    warmup: float = setting(
+        _B.warmup,
+        "Seconds of uptime after each vLLM (re)start left out of the baseline (CUDA graphs, "
+        "caches and the first burst settle).",
+        min=0, max=DAY,
+    )  # fmt: skip
+    learn_for: float = setting(
+        _B.learn_for,
+        "Seconds after the warm-up during which the run counts as fresh and its baseline is "
+        "learned.",
+        min=60, max=WEEK,
+    )  # fmt: skip
+    value_interval: float = setting(
+        _B.value_interval,
+        "At most one window value kept per this many seconds.",
+        min=1, max=3600,
+    )  # fmt: skip
+    min_values: int = setting(
+        _B.min_values,
+        "Window values a load regime needs before its baseline is known (unknown never "
+        "restarts); at most max_values.",
+        min=1, max=1000,
+    )  # fmt: skip
+    max_values: int = setting(
+        _B.max_values, "Window values kept per load regime.", min=1, max=10000
+    )
+    buckets_per_octave: int = setting(
+        _B.buckets_per_octave,
+        "Load regimes per doubling of generated tokens/s (2: 1024-1448, 1448-2048, ...).",
+        min=1, max=8,
+    )  # fmt: skip
+    min_running: float = setting(
+        _B.min_running,
+        "Mean running requests below which the server counts as idle (no regime).",
+        min=0, max=100000,
+    )  # fmt: skip
+
+    def settings(self) -> BaselineSettings:
+        """The engine's settings; ValueError when keys contradict each other."""
+        return BaselineSettings(**_values(self))
+
+
+@dataclass(frozen=True)
+class DiagnosisConfig:
+    enter_ratio: float = setting(
+        _D.enter_ratio,
+        "Speed (current / this run's fresh baseline at the same load) below which the "
+        "server is degraded; at most leave_ratio.",
+        min=0.05, max=1,
+    )  # fmt: skip
+    leave_ratio: float = setting(
+        _D.leave_ratio,
+        "Speed above which a degraded server counts as recovered (hysteresis).",
+        min=0.05, max=1,
+    )  # fmt: skip
+    hold: float = setting(_D.hold, "Seconds a symptom must last before it counts.", min=0, max=DAY)
+    kv_full: float = setting(
+        _D.kv_full,
+        "Mean KV-cache usage (0..1) at or above which the cache is near full.",
+        min=0.05, max=1,
+    )  # fmt: skip
+    kv_stranded_below: float = setting(
+        _D.kv_stranded_below,
+        "KV-cache usage below which requests waiting mean stranded KV (kv_stranded); at most "
+        "kv_full.",
+        min=0.05, max=1,
+    )  # fmt: skip
+    min_waiting: float = setting(
+        _D.min_waiting,
+        "Mean waiting requests that count as requests waiting.",
+        min=0, max=100000,
+    )  # fmt: skip
+    min_preemptions_per_s: float = setting(
+        _D.min_preemptions_per_s,
+        "Preemptions per second that count as preempting.",
+        min=0, max=100000,
+    )  # fmt: skip
+    load_tolerance: float = setting(
+        _D.load_tolerance,
+        "Demand above the fresh run's clean capacity x (1 + this) is more load, not "
+        "degradation (load_shift).",
+        min=0, max=10,
+    )  # fmt: skip
+    mix_tolerance: float = setting(
+        _D.mix_tolerance,
+        "Prompt-token share moved more than this from the baseline: another request mix "
+        "(load_shift).",
+        min=0, max=1,
+    )  # fmt: skip
+    stall_after: float = setting(
+        _D.stall_after,
+        "Seconds with requests pending and no token or engine step before it is a stall.",
+        min=10, max=DAY,
+    )  # fmt: skip
+    throttle_clock_drop: float = setting(
+        _D.throttle_clock_drop,
+        "A GPU with a throttle reason counts as throttled when its SM clock is below its "
+        "maximum x (1 - this).",
+        min=0, max=0.95,
+    )  # fmt: skip
+    fault_memory: float = setting(
+        _D.fault_memory,
+        "Seconds an XID or uncorrectable ECC error keeps vetoing restarts.",
+        min=0, max=WEEK,
+    )  # fmt: skip
+    memory_min_span: float = setting(
+        _D.memory_min_span,
+        "Seconds of this run's unit memory needed to judge memory growth.",
+        min=60, max=WEEK,
+    )  # fmt: skip
+    memory_min_growth: float = setting(
+        _D.memory_min_growth,
+        "Bytes the unit's memory must grow in this run, along with requests served, to be "
+        "host_memory_growth.",
+        min=0, max=1e12,
+    )  # fmt: skip
+    memory_min_correlation: float = setting(
+        _D.memory_min_correlation,
+        "How steadily memory must follow requests served (correlation, 0..1).",
+        min=0, max=1,
+    )  # fmt: skip
+
+    def settings(self) -> DiagnosisSettings:
+        """The engine's settings; ValueError when keys contradict each other."""
+        return DiagnosisSettings(**_values(self))
+
+
+def _check_zone(value: Any) -> str | None:
+    try:
+        ZoneInfo(value)
+    except (ZoneInfoNotFoundError, ValueError):
+        return f"{_show(value)} is not an IANA time zone (allowed: names like UTC, Europe/Paris)"
+    return None
+
+
+def _check_window(value: Any) -> str | None:
+    try:
+        policy.parse_window(value)
+    except ValueError as exc:
+        return str(exc).split(": ", 1)[-1]
+    return None
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    mode: str = setting(
+        _P.mode,
+        "off: do nothing; observe: decide and log, never restart; enforce: restart when the "
+        "policy allows.",
+        choices=policy.MODES,
+    )  # fmt: skip
+    timezone: str = setting(
+        _P.timezone, "IANA time zone the windows are written in.", check=_check_zone
+    )
+    windows: tuple[str, ...] = setting(
+        _P.windows,
+        "When non-emergency restarts may happen: 'DAYS HH:MM-HH:MM', DAYS as daily, *, mon, "
+        "mon-fri, fri-mon or a comma list; an end at or before the start crosses midnight. "
+        "Empty: emergencies only.",
+        item=str, check=_check_window,
+    )  # fmt: skip
+    max_request_rate: float = setting(
+        _P.max_request_rate,
+        "Traffic gate inside a window: restart only below this many requests/s; 0: no gate.",
+        min=0, max=1e6,
+    )  # fmt: skip
+    min_interval: float = setting(
+        _P.min_interval,
+        "Seconds between two restarts, whatever the cause.",
+        min=0, max=WEEK,
+    )  # fmt: skip
+    max_per_day: int = setting(
+        _P.max_per_day, "Restarts allowed in any rolling 24 hours.", min=1, max=1000
+    )
+    cooldown: float = setting(
+        _P.cooldown,
+        "Seconds after a restart during which non-emergency causes wait.",
+        min=0, max=WEEK,
+    )  # fmt: skip
+    emergency: tuple[str, ...] = setting(
+        _P.emergency,
+        "Causes that may restart outside the windows, without a drain.",
+        item=str, choices=tuple(sorted(FIXABLE)),
+    )  # fmt: skip
+    max_uptime: float = setting(
+        _P.max_uptime,
+        "Opt-in scheduled restart: once vLLM has run this many seconds, restart it in the "
+        "next window; 0: never.",
+        min=0, max=30 * DAY,
+    )  # fmt: skip
+    escalate_after: int = setting(
+        _P.escalate_after,
+        "Restarts in a row that did not restore the fresh speed before vkvagent stops "
+        "restarting and waits for `vkvagent resume`.",
+        min=1, max=100,
+    )  # fmt: skip
+
+    def settings(self, drain_max_in_flight: int = 0) -> PolicySettings:
+        """The engine's settings (the drain comes from [restart]); ValueError when keys
+        contradict each other."""
+        return PolicySettings(**_values(self), drain_max_in_flight=drain_max_in_flight)
+
+
+def _values(section: Any) -> dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+
+
 @dataclass(frozen=True)
 class Config:
     agent: AgentConfig = section(AgentConfig, "The daemon itself.")
@@ -161,6 +402,17 @@ class Config:
     gpu: GpuConfig = section(GpuConfig, "GPU readings through NVML.")
     history: HistoryConfig = section(HistoryConfig, "The sample history kept on disk.")
     restart: RestartConfig = section(RestartConfig, "How vkvagent restarts vLLM.")
+    baseline: BaselineConfig = section(
+        BaselineConfig, "Baselines: what this vLLM run does while fresh, per load regime."
+    )
+    diagnosis: DiagnosisConfig = section(
+        DiagnosisConfig, "Diagnosis: when the server counts as degraded, and why."
+    )
+    policy: PolicyConfig = section(
+        PolicyConfig,
+        "Policy: when a restart that would help may happen. The default mode, observe, never "
+        'restarts: set mode = "enforce" to let vkvagent act.',
+    )
 
 
 class ConfigError(Exception):
@@ -214,12 +466,47 @@ def load(path: Path | None = None, *, as_root: bool | None = None) -> Config:
             if reason:
                 problems.append(f"{checked}: refused: {reason}; it controls a root service")
     merged: dict[str, Any] = {}
+    origins: dict[tuple[str, ...], str] = {}
     for file in files:
-        problems += _merge_file(file, merged)
+        problems += _merge_file(file, merged, origins)
+    built: Config = _build(Config, merged)  # of the valid keys: contradictions show too
+    problems += _engine_problems(built, origins)
     if problems:
         raise ConfigError(problems)
-    built: Config = _build(Config, merged)
     return built
+
+
+def _engine_problems(built: Config, origins: Mapping[tuple[str, ...], str]) -> list[str]:
+    """Keys that are each valid but contradict each other (enter_ratio above leave_ratio,
+    ...), as the engine's settings classes find them, located at the keys they name."""
+    problems = []
+    parts: dict[str, Callable[[], object]] = {
+        "baseline": built.baseline.settings,
+        "diagnosis": built.diagnosis.settings,
+        "policy": lambda: built.policy.settings(built.restart.drain_max_in_flight),
+    }
+    for name, make in parts.items():
+        try:
+            make()
+        except ValueError as exc:
+            message = str(exc).removeprefix(f"{name}: ")
+            problems.append(_located(name, message, getattr(built, name), origins))
+    return problems
+
+
+def _located(name: str, message: str, values: Any, origins: Mapping[tuple[str, ...], str]) -> str:
+    """``file:line: section.key: message (key = value, ...)``, at the first key the message
+    names that a file set."""
+    keys = sorted(
+        (message.find(f.name), f.name)
+        for f in dataclasses.fields(values)
+        if re.search(rf"\b{f.name}\b", message)
+    )
+    named = [key for _at, key in keys]
+    shown = ", ".join(f"{key} = {_toml_value(getattr(values, key))}" for key in named)
+    key = next((key for key in named if (name, key) in origins), None)
+    located = f"{origins[(name, key)]}: {name}.{key}" if key else f"config: {name}"
+    return f"{located}: {message}" + (f" ({shown})" if shown else "")
 
 
 def _with_parents(files: Sequence[Path]) -> Iterator[Path]:
@@ -231,7 +518,9 @@ def _with_parents(files: Sequence[Path]) -> Iterator[Path]:
                 yield candidate
 
 
-def _merge_file(file: Path, merged: dict[str, Any]) -> list[str]:
+def _merge_file(
+    file: Path, merged: dict[str, Any], origins: dict[tuple[str, ...], str]
+) -> list[str]:
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -242,7 +531,7 @@ def _merge_file(file: Path, merged: dict[str, Any]) -> list[str]:
         return [_syntax_problem(file, str(exc))]
     locate = _Locator(text)
     problems: list[str] = []
-    _merge_table(Config, data, merged, (), lambda key: f"{file}:{locate(key)}", problems)
+    _merge_table(Config, data, merged, (), lambda key: f"{file}:{locate(key)}", problems, origins)
     return problems
 
 
@@ -259,6 +548,7 @@ def _merge_table(
     prefix: tuple[str, ...],
     where: Any,
     problems: list[str],
+    origins: dict[tuple[str, ...], str],
 ) -> None:
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key, value in data.items():
@@ -286,13 +576,14 @@ def _merge_table(
                 problems.append(f"{where(path)}: {dotted}: expected a table [{dotted}]")
                 continue
             sub = merged.setdefault(key, {})
-            _merge_table(spec.metadata["section"], value, sub, path, where, problems)
+            _merge_table(spec.metadata["section"], value, sub, path, where, problems, origins)
         else:
             problem = _check_value(value, spec)
             if problem:
                 problems.append(f"{where(path)}: {dotted}: {problem}")
             else:
                 merged[key] = _coerce(value, spec)
+                origins[path] = where(path)
 
 
 def _allowed(spec: dataclasses.Field[Any]) -> str:
@@ -301,7 +592,7 @@ def _allowed(spec: dataclasses.Field[Any]) -> str:
         return ", ".join(meta["choices"])
     low, high = meta["min"], meta["max"]
     if low is not None and high is not None:
-        shown = "{:d}" if isinstance(spec.default, int) or meta["item"] is int else "{:g}"
+        shown = "{:d}" if isinstance(spec.default, int) or meta["item"] is int else "{:.15g}"
         return f"{shown.format(low)} to {shown.format(high)}"
     return _type_name(spec.default, meta["item"])
 
@@ -351,6 +642,8 @@ def _check_scalar(value: Any, default: Any, spec: dataclasses.Field[Any]) -> str
         or (meta["max"] is not None and value > meta["max"])
     ):
         return f"{value} is out of range (allowed: {_allowed(spec)})"
+    if meta["check"] is not None:
+        return meta["check"](value)  # type: ignore[no-any-return]
     return None
 
 

@@ -1,0 +1,730 @@
+"""vkvagent replay: Prometheus query_range history through the decision engine.
+
+The histories are made the way Prometheus would record them: the simulator's engine model
+advanced step by step, its /metrics page rendered (``sim.exposition.render``) and parsed into
+series at each step, with ``instance``/``job`` target labels, then written out as a
+``query_range`` response. GPU series are what dcgm-exporter would export for the simulator's
+GPUs. One test runs a real Prometheus (Debian's package) scraping a running simulator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import parse_labels
+
+from tests.httpserver import RawServer, free_port
+from tests.simproc import SimProcess, get
+from vkvagent import replay
+from vkvagent.cli import main
+from vkvagent.config import Config
+from vkvagent.diagnosis import CAUSES
+from vkvagent.engine import ACTIONS, Settings
+from vkvagent.sim.engine import Cluster, EngineModel, Scenario, capacity
+from vkvagent.sim.exposition import histogram_bounds, render
+from vkvagent.sim.stats import ServerInfo
+from vkvagent.sim.workload import Workload, azure_sizes, constant
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+START = datetime(2025, 3, 3, 0, 0, tzinfo=timezone.utc)  # a Monday, 00:00 UTC
+VLLM = "10.0.0.7:8000"
+DCGM = "10.0.0.7:9400"
+SIZES = azure_sizes()
+ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+ENFORCE = '[policy]\nmode = "enforce"\nwindows = ["daily 03:15-06:00"]\n'
+
+
+# -- histories made from the simulator ---------------------------------------------------------
+
+
+def new_cluster(scenario: str, onset: float | None, flavor: str, seed: int) -> Cluster:
+    cap = capacity(MODEL, gpu_memory_utilization=0.9, block_size=16, max_num_seqs=256,
+                   max_num_batched_tokens=8192, max_model_len=32768)  # fmt: skip
+    return Cluster(
+        engines=[EngineModel(cap, histogram_bounds(flavor))],
+        workload=Workload(constant(2.0), SIZES, random.Random(seed)),
+        scenario=Scenario(scenario, onset),
+    )
+
+
+class Recorder:
+    """Series as Prometheus stores them, built point by point; ``response()`` is what
+    /api/v1/query_range would answer for all of them."""
+
+    def __init__(self) -> None:
+        self.series: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[dict[str, str], list]] = {}
+        self._parsed: dict[str, tuple[str, dict[str, str]]] = {}
+
+    def add(self, t: float, name: str, labels: dict[str, str], value: float) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        entry = self.series.get(key)
+        if entry is None:
+            entry = self.series[key] = ({"__name__": name, **labels}, [])
+        entry[1].append([t, repr(float(value))])
+
+    def scrape(self, t: float, page: bytes, target: dict[str, str]) -> None:
+        """Ingest one /metrics page as Prometheus does: every sample line a series."""
+        for line in page.decode().split("\n"):
+            if not line or line.startswith("#"):
+                continue
+            head, value = line.rsplit(" ", 1)
+            parsed = self._parsed.get(head)
+            if parsed is None:
+                name, _, rest = head.partition("{")
+                parsed = self._parsed[head] = (name, parse_labels(rest[:-1]) if rest else {})
+            self.add(t, parsed[0], {**parsed[1], **target}, float(value))
+
+    def response(self) -> dict[str, Any]:
+        result = [{"metric": metric, "values": values} for metric, values in self.series.values()]
+        return {"status": "success", "data": {"resultType": "matrix", "result": result}}
+
+
+@functools.cache
+def history(
+    scenario: str,
+    hours: float,
+    *,
+    onset: float | None = None,
+    step: float = 15.0,
+    gpus: int = 0,
+    flavor: str = "v1-latest",
+    restart_at: float | None = None,
+    new_instance: bool = False,
+    cold_start: float = 120.0,
+) -> str:
+    """A query_range response (JSON text) of ``hours`` of a simulated vLLM from START, scraped
+    every ``step`` s; ``restart_at`` (hours) restarts it for real: a new process after a cold
+    start with no data, on a new instance if ``new_instance``."""
+    recorder = Recorder()
+    started, seed, instance = START.timestamp(), 7, VLLM
+    cluster = new_cluster(scenario, onset, flavor, seed)
+    t, end = started, started + hours * 3600
+    while t + step <= end + 1e-9:
+        t += step
+        if restart_at is not None and t >= START.timestamp() + restart_at * 3600:
+            restart_at, started, seed = None, t + cold_start, seed + 1
+            cluster = new_cluster(scenario, onset, flavor, seed)
+            instance = "10.0.0.8:8000" if new_instance else instance
+        if t < started:
+            continue  # the port is closed while the model loads: no scrape succeeds
+        cluster.advance_to(t - started)
+        info = ServerInfo(model=MODEL, flavor=flavor, version="0.11.0", max_model_len=32768,
+                          cache_config={"block_size": "16"}, start_time=started)  # fmt: skip
+        page = render(info, [e.stats for e in cluster.engines], t)
+        recorder.scrape(t, page, {"instance": instance, "job": "vllm"})
+        for index, device in enumerate(cluster.gpu_recording(gpus)["devices"]):
+            labels = {"gpu": str(index), "UUID": device["uuid"], "modelName": device["name"],
+                      "Hostname": "gpu-7", "instance": DCGM, "job": "dcgm"}  # fmt: skip
+            fields = {
+                "DCGM_FI_DEV_GPU_TEMP": device["temperature"],
+                "DCGM_FI_DEV_SM_CLOCK": device["sm_clock"],
+                "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": device["clock_event_reasons"],
+                "DCGM_FI_DEV_FB_USED": device["memory_used"] // 2**20,
+                "DCGM_FI_DEV_FB_FREE": (device["memory_total"] - device["memory_used"]) // 2**20,
+                "DCGM_FI_DEV_POWER_USAGE": device["power_mw"] / 1000,
+                "DCGM_FI_DEV_XID_ERRORS": 0,
+            }
+            for name, value in fields.items():
+                recorder.add(t, name, labels, value)
+    return json.dumps(recorder.response())
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    path.chmod(0o600)
+    return path
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["replay", *argv], out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def replay_json(tmp_path: Path, *texts: str, config: str = ENFORCE, extra: tuple[str, ...] = ()):
+    files = [str(write(tmp_path / f"range-{i}.json", text)) for i, text in enumerate(texts)]
+    cfg = write(tmp_path / "config.toml", config)
+    code, out, err = run_cli(*files, "--config", str(cfg), "--json", *extra)
+    assert code == 0, err
+    assert err == ""
+    data: dict[str, Any] = json.loads(out)
+    check_structure(data)
+    return data
+
+
+def at(hours: float, minutes: float = 0) -> str:
+    moment = START.timestamp() + hours * 3600 + minutes * 60
+    return datetime.fromtimestamp(moment, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def head(reason: str) -> str:
+    found = re.match(r"^[A-Za-z _-]+(?::[A-Za-z _-]+)?", reason)
+    return found.group().strip() if found else reason
+
+
+def check_structure(data: dict[str, Any]) -> None:
+    """What --json promises: every decision's fields and types, one at every change of action
+    or cause, and a summary that agrees with them."""
+    assert set(data) == {"decisions", "summary"}
+    decisions = data["decisions"]
+    assert decisions
+    for d in decisions:
+        assert ISO.match(d["time"]), d["time"]
+        assert d["action"] in ACTIONS
+        assert d["cause"] is None or d["cause"] in (*CAUSES, "scheduled")
+        assert isinstance(d["reason"], str) and d["reason"]
+        assert isinstance(d["window_open"], bool)
+        assert d["ratio"] is None or isinstance(d["ratio"], (int, float))
+    times = [d["time"] for d in decisions]
+    assert times == sorted(times)
+    for a, b in zip(decisions, decisions[1:-1]):
+        change = (a["action"], a["cause"], head(a["reason"]), a["evidence"]["run"]) != (
+            b["action"], b["cause"], head(b["reason"]), b["evidence"]["run"]
+        )  # fmt: skip
+        assert change or b["action"] == "restart", (a, b)
+    summary = data["summary"]
+    restarts = [d for d in decisions if d["action"] == "restart"]
+    assert summary["restarts"] == len(restarts)
+    assert summary["restarts_outside_window"] == sum(not d["window_open"] for d in restarts)
+    assert set(summary["causes"]) == {d["cause"] for d in decisions if d["cause"]}
+    assert all(isinstance(m, (int, float)) and m > 0 for m in summary["causes"].values())
+    assert summary["from"] == decisions[0]["time"] and summary["to"] == decisions[-1]["time"]
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+
+def test_uptime_decline_is_held_outside_the_window_and_restarted_when_it_opens(
+    tmp_path: Path,
+) -> None:
+    data = replay_json(tmp_path, history("uptime-decline", 3.75, onset=1800.0, step=30.0))
+    decisions = data["decisions"]
+    found = next(d for d in decisions if d["cause"] == "uptime_decline")
+    assert found["action"] == "hold" and not found["window_open"]
+    assert found["reason"].startswith("outside window (next 2025-03-03T03:15:00Z)")
+    assert found["ratio"] < 0.75
+    assert at(2, 30) < found["time"] < at(3, 15)
+    [restart] = [d for d in decisions if d["action"] == "restart"]
+    assert restart["time"] == at(3, 15) and restart["window_open"]
+    assert restart["cause"] == "uptime_decline" and restart["reason"].startswith("restart: ")
+    # Virtual: the data goes on declining, and the policy counts the restart it decided.
+    after = [d for d in decisions if d["time"] > restart["time"]]
+    assert after and all(d["action"] == "hold" for d in after)
+    assert after[0]["reason"].startswith("min interval: last restart 0 min ago")
+    summary = data["summary"]
+    assert summary["restarts"] == 1 and summary["restarts_outside_window"] == 0
+    assert summary["runs"] == 1 and summary["mode"] == "enforce" and summary["step_s"] == 30.0
+    assert summary["evaluations"] == 3.75 * 3600 / 30
+    # The cause holds from its first decision to the end of the data.
+    held = datetime.fromisoformat(summary["to"][:-1]) - datetime.fromisoformat(found["time"][:-1])
+    assert summary["causes"]["uptime_decline"] == pytest.approx(held.total_seconds() / 60 + 0.5)
+
+
+def test_a_healthy_server_is_never_restarted_and_the_timeline_reads_well(tmp_path: Path) -> None:
+    path = write(tmp_path / "range.json", history("healthy", 1.0))
+    cfg = write(tmp_path / "config.toml", ENFORCE)
+    code, out, err = run_cli(str(path), "--config", str(cfg))
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == (
+        "replay 2025-03-03T00:00:15Z to 2025-03-03T01:00:00Z: 240 evaluations every 15 s, "
+        "1 vLLM run, policy mode enforce"
+    )
+    assert lines[-1] == "summary: 0 restarts (0 outside a window); causes: none"
+    assert re.match(r"^2025-03-03 00:00:15Z  none +- +ratio - +window closed  learning: ", lines[1])
+    healthy = [line for line in lines if "healthy: speed" in line]
+    assert healthy and "2025-03-03 00:2" in healthy[0]  # known once warm-up and learning pass
+    assert not any(" restart " in line or " hold " in line for line in lines)
+    data = replay_json(tmp_path, history("healthy", 1.0))
+    assert data["summary"]["causes"] == {} and data["summary"]["restarts"] == 0
+    ratios = [d["ratio"] for d in data["decisions"] if d["ratio"] is not None]
+    assert ratios and all(0.85 < r < 1.15 for r in ratios)
+
+
+def test_thermal_throttling_seen_in_dcgm_series_vetoes_the_restart(tmp_path: Path) -> None:
+    all_day = '[policy]\nmode = "enforce"\nwindows = ["daily 00:00-24:00"]\n'
+    data = replay_json(tmp_path, history("thermal-throttle", 1.0, onset=1800.0, gpus=2, step=30.0),
+                       config=all_day)  # fmt: skip
+    decisions = data["decisions"]
+    assert data["summary"]["restarts"] == 0
+    throttled = [d for d in decisions if d["cause"] == "gpu_throttle"]
+    assert throttled and throttled[0]["time"] == at(0, 30)  # the first throttled scrape
+    slow = [d for d in throttled if d["action"] == "hold"]
+    assert slow and all(d["reason"].startswith("vetoed: gpu_throttle: speed 0.") for d in slow)
+    assert all(d["window_open"] for d in slow)  # vetoed, not waiting for a window
+    evidence = str(slow[-1]["evidence"]["gpu_throttle"])
+    assert "sw_thermal_slowdown+hw_thermal_slowdown" in evidence
+    assert "SM clock 1155/1980 MHz" in evidence  # the maximum: the highest clock in the input
+    assert set(data["summary"]["causes"]) == {"gpu_throttle"}
+
+
+@pytest.mark.parametrize("how", ["process start time", "counter reset only", "new instance"])
+def test_a_real_restart_in_the_data_starts_a_new_run_and_baseline(tmp_path: Path, how: str) -> None:
+    text = history("healthy", 1.0, step=30.0, restart_at=0.5, new_instance=how == "new instance")
+    if how == "counter reset only":  # e.g. a page without process_start_time_seconds
+        response = json.loads(text)
+        result = response["data"]["result"]
+        result[:] = [r for r in result if r["metric"]["__name__"] != replay.PROCESS_START]
+        text = json.dumps(response)
+    data = replay_json(tmp_path, text)
+    decisions = data["decisions"]
+    assert data["summary"]["runs"] == 2 and data["summary"]["restarts"] == 0
+    runs = list(dict.fromkeys(d["evidence"]["run"] for d in decisions))
+    assert len(runs) == 2
+    if how != "counter reset only":
+        assert runs[1] == f"start:{START.timestamp() + 0.5 * 3600 + 120:.3f}"
+    # The gap while the new process loaded is seen, then the new run learns from scratch.
+    down = [d for d in decisions if d["cause"] == "engine_down"]
+    assert [d["time"] for d in down] == [at(0.5)]
+    assert data["summary"]["causes"] == {"engine_down": 2.0}
+    new = [d for d in decisions if d["evidence"]["run"] == runs[1]]
+    assert new[0]["reason"].startswith("learning: ")
+    assert any(d["reason"].startswith("learning: warm-up: uptime ") for d in new)
+    # Its fresh baseline was learned and compared with the previous run's: the same speed.
+    assert new[-1]["reason"].startswith("healthy: ") and new[-1]["recovered"] is True
+
+
+def test_memory_growing_with_requests_served_is_found_from_the_process_rss(
+    tmp_path: Path,
+) -> None:
+    response = json.loads(history("memory-growth", 1.25, step=30.0))
+    result = response["data"]["result"]
+    served: dict[float, float] = {}
+    for entry in result:
+        if entry["metric"]["__name__"] == "vllm:request_success_total":
+            for t, value in entry["values"]:
+                served[t] = served.get(t, 0.0) + float(value)
+    rss = next(e for e in result if e["metric"]["__name__"] == replay.PROCESS_MEMORY)
+    rss["values"] = [[t, str(6 * 2**30 + served[t] * 256 * 1024)] for t, _v in rss["values"]]
+    config = (
+        '[policy]\nmode = "enforce"\nwindows = ["daily 00:00-24:00"]\n'
+        "[diagnosis]\nmemory_min_growth = 5e8\n"
+    )
+    data = replay_json(tmp_path, json.dumps(response), config=config)
+    [restart] = [d for d in data["decisions"] if d["action"] == "restart"]
+    assert restart["cause"] == "host_memory_growth" and restart["window_open"]
+    assert restart["evidence"]["bytes_per_request"] == pytest.approx(256 * 1024)
+    assert restart["time"] >= at(1, 0)  # it takes memory_min_span (an hour) of this run
+
+
+@pytest.mark.parametrize("flavor", ["v0", "v1-0.8", "v1-0.10"])
+def test_every_metrics_flavour_replays_through_the_normaliser(tmp_path: Path, flavor: str) -> None:
+    data = replay_json(tmp_path, history("healthy", 0.6, step=30.0, flavor=flavor))
+    decisions = data["decisions"]
+    assert data["summary"]["evaluations"] == 72 and data["summary"]["step_s"] == 30.0
+    assert not any(d["cause"] for d in decisions)  # every page read: never "engine down"
+    assert decisions[-1]["reason"].startswith("healthy: speed ")
+    # V0's multiprocess page has no process_start_time_seconds: the run starts at its first
+    # sample instead.
+    run = (
+        f"mono:{START.timestamp() + 30:.3f}" if flavor == "v0" else f"start:{START.timestamp():.3f}"
+    )
+    assert decisions[-1]["evidence"]["run"] == run
+
+
+def test_several_files_and_overlapping_chunks_merge_into_one_history(tmp_path: Path) -> None:
+    whole = json.loads(history("healthy", 0.6, step=30.0))
+    first, second = json.loads(json.dumps(whole)), json.loads(json.dumps(whole))
+    middle = START.timestamp() + 1200
+    for response, keep in ((first, lambda t: t <= middle + 300), (second, lambda t: t >= middle)):
+        for series in response["data"]["result"]:
+            series["values"] = [v for v in series["values"] if keep(v[0])]
+    merged = replay_json(tmp_path, json.dumps(second), json.dumps(first))
+    alone = replay_json(tmp_path, json.dumps(whole))
+    assert merged == alone
+
+
+def test_the_instance_option_picks_one_server_of_several(tmp_path: Path) -> None:
+    response = json.loads(history("healthy", 0.6, step=30.0))
+    result = response["data"]["result"]
+    other = [json.loads(json.dumps(r)) for r in result if r["metric"]["instance"] == VLLM]
+    for series in other:
+        series["metric"]["instance"] = "10.0.0.9:8000"
+        series["values"] = [[t, "0"] for t, _v in series["values"]]
+    response["data"]["result"] = result + other
+    path = write(tmp_path / "two.json", json.dumps(response))
+    cfg = write(tmp_path / "config.toml", ENFORCE)
+    code, _out, err = run_cli(str(path), "--config", str(cfg))
+    assert code == 1
+    assert err == (
+        "vkvagent: vLLM series of instances '10.0.0.7:8000' and '10.0.0.9:8000' overlap in "
+        'time: replay one server at a time (--instance 10.0.0.7:8000, or instance="10.0.0.7:8000"'
+        " in the selector)\n"
+    )
+    chosen = replay_json(tmp_path, json.dumps(response), extra=("--instance", VLLM))
+    assert chosen == replay_json(tmp_path, history("healthy", 0.6, step=30.0))
+
+
+def test_observe_mode_is_the_default_and_never_restarts(tmp_path: Path) -> None:
+    window = '[policy]\nwindows = ["daily 03:15-06:00"]\n'
+    data = replay_json(
+        tmp_path, history("uptime-decline", 3.75, onset=1800.0, step=30.0), config=window
+    )
+    assert data["summary"]["mode"] == "observe" and data["summary"]["restarts"] == 0
+    would = [d for d in data["decisions"] if d["reason"].startswith("observe mode: would restart")]
+    assert would and would[0]["time"] == at(3, 15) and would[0]["action"] == "hold"
+    declining = history("uptime-decline", 3.75, onset=1800.0, step=30.0)
+    forced = replay_json(tmp_path, declining, config=window, extra=("--mode", "enforce"))
+    assert forced["summary"]["restarts"] == 1
+
+
+# -- the DCGM mapping and the pieces -----------------------------------------------------------
+
+
+def series(name: str, points: list[tuple[float, float]], **labels: str) -> replay.Series:
+    return replay.Series(name, labels, [t for t, _v in points], [v for _t, v in points])
+
+
+def test_dcgm_series_become_gpu_readings() -> None:
+    gpu = {"gpu": "3", "UUID": "GPU-abc", "modelName": "NVIDIA H100 80GB HBM3"}
+    vllm = [series("vllm:num_requests_running", [(t, 1.0) for t in (10, 20, 30)], model_name="m")]
+    dcgm = [
+        series("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", [(10, 0), (20, 0x48), (30, 0)], **gpu),
+        series("DCGM_FI_DEV_SM_CLOCK", [(10, 1980), (20, 1400), (30, 1980)], **gpu),
+        series("DCGM_FI_DEV_GPU_TEMP", [(10, 60), (20, 88), (30, 61)], **gpu),
+        series("DCGM_FI_DEV_FB_USED", [(10, 1024), (20, 1024), (30, 1024)], **gpu),
+        series("DCGM_FI_DEV_FB_FREE", [(10, 512), (20, 512), (30, 512)], **gpu),
+        series("DCGM_FI_DEV_XID_ERRORS", [(10, 0), (20, 79), (30, 79)], **gpu),
+        series("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", [(10, 0), (20, 0), (30, 2)], **gpu),
+    ]
+    line = replay.timeline(vllm + dcgm)
+    readings = [sample.gpus for sample, _memory in line.samples()]
+    assert [len(r) for r in readings] == [1, 1, 1]
+    calm, hot, after = (r[0] for r in readings)
+    assert (hot.index, hot.uuid, hot.name) == (3, "GPU-abc", "NVIDIA H100 80GB HBM3")
+    assert hot.clock_event_reasons == ("hw_slowdown", "hw_thermal_slowdown")
+    assert hot.throttled_by == ("hw_slowdown", "hw_thermal_slowdown")
+    assert (hot.sm_clock_mhz, hot.sm_clock_max_mhz, hot.temperature_c) == (1400, 1980, 88)
+    assert (hot.memory_used_bytes, hot.memory_total_bytes) == (1 << 30, 1536 << 20)
+    # The XID gauge holds the last code: an XID is reported when it changes, once.
+    assert (calm.xid_errors, hot.xid_errors, after.xid_errors) == ((), (79,), ())
+    assert after.ecc_uncorrected_volatile == 2 and calm.clock_event_reasons == ()
+
+
+def test_gpus_of_several_hosts_are_refused() -> None:
+    vllm = [series("vllm:num_requests_running", [(10, 1.0), (20, 1.0)])]
+    temps = [series("DCGM_FI_DEV_GPU_TEMP", [(10, 50)], gpu="0", Hostname=h) for h in "ab"]
+    with pytest.raises(replay.ReplayError, match=r"^GPU series from 2 hosts \(a, b\): keep "):
+        replay.timeline(vllm + temps)
+
+
+def test_holes_in_the_data_become_samples_without_vllm() -> None:
+    vllm = [series("vllm:num_requests_running", [(t, 1.0) for t in (0, 10, 20, 60, 70)])]
+    line = replay.timeline(vllm)
+    assert line.step == 10 and line.times == [0, 10, 20, 30, 40, 50, 60, 70]
+    errors = [sample.vllm_error for sample, _memory in line.samples()]
+    assert errors[3:6] == ["no vLLM series at this time (target down, or not scraped)"] * 3
+    assert errors[:3] == [None] * 3 and errors[6:] == [None] * 2
+
+
+def test_labels_are_escaped_as_the_exposition_format_wants() -> None:
+    labels = {"model_name": 'a"b\\c\nd', "instance": "x:1", "job": "j", "engine": "0"}
+    line = replay._line("vllm:num_requests_running", labels)
+    assert line == 'vllm:num_requests_running{engine="0",model_name="a\\"b\\\\c\\nd"}'
+    assert parse_labels(line[line.index("{") + 1 : -1]) == {"engine": "0", "model_name": labels[
+        "model_name"]}  # fmt: skip
+
+
+def test_chunks_cover_the_grid_once_under_the_point_limit() -> None:
+    assert replay.chunks(0, 100, 10, 4) == [(0, 30), (40, 70), (80, 100)]
+    assert replay.chunks(0, 0, 15, 10_000) == [(0, 0)]
+    week = replay.chunks(0, 7 * 86400, 15, replay.MAX_POINTS)
+    assert len(week) == 5 and all((b - a) / 15 + 1 <= 10_000 for a, b in week)
+    grid = [t for a, b in week for t in range(int(a), int(b) + 1, 15)]
+    assert grid == list(range(0, 7 * 86400 + 1, 15))
+
+
+def test_times_and_durations() -> None:
+    now = 1_741_000_000.0
+    assert replay.parse_time("now", now) == now
+    assert replay.parse_time("now-6h", now) == now - 6 * 3600
+    assert replay.parse_time("1741000000.5", now) == 1741000000.5
+    assert replay.parse_time("2025-03-03T04:00:00Z", now) == START.timestamp() + 4 * 3600
+    assert replay.parse_time("2025-03-03T05:00:00+01:00", now) == START.timestamp() + 4 * 3600
+    assert replay.parse_time("2025-03-03 04:00", now) == START.timestamp() + 4 * 3600
+    assert [replay.parse_duration(d) for d in ("15", "15s", "1m", "2h", "1d", "500ms")] == [
+        15, 15, 60, 7200, 86400, 0.5
+    ]  # fmt: skip
+    for bad in ("yesterday", "now-x", "-5m", "5y"):
+        with pytest.raises(ValueError):
+            replay.parse_time(bad, now)
+
+
+def test_engine_settings_come_from_the_config() -> None:
+    assert replay.engine_settings(Config()) == Settings()
+    assert replay.engine_settings(Config(), "enforce").policy.mode == "enforce"
+
+
+# -- bad input: one line, exit 1 (2 for a wrong command line) ----------------------------------
+
+GOOD = history("healthy", 0.2)
+
+
+def valid(**change: Any) -> str:
+    response = json.loads(GOOD)
+    response.update(change)
+    return json.dumps(response)
+
+
+def with_entry(entry: Any) -> str:
+    response = json.loads(GOOD)
+    response["data"]["result"].append(entry)
+    return json.dumps(response)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("<html>502</html>", "not JSON: Expecting value: line 1 column 1 (char 0)"),
+        ("[1, 2]", "not a Prometheus query_range response (expected a JSON object)"),
+        (valid(status="error", errorType="bad_data", error="parse error"),
+         "Prometheus error: bad_data: parse error"),
+        (valid(status="pending"), '"status" is "pending", not "success"'),
+        (valid(data=None), 'no "data" object'),
+        (valid(data={"resultType": "vector", "result": []}),
+         'resultType is "vector", not "matrix" (save /api/v1/query_range responses, not '
+         "/api/v1/query)"),
+        (valid(data={"resultType": "matrix"}), '"data.result" is not a list'),
+        (with_entry({"metric": {"job": "x"}, "values": []}),
+         "has no __name__: query raw series (a selector), not an expression"),
+        (with_entry({"metric": {"__name__": "vllm:x", "a": 1}, "values": []}),
+         '"metric" is not an object of string labels'),
+        (with_entry({"metric": {"__name__": "vllm:x"}, "values": [[1, 2]]}),
+         '(vllm:x): values[0] is not [time, "value"]: [1, 2]'),
+        (with_entry({"metric": {"__name__": "vllm:x"}, "values": [["1", "2"]]}),
+         '(vllm:x): values[0] is not [time, "value"]: ["1", "2"]'),
+        (with_entry({"metric": {"__name__": "vllm:x"}, "values": [[1, "two"]]}),
+         '(vllm:x): values[0] is not [time, "value"]: [1, "two"]'),
+        (json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
+            {"metric": {"__name__": "up"}, "values": [[1, "1"]]}]}}),
+         "no vLLM series (vllm:*) in the input (found: up)"),
+        (json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
+            {"metric": {"__name__": "vllm:num_requests_running"}, "values": []}]}}),
+         "the vLLM series hold no points in the range: nothing to replay"),
+        (json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
+            {"metric": {"__name__": "vllm:num_requests_running"},
+             "values": [[1, "1"], [301, "1"]]}]}}),
+         "step 300 s is too coarse for the 300 s baseline window: use at most 150 s"),
+    ],
+)  # fmt: skip
+def test_bad_files_fail_in_one_line(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path / "bad.json", text)
+    code, out, err = run_cli(str(path), "--config", str(write(tmp_path / "c.toml", "")))
+    assert (code, out) == (1, "")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("vkvagent: ") and message in err, err
+
+
+def test_a_missing_file_and_a_bad_config_fail_in_one_line(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "c.toml", "")
+    code, _out, err = run_cli(str(tmp_path / "nope.json"), "--config", str(cfg))
+    assert (code, err) == (1, f"vkvagent: {tmp_path / 'nope.json'}: No such file or directory\n")
+    path = write(tmp_path / "range.json", GOOD)
+    bad = write(tmp_path / "bad.toml", "[diagnosis]\nenter_ratio = 0.9\n")
+    code, _out, err = run_cli(str(path), "--config", str(bad))
+    assert code == 1
+    assert err == (
+        f"vkvagent: {bad}:2: diagnosis.enter_ratio: need 0 < enter_ratio <= leave_ratio "
+        "(enter_ratio = 0.9, leave_ratio = 0.85)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ((), "replay: give query_range FILEs, or --prometheus URL --match ..."),
+        (("f.json", "--prometheus", "http://127.0.0.1:9"), "give FILEs or --prometheus, not both"),
+        (("--prometheus", "http://127.0.0.1:9", "--start", "now-1h"),
+         "--prometheus needs --match SELECTOR and --start TIME"),
+        (("--prometheus", "http://x", "--match", "up", "--start", "soon"), "'soon' is not a time"),
+        (("--prometheus", "http://x", "--match", "up", "--start", "now", "--end", "now-1h"),
+         "need --end after --start"),
+        (("--prometheus", "http://x", "--match", "up", "--start", "now-1h", "--step", "fast"),
+         "'fast' is not a duration"),
+        (("f.json", "--start", "now-1h"), "--match, --start and --end go with --prometheus"),
+    ],
+)  # fmt: skip
+def test_a_wrong_command_line_exits_2(tmp_path: Path, argv: tuple[str, ...], message: str) -> None:
+    code, _out, err = run_cli(*argv, "--config", str(write(tmp_path / "c.toml", "")))
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def serve_answer(answer: bytes) -> RawServer:
+    def handle(conn: socket.socket, _stop: threading.Event) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(4096)
+        length = int(re.search(rb"Content-Length: (\d+)", data, re.I).group(1))  # type: ignore[union-attr]
+        body = data.split(b"\r\n\r\n", 1)[1]
+        while len(body) < length:
+            body += conn.recv(4096)
+        conn.sendall(answer)
+
+    return RawServer(handle)
+
+
+def http(status: str, body: bytes, kind: str = "application/json") -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode() + body  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (http("503 Service Unavailable", b"<html>down</html>", "text/html"),
+         "answered HTTP 503: Service Unavailable"),
+        (http("422 Unprocessable Entity",
+              b'{"status":"error","errorType":"execution","error":"too many samples"}'),
+         "answered HTTP 422: execution: too many samples"),
+        (http("200 OK", b"not json"), "answer is not JSON: "),
+        (http("200 OK", b'{"status":"success","data":{"resultType":"vector","result":[]}}'),
+         'resultType is "vector", not "matrix"'),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"status\"", "cannot read from "),
+    ],
+)  # fmt: skip
+def test_a_prometheus_that_misbehaves_fails_in_one_line(answer: bytes, message: str) -> None:
+    with serve_answer(answer) as server, pytest.raises(replay.ReplayError) as caught:
+        replay.fetch(server.url, ["up"], 0, 60, 15, timeout=5)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+    assert str(caught.value).count(f"{server.url}/api/v1/query_range") == 1
+
+
+def test_an_unreachable_or_silent_prometheus_fails_in_one_line(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = write(tmp_path / "c.toml", "")
+    code, out, err = run_cli("--prometheus", f"http://127.0.0.1:{port}", "--match", "up",
+                             "--start", "now-1h", "--config", str(cfg))  # fmt: skip
+    assert (code, out) == (1, "")
+    assert err == (
+        f"vkvagent: cannot reach Prometheus at http://127.0.0.1:{port}/api/v1/query_range: "
+        "Connection refused\n"
+    )
+    with RawServer(lambda conn, stop: stop.wait(5)) as silent:
+        began = time.monotonic()
+        with pytest.raises(replay.ReplayError, match=r"timed out$"):
+            replay.fetch(silent.url, ["up"], 0, 60, 15, timeout=0.3)
+        assert time.monotonic() - began < 3
+    code, _out, err = run_cli("--prometheus", "ftp://x", "--match", "up", "--start", "now-1h",
+                              "--config", str(cfg))  # fmt: skip
+    assert code == 1 and "expected http://HOST:PORT" in err
+
+
+# -- a real Prometheus scraping the simulator --------------------------------------------------
+
+SELECTOR = '{__name__=~"vllm:.*|process_start_time_seconds"}'
+# Small enough for seconds of data: the simulator runs 20x faster than real time.
+QUICK = (
+    "[baseline]\nwindow = 10\nwarmup = 0\nlearn_for = 60\nvalue_interval = 1\nmin_values = 2\n"
+    '[policy]\nmode = "enforce"\nwindows = ["daily 00:00-24:00"]\n'
+)
+
+
+@contextlib.contextmanager
+def prometheus(target: str) -> Iterator[str]:
+    """Debian's prometheus on a free loopback port, scraping ``target`` every second, with
+    its configuration and data in a temporary directory."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is not installed (apt-get install prometheus; .ci/run does)"
+    with tempfile.TemporaryDirectory(prefix="vkvagent-prometheus-") as directory:
+        root = Path(directory)
+        (root / "prometheus.yml").write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+            "scrape_configs:\n  - job_name: vllm\n    static_configs:\n"
+            f"      - targets: ['{target}']\n",
+            encoding="utf-8",
+        )
+        url = f"http://127.0.0.1:{free_port()}"
+        process = subprocess.Popen(
+            [binary, f"--config.file={root / 'prometheus.yml'}",
+             f"--storage.tsdb.path={root / 'data'}", f"--web.listen-address={url[7:]}",
+             "--log.level=warn"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                assert process.poll() is None, process.communicate()[0]
+                with contextlib.suppress(OSError):
+                    if get(url + "/-/ready", timeout=0.5)[0] == 200:
+                        break
+                assert time.monotonic() < deadline, "prometheus did not become ready"
+                time.sleep(0.1)
+            yield url
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+
+
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None and not os.environ.get("CI"),
+    reason="needs Debian's prometheus package (CI installs it)",
+)
+def test_replay_reads_a_real_prometheus_scraping_the_simulator(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "config.toml", QUICK)
+    sim = SimProcess(MODEL, "--time-scale", "20", "--seed", "3")
+    with contextlib.ExitStack() as stack:
+        # Prometheus first: its first scrape waits ~5 s for service discovery anyway.
+        url = stack.enter_context(prometheus(sim.url[len("http://") :]))
+        began = time.time()
+        stack.enter_context(sim)
+        started = float(re.search(rb"^process_start_time_seconds (\S+)$",
+                                  get(sim.url + "/metrics")[1], re.M).group(1))  # type: ignore[union-attr]  # fmt: skip
+        # Until Prometheus holds 10 s of scrapes (its first one comes within a second or so).
+        deadline = time.monotonic() + 40
+        while True:
+            time.sleep(0.5)
+            store = replay.fetch(url, [SELECTOR], began - 5, time.time(), 1.0)
+            running = [s for s in store.series() if s.name == "vllm:num_requests_running"]
+            if running and len(running[0].times) >= 10:
+                break
+            assert time.monotonic() < deadline, "prometheus did not scrape the simulator"
+        end = time.time()
+        code, out, err = run_cli(
+            "--prometheus", url, "--match", SELECTOR, "--start", f"{began - 5:.3f}",
+            "--end", f"{end:.3f}", "--step", "1s", "--config", str(cfg), "--json",
+        )  # fmt: skip
+        assert (code, err) == (0, "")
+        data = json.loads(out)
+        check_structure(data)
+        # Chunks of 4 points give exactly what one query gives.
+        whole = replay.fetch(url, [SELECTOR], began - 5, end, 1.0).series()
+        chunked = replay.fetch(url, [SELECTOR], began - 5, end, 1.0, max_points=4).series()
+        assert chunked == whole
+        # A selector Prometheus refuses comes back as its own error, in one line.
+        code, _out, err = run_cli("--prometheus", url, "--match", "{", "--start", "now-1m",
+                                  "--step", "1s", "--config", str(cfg))  # fmt: skip
+        assert code == 1 and err.startswith(f"vkvagent: Prometheus at {url}/api/v1/query_range "
+                                            "answered HTTP 400: bad_data: ")  # fmt: skip
+    decisions, summary = data["decisions"], data["summary"]
+    assert began - 5 <= datetime.fromisoformat(summary["from"][:-1]).replace(
+        tzinfo=timezone.utc).timestamp() and summary["to"] <= datetime.fromtimestamp(
+        end, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")  # fmt: skip
+    assert summary["evaluations"] >= 10 and summary["runs"] == 1 and summary["restarts"] == 0
+    assert {d["evidence"]["run"] for d in decisions} == {f"start:{started:.3f}"}
+    assert decisions[0]["reason"].startswith("learning: ")
+    assert any(d["reason"].startswith("healthy: speed ") for d in decisions), decisions
+    assert not any(d["cause"] for d in decisions)
+    assert math.isfinite(summary["step_s"]) and summary["step_s"] == 1.0

@@ -1,0 +1,771 @@
+"""``vkvagent replay``: the decision engine on a virtual clock over Prometheus history.
+
+Input: Prometheus HTTP API ``query_range`` responses (``resultType: matrix``), read from files
+or fetched from a Prometheus in chunks under its 11,000-points-per-series limit, holding
+vLLM's raw series of any version (counters, gauges, histogram ``_bucket``/``_count``/``_sum``,
+``cache_config_info``, ``process_start_time_seconds``) and, optionally, dcgm-exporter's GPU
+series.
+
+How samples are made: at each timestamp the vLLM series' values are written back as
+exposition lines and read by the agent's own ``metrics.Normaliser``, so every metrics
+flavour, data-parallel ``engine`` labels and the checks that make a page invalid are the code
+that reads a live ``/metrics`` page. Building ``VllmMetrics`` directly would be a second
+mapping of wire names to keep in step with metrics.py for little gain: only the series the
+normaliser reads are kept and written back, and a replay costs about 0.6 ms a timestamp,
+normaliser and engine included. The Prometheus target labels ``instance`` and ``job`` are
+left out, so a server that came back on another instance (a new pod) continues the same
+series; two instances with data at the same time are refused. dcgm-exporter series become
+``GpuReading`` values (the clock-event reasons bitmask is NVML's).
+
+Then ``engine.decide`` runs once per timestamp with ``now`` at that timestamp. A restart it
+decides is virtual: windows, budgets and cooldowns count it, the data is not altered, and it
+is never judged (no new run follows it), so escalation cannot trigger. A real restart in the
+data (a counter reset, a new ``process_start_time_seconds``) is a new run with a new baseline,
+as in the daemon.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import re
+import socket
+import statistics
+import urllib.error
+import urllib.parse
+import urllib.request
+from array import array
+from collections import deque
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from vkvagent.config import Config
+from vkvagent.diagnosis import MemoryPoint
+from vkvagent.engine import Decision, EngineState, Observation, Settings, decide
+from vkvagent.gpu import GpuReading, decode_clock_event_reasons
+from vkvagent.metrics import WANTED, ExpositionError, Normaliser, VllmMetrics
+from vkvagent.policy import RestartRecord
+from vkvagent.sample import Sample
+
+MAX_POINTS = 10_000  # per series per query: under Prometheus' 11,000, with a margin
+MAX_RESPONSE_BYTES = 1 << 30
+TARGET_LABELS = ("instance", "job")  # added by Prometheus, not by vLLM
+PROCESS_START = "process_start_time_seconds"
+PROCESS_MEMORY = "process_resident_memory_bytes"  # the API server's RSS: unit memory, at least
+MEMORY_EVERY = 60.0  # seconds between two memory points, as the daemon keeps them
+MEMORY_KEPT = 3000  # memory points kept (50 hours at one a minute)
+MIB = 1 << 20
+
+# dcgm-exporter field -> GpuReading field.
+DCGM_REASONS = ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS")
+DCGM_FIELDS = {
+    "DCGM_FI_DEV_GPU_TEMP": "temperature_c",
+    "DCGM_FI_DEV_SM_CLOCK": "sm_clock_mhz",
+    "DCGM_FI_DEV_MAX_SM_CLOCK": "sm_clock_max_mhz",
+    "DCGM_FI_DEV_FB_USED": "memory_used_mib",
+    "DCGM_FI_DEV_FB_FREE": "memory_free_mib",
+    "DCGM_FI_DEV_FB_RESERVED": "memory_reserved_mib",
+    "DCGM_FI_DEV_GPU_UTIL": "utilization_percent",
+    "DCGM_FI_DEV_POWER_USAGE": "power_w",
+    "DCGM_FI_DEV_POWER_MGMT_LIMIT": "power_limit_w",
+    "DCGM_FI_DEV_XID_ERRORS": "xid",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": "ecc_uncorrected_volatile",
+    **dict.fromkeys(DCGM_REASONS, "reasons"),
+}
+
+
+class ReplayError(Exception):
+    """Input replay cannot use; the message is one line naming the source and the problem."""
+
+
+# -- reading query_range responses -------------------------------------------------------------
+
+
+@dataclass
+class Series:
+    """One raw series: its name, its labels (without ``__name__``), its points in time order."""
+
+    name: str
+    labels: dict[str, str]
+    times: Sequence[float] = field(default_factory=list)
+    values: Sequence[float] = field(default_factory=list)
+
+
+def _kept(name: str) -> bool:
+    """Whether replay reads the series: what the normaliser reads, and the GPUs' and memory.
+    The rest of ``vllm:*`` (``_created``, histograms it never reads) cannot change a sample."""
+    return name in WANTED or name in DCGM_FIELDS or name == PROCESS_MEMORY
+
+
+_Key = tuple[str, frozenset[tuple[str, str]]]
+
+
+class Store:
+    """The series of one or more responses that replay reads, merged by label set
+    (overlapping chunks or files give each point once, the last one read winning). Points are
+    kept as arrays of doubles: a week of a server's series at 15 s is a few million."""
+
+    def __init__(self) -> None:
+        self._series: dict[_Key, tuple[array[float], array[float]]] = {}
+        self.names: set[str] = set()  # every series name seen, read or not
+
+    def add(self, response: Any, source: str) -> None:
+        """Take one parsed ``query_range`` response; ReplayError names what is wrong."""
+        for name, labels, times, values in _matrix(response, source):
+            self.names.add(name)
+            if not _kept(name):
+                continue
+            key = (name, frozenset(labels.items()))
+            entry = self._series.get(key)
+            if entry is None:
+                entry = self._series[key] = (array("d"), array("d"))
+            entry[0].extend(times)
+            entry[1].extend(values)
+
+    def series(self) -> list[Series]:
+        out = []
+        for (name, labels), (times, values) in sorted(self._series.items(), key=_order):
+            if all(earlier < later for earlier, later in zip(times, times[1:])):
+                out.append(Series(name, dict(labels), times, values))
+                continue
+            points = dict(zip(times, values))  # out of order, or overlapping: merge
+            ordered = array("d", sorted(points))
+            out.append(
+                Series(name, dict(labels), ordered, array("d", (points[t] for t in ordered)))
+            )
+        return out
+
+
+def _order(item: tuple[_Key, object]) -> tuple[str, list[tuple[str, str]]]:
+    return item[0][0], sorted(item[0][1])
+
+
+def _matrix(
+    response: Any, source: str
+) -> Iterator[tuple[str, dict[str, str], list[float], list[float]]]:
+    def bad(problem: str) -> ReplayError:
+        return ReplayError(f"{source}: {problem}")
+
+    if not isinstance(response, dict):
+        raise bad("not a Prometheus query_range response (expected a JSON object)")
+    status = response.get("status")
+    if status == "error":
+        raise bad(f"Prometheus error: {response.get('errorType')}: {response.get('error')}")
+    if status != "success":
+        raise bad(f'"status" is {json.dumps(status)}, not "success"')
+    data = response.get("data")
+    if not isinstance(data, dict):
+        raise bad('no "data" object')
+    kind = data.get("resultType")
+    if kind != "matrix":
+        raise bad(
+            f'resultType is {json.dumps(kind)}, not "matrix" (save /api/v1/query_range '
+            "responses, not /api/v1/query)"
+        )
+    result = data.get("result")
+    if not isinstance(result, list):
+        raise bad('"data.result" is not a list')
+    for index, entry in enumerate(result):
+        if not isinstance(entry, dict):
+            raise bad(f"result[{index}] is not an object")
+        metric = entry.get("metric")
+        if not isinstance(metric, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metric.items()
+        ):
+            raise bad(f'result[{index}]: "metric" is not an object of string labels')
+        name = metric.get("__name__")
+        if not name:
+            raise bad(
+                f"result[{index}] has no __name__: query raw series (a selector), not an expression"
+            )
+        values = entry.get("values", [])
+        if not isinstance(values, list):
+            raise bad(f'result[{index}] ({name}): "values" is not a list')
+        times, numbers = [], []
+        for position, pair in enumerate(values):
+            point = _point(pair)
+            if point is None:
+                raise bad(
+                    f'result[{index}] ({name}): values[{position}] is not [time, "value"]: '
+                    f"{json.dumps(pair)[:60]}"
+                )
+            times.append(point[0])
+            numbers.append(point[1])
+        labels = {k: v for k, v in metric.items() if k != "__name__"}
+        yield name, labels, times, numbers
+
+
+def _point(pair: Any) -> tuple[float, float] | None:
+    if not isinstance(pair, list) or len(pair) != 2:
+        return None
+    at, text = pair
+    if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+        return None
+    if not isinstance(text, str):
+        return None
+    try:
+        return float(at), float(text)
+    except ValueError:
+        return None
+
+
+def load_files(paths: Sequence[Path]) -> Store:
+    """The series of ``query_range`` response files."""
+    store = Store()
+    for path in paths:
+        try:
+            text = path.read_bytes()
+        except OSError as exc:
+            raise ReplayError(f"{path}: {exc.strerror or exc}") from None
+        try:
+            response = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ReplayError(f"{path}: not JSON: {exc}") from None
+        store.add(response, str(path))
+    return store
+
+
+# -- fetching from Prometheus ------------------------------------------------------------------
+
+
+def chunks(start: float, end: float, step: float, max_points: int) -> list[tuple[float, float]]:
+    """(start, end) of each query_range call: the same grid (start + k * step) throughout,
+    at most ``max_points`` points each."""
+    if not (step > 0 and end >= start and max_points >= 1):
+        raise ValueError("chunks: need step > 0, end >= start, max_points >= 1")
+    out = []
+    first = start
+    while first <= end + 1e-9:
+        last = min(end, first + (max_points - 1) * step)
+        out.append((first, last))
+        first = last + step
+    return out
+
+
+def fetch(
+    url: str,
+    selectors: Sequence[str],
+    start: float,
+    end: float,
+    step: float,
+    *,
+    timeout: float = 60.0,
+    max_points: int = MAX_POINTS,
+) -> Store:
+    """``query_range`` of each selector over [start, end], in chunks, from the Prometheus at
+    ``url`` (its base URL). Proxy variables are not used (as for vLLM)."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ReplayError(f"--prometheus {url!r}: expected http://HOST:PORT or https://...")
+    endpoint = url.rstrip("/") + "/api/v1/query_range"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    store = Store()
+    for selector in selectors:
+        for first, last in chunks(start, end, step, max_points):
+            form = {"query": selector, "start": _num(first), "end": _num(last), "step": _num(step)}
+            response = _post(opener, endpoint, form, timeout)
+            store.add(response, f"{endpoint} ({selector}, {_iso(first)} to {_iso(last)})")
+    return store
+
+
+def _num(value: float) -> str:
+    return f"{value:.3f}".rstrip("0").rstrip(".")
+
+
+def _post(
+    opener: urllib.request.OpenerDirector, endpoint: str, form: Mapping[str, str], timeout: float
+) -> Any:
+    body = urllib.parse.urlencode(form).encode()
+    request = urllib.request.Request(
+        endpoint,
+        data=body,
+        headers={"Content-Type": "application/x-www-form-urlencoded", "Accept": "application/json"},
+    )
+    where = f"Prometheus at {endpoint}"
+    try:
+        with opener.open(request, timeout=timeout) as answer:
+            data = answer.read(MAX_RESPONSE_BYTES + 1)
+            # read(n) returns what came before the peer hung up; the length says what is due.
+            cut = len(data) <= MAX_RESPONSE_BYTES and bool(getattr(answer, "length", None))
+    except urllib.error.HTTPError as exc:
+        detail = _error_detail(exc)
+        raise ReplayError(f"{where} answered HTTP {exc.code}: {detail}") from None
+    except urllib.error.URLError as exc:
+        raise ReplayError(f"cannot reach {where}: {_reason(exc.reason)}") from None
+    except (OSError, http.client.HTTPException) as exc:  # timeouts, resets mid-body
+        raise ReplayError(f"cannot read from {where}: {_reason(exc)}") from None
+    if cut:
+        raise ReplayError(f"cannot read from {where}: the answer was cut short")
+    if len(data) > MAX_RESPONSE_BYTES:
+        raise ReplayError(f"{where}: response over {MAX_RESPONSE_BYTES} bytes; use a larger --step")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ReplayError(f"{where}: answer is not JSON: {exc}") from None
+
+
+def _error_detail(exc: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(exc.read(1 << 16))
+        return f"{body['errorType']}: {body['error']}"
+    except Exception:  # not Prometheus' JSON error: the status line says enough
+        return str(exc.reason)
+
+
+def _reason(reason: object) -> str:
+    if isinstance(reason, (socket.timeout, TimeoutError)):
+        return "timed out"
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    return str(reason) or type(reason).__name__
+
+
+# -- time on the command line ------------------------------------------------------------------
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d|w)?$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def parse_duration(text: str) -> float:
+    """``15``, ``15s``, ``1m``, ``6h``, ``2d``, ``1w`` in seconds; ValueError otherwise."""
+    found = _DURATION.match(text.strip())
+    if not found:
+        raise ValueError(f"{text!r} is not a duration (e.g. 15s, 5m, 6h, 2d)")
+    return float(found.group(1)) * _UNITS[found.group(2) or "s"]
+
+
+def parse_time(text: str, now: float) -> float:
+    """Unix seconds, ISO 8601 (UTC when it has no offset), ``now`` or ``now-DURATION``."""
+    text = text.strip()
+    if text == "now":
+        return now
+    if text.startswith("now-"):
+        return now - parse_duration(text[4:])
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        at = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a time (Unix seconds, ISO 8601 such as 2025-03-03T04:00:00Z, "
+            "now, now-6h)"
+        ) from None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=timezone.utc)
+    return at.timestamp()
+
+
+# -- series to samples -------------------------------------------------------------------------
+
+
+class _Cursor:
+    """Reads one series forward in time: its value at ``t``, or the latest before ``t`` no
+    older than ``within`` (query_range grids from different queries need not align)."""
+
+    def __init__(self, series: Series) -> None:
+        self.series, self.index = series, -1
+
+    def at(self, t: float, within: float) -> float | None:
+        times = self.series.times
+        while self.index + 1 < len(times) and times[self.index + 1] <= t + 1e-6:
+            self.index += 1
+        if self.index < 0 or t - times[self.index] > within + 1e-6:
+            return None
+        return self.series.values[self.index]
+
+
+@dataclass
+class _Gpu:
+    """One GPU's dcgm-exporter series, by GpuReading field."""
+
+    index: int
+    uuid: str
+    name: str
+    fields: dict[str, _Cursor] = field(default_factory=dict)
+    top_clock: float | None = None  # the highest SM clock in the input
+    last_xid: float | None = None
+
+
+def _line(name: str, labels: Mapping[str, str]) -> str:
+    """The series as an exposition line begins, without Prometheus' target labels."""
+    kept = [(k, v) for k, v in sorted(labels.items()) if k not in TARGET_LABELS]
+    if not kept:
+        return name
+    return name + "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in kept) + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+@dataclass
+class Timeline:
+    """The samples to replay, built lazily from the series (``samples()``)."""
+
+    step: float
+    first: float
+    last: float
+    vllm: dict[str, list[_Cursor]]  # exposition series text -> its series (one per instance)
+    memory: list[_Cursor]
+    gpus: list[_Gpu]
+    times: list[float]
+    model: str = ""
+
+    def samples(self) -> Iterator[tuple[Sample, float | None]]:
+        """Each timestamp's Sample, with the API server's memory (bytes) when known."""
+        normaliser = Normaliser(self.model)
+        tolerance = self.step / 2
+        for t in self.times:
+            lines = []
+            for text, cursors in self.vllm.items():
+                for cursor in cursors:
+                    value = cursor.at(t, tolerance)
+                    if value is not None:
+                        lines.append(f"{text} {value!r}\n")
+                        break
+            gpus = self._gpus(t)
+            metrics: VllmMetrics | None = None
+            error = None
+            if not any(line.startswith("vllm:") for line in lines):
+                error = "no vLLM series at this time (target down, or not scraped)"
+            else:
+                try:
+                    metrics = normaliser.normalise("".join(lines))
+                except ExpositionError as exc:
+                    error = str(exc)
+            memory = next(
+                (v for v in (c.at(t, tolerance) for c in self.memory) if v is not None), None
+            )
+            yield Sample(t, t, metrics, error, gpus), memory
+
+    def _gpus(self, t: float) -> tuple[GpuReading, ...]:
+        out = []
+        for gpu in self.gpus:
+            values = {name: c.at(t, self.step) for name, c in gpu.fields.items()}
+            if all(v is None for v in values.values()):
+                continue
+            xid = values.get("xid")
+            new_xid: tuple[int, ...] = ()
+            if xid is not None:
+                if xid and xid != gpu.last_xid:
+                    new_xid = (int(xid),)
+                gpu.last_xid = xid
+            used, free = values.get("memory_used_mib"), values.get("memory_free_mib")
+            reasons = values.get("reasons")
+            top = values.get("sm_clock_max_mhz") or gpu.top_clock
+            ecc = values.get("ecc_uncorrected_volatile")
+            out.append(
+                GpuReading(
+                    index=gpu.index,
+                    uuid=gpu.uuid,
+                    name=gpu.name,
+                    memory_used_bytes=None if used is None else int(used * MIB),
+                    memory_total_bytes=(
+                        None
+                        if used is None or free is None
+                        else int((used + free + (values.get("memory_reserved_mib") or 0)) * MIB)
+                    ),
+                    utilization_percent=values.get("utilization_percent"),
+                    temperature_c=values.get("temperature_c"),
+                    power_w=values.get("power_w"),
+                    power_limit_w=values.get("power_limit_w"),
+                    sm_clock_mhz=values.get("sm_clock_mhz"),
+                    sm_clock_max_mhz=top,
+                    clock_event_reasons=(
+                        decode_clock_event_reasons(int(reasons)) if reasons is not None else ()
+                    ),
+                    ecc_uncorrected_volatile=None if ecc is None else int(ecc),
+                    xid_errors=new_xid,
+                )
+            )
+        return tuple(out)
+
+
+def timeline(
+    series: Sequence[Series],
+    *,
+    step: float | None = None,
+    model: str = "",
+    instance: str = "",
+    seen: Collection[str] = (),
+) -> Timeline:
+    """The timestamps and series to replay: vLLM's (with the same target's
+    ``process_start_time_seconds`` and ``process_resident_memory_bytes``) and the GPUs'.
+    ``step``: the query's resolution (else the most common spacing in the data); ``seen``:
+    every name in the input, for the error when no vLLM series is there."""
+    vllm = [s for s in series if s.name.startswith("vllm:")]
+    if instance:
+        vllm = [s for s in vllm if s.labels.get("instance") == instance]
+    if not vllm:
+        names = sorted(seen or {s.name for s in series})
+        found = names[:5]
+        where = f" of instance {instance!r}" if instance else ""
+        raise ReplayError(
+            f"no vLLM series (vllm:*){where} in the input"
+            + (f" (found: {', '.join(found)}{', ...' if len(names) > 5 else ''})" if found else "")
+        )
+    _check_instances(vllm)
+    targets = {s.labels.get("instance") for s in vllm}
+    process = [
+        s
+        for s in series
+        if s.name in (PROCESS_START, PROCESS_MEMORY) and s.labels.get("instance") in targets
+    ]
+    times = sorted({t for s in vllm for t in s.times})
+    if not times:
+        raise ReplayError("the vLLM series hold no points in the range: nothing to replay")
+    if step is None:
+        gaps = [b - a for a, b in zip(times, times[1:]) if b - a > 1e-6]
+        if not gaps:
+            raise ReplayError("the vLLM series have a single timestamp: nothing to replay")
+        step = statistics.median_low(gaps)
+    times = _fill_gaps(times, step)
+
+    # Only the series the normaliser reads are written back: the others (``_created``, series
+    # it never reads) cannot change what it finds, flavour included (docs/metrics.md).
+    texts: dict[str, list[_Cursor]] = {}
+    for s in [*vllm, *process]:
+        if s.name in WANTED:
+            texts.setdefault(_line(s.name, s.labels), []).append(_Cursor(s))
+    memory = [_Cursor(s) for s in process if s.name == PROCESS_MEMORY]
+    return Timeline(step, times[0], times[-1], texts, memory, _gpus(series), times, model)
+
+
+def _check_instances(vllm: Sequence[Series]) -> None:
+    spans: dict[str, tuple[float, float]] = {}
+    for s in vllm:
+        if not s.times:
+            continue
+        name = s.labels.get("instance", "")
+        low, high = spans.get(name, (s.times[0], s.times[-1]))
+        spans[name] = (min(low, s.times[0]), max(high, s.times[-1]))
+    ordered = sorted(spans.items(), key=lambda item: item[1])
+    for (a, (_a0, a1)), (b, (b0, _b1)) in zip(ordered, ordered[1:]):
+        if b0 <= a1:
+            raise ReplayError(
+                f"vLLM series of instances {a!r} and {b!r} overlap in time: replay one server "
+                f'at a time (--instance {a}, or instance="{a}" in the selector)'
+            )
+
+
+def _fill_gaps(times: list[float], step: float) -> list[float]:
+    """The timestamps, with one every ``step`` where the data has a hole (a server down or
+    not scraped), so the engine sees the gap as it would live."""
+    out: list[float] = []
+    for t in times:
+        if out and t - out[-1] > 1.5 * step:
+            before, missing = out[-1], int((t - out[-1]) / step + 0.5)
+            filled = (before + k * step for k in range(1, missing))
+            out += [at for at in filled if at < t - step / 2]
+        out.append(t)
+    return out
+
+
+def _gpus(series: Sequence[Series]) -> list[_Gpu]:
+    dcgm = [s for s in series if s.name in DCGM_FIELDS]
+    hosts = sorted({s.labels["Hostname"] for s in dcgm if "Hostname" in s.labels})
+    if len(hosts) > 1:
+        raise ReplayError(
+            f"GPU series from {len(hosts)} hosts ({', '.join(hosts[:4])}): keep this host's "
+            f'(e.g. Hostname="{hosts[0]}" in the DCGM selector)'
+        )
+    gpus: dict[str, _Gpu] = {}
+    for s in dcgm:
+        labels = s.labels
+        key = labels.get("UUID") or labels.get("gpu") or "0"
+        gpu = gpus.get(key)
+        if gpu is None:
+            number = labels.get("gpu", "")
+            gpu = gpus[key] = _Gpu(
+                index=int(number) if number.isdigit() else len(gpus),
+                uuid=labels.get("UUID", ""),
+                name=labels.get("modelName", ""),
+            )
+        kind = DCGM_FIELDS[s.name]
+        gpu.fields.setdefault(kind, _Cursor(s))
+        if kind == "sm_clock_mhz" and s.values:
+            top = max(s.values)
+            gpu.top_clock = top if gpu.top_clock is None else max(gpu.top_clock, top)
+    return sorted(gpus.values(), key=lambda g: g.index)
+
+
+# -- the replay itself -------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """What replay found: the decisions worth showing and the summary."""
+
+    settings: Settings
+    step: float
+    decisions: list[Decision] = field(default_factory=list)  # at every change, and restarts
+    evaluations: int = 0
+    first: datetime | None = None
+    last: datetime | None = None
+    runs: list[str] = field(default_factory=list)
+    restarts: int = 0
+    restarts_outside_window: int = 0
+    cause_seconds: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "from": _iso(self.first.timestamp()) if self.first else None,
+            "to": _iso(self.last.timestamp()) if self.last else None,
+            "step_s": self.step,
+            "evaluations": self.evaluations,
+            "mode": self.settings.policy.mode,
+            "runs": len(self.runs),
+            "restarts": self.restarts,
+            "restarts_outside_window": self.restarts_outside_window,
+            "causes": {
+                cause: round(seconds / 60, 1)
+                for cause, seconds in sorted(self.cause_seconds.items())
+            },
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (a non-finite number in the evidence becomes null)."""
+        decisions = [_finite(d.to_json()) for d in self.decisions]
+        return {"decisions": decisions, "summary": self.summary()}
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+_HEAD = re.compile(r"^[A-Za-z _-]+(?::[A-Za-z _-]+)?")
+
+
+def _key(decision: Decision) -> tuple[Any, ...]:
+    found = _HEAD.match(decision.reason)
+    head = found.group().strip() if found else decision.reason
+    return decision.action, decision.cause, head, decision.evidence.get("run")
+
+
+def replay(settings: Settings, line: Timeline) -> Result:
+    """Run the engine over the timeline, one decision per timestamp."""
+    result = Result(settings, line.step)
+    window = settings.baseline.window + 2 * line.step
+    samples: deque[Sample] = deque()
+    memory: list[MemoryPoint] = []
+    restarts: list[RestartRecord] = []
+    state = EngineState()
+    previous: Decision | None = None
+    previous_key: tuple[Any, ...] | None = None
+    for sample, rss in line.samples():
+        samples.append(sample)
+        while sample.mono - samples[0].mono > window:
+            samples.popleft()
+        if rss is not None and sample.vllm is not None:
+            served = sample.vllm.request_success_total
+            if served is not None and (not memory or sample.mono - memory[-1].mono >= MEMORY_EVERY):
+                memory.append(MemoryPoint(sample.mono, rss, served))
+                if len(memory) > MEMORY_KEPT:
+                    del memory[: len(memory) - MEMORY_KEPT]
+        now = datetime.fromtimestamp(sample.time, timezone.utc)
+        observed = Observation(samples=tuple(samples), memory=memory, restarts=tuple(restarts))
+        decision = decide(settings, state, observed, now)
+        state = decision.state
+        result.evaluations += 1
+        result.first = result.first or now
+        result.last = now
+        run = state.run.key
+        if run is not None and (not result.runs or result.runs[-1] != run):
+            result.runs.append(run)
+        if decision.cause is not None:
+            result.cause_seconds[decision.cause] = (
+                result.cause_seconds.get(decision.cause, 0.0) + line.step
+            )
+        key = _key(decision)
+        if decision.action == "restart":
+            restarts.append(RestartRecord(sample.time, decision.cause or "?"))
+            result.restarts += 1
+            result.restarts_outside_window += not decision.window_open
+        if key != previous_key or decision.action == "restart":
+            result.decisions.append(_slim(decision))
+        previous, previous_key = decision, key
+    if previous is not None and result.decisions[-1].time != previous.time:
+        result.decisions.append(_slim(previous))  # the timeline ends where the data does
+    return result
+
+
+def _slim(decision: Decision) -> Decision:
+    # Decisions kept for the output do not need the engine state they carried.
+    return replace(decision, state=EngineState())
+
+
+def engine_settings(config: Config, mode: str | None = None) -> Settings:
+    """The engine's settings from a loaded (hence valid) configuration; ``mode`` overrides
+    ``policy.mode``."""
+    policy = config.policy.settings(config.restart.drain_max_in_flight)
+    if mode is not None:
+        policy = replace(policy, mode=mode)
+    return Settings(
+        baseline=config.baseline.settings(), diagnosis=config.diagnosis.settings(), policy=policy
+    )
+
+
+def check_step(settings: Settings, step: float) -> None:
+    """A step that leaves fewer than two samples in half the baseline window would leave
+    every decision at "learning"; refuse it."""
+    if step > settings.baseline.window / 2:
+        raise ReplayError(
+            f"step {step:g} s is too coarse for the {settings.baseline.window:g} s baseline "
+            f"window: use at most {settings.baseline.window / 2:g} s"
+        )
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def _iso(at: float) -> str:
+    return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def describe(result: Result) -> str:
+    """A readable timeline: one line per change, then the summary."""
+    s = result.summary()
+    runs = f"{s['runs']} vLLM run{'s' if s['runs'] != 1 else ''}"
+    lines = [
+        f"replay {s['from']} to {s['to']}: {s['evaluations']} evaluations every "
+        f"{result.step:g} s, {runs}, policy mode {s['mode']}"
+    ]
+    for d in result.decisions:
+        ratio = "-" if d.ratio is None else f"{d.ratio:.2f}"
+        window = "open  " if d.window_open else "closed"
+        lines.append(
+            f"{d.time:%Y-%m-%d %H:%M:%S}Z  {d.action:7} {d.cause or '-':18} ratio {ratio:5} "
+            f"window {window}  {d.reason}"
+        )
+    causes = ", ".join(f"{c} {m:g} min" for c, m in s["causes"].items()) or "none"
+    lines.append(
+        f"summary: {s['restarts']} restart{'s' if s['restarts'] != 1 else ''} "
+        f"({s['restarts_outside_window']} outside a window); causes: {causes}"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def run(
+    settings: Settings,
+    store: Store,
+    *,
+    step: float | None = None,
+    model: str = "",
+    instance: str = "",
+) -> Result:
+    """Replay ``store``'s series with ``settings``."""
+    line = timeline(store.series(), step=step, model=model, instance=instance, seen=store.names)
+    check_step(settings, line.step)
+    return replay(settings, line)
