@@ -342,15 +342,3 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator <= 0:
         return None
     return numerator / denominator
-
-
-def counters(metrics: VllmMetrics) -> tuple[float | None, ...]:
-    """The cumulative counters whose drop means vLLM restarted (as rates.is_reset reads them),
-    compact enough to keep between calls."""
-    return (
-        metrics.generation_tokens_total,
-        metrics.prompt_tokens_total,
-        metrics.request_success_total,
-        metrics.num_preemptions_total,
-        metrics.engine_steps_total,
-    )

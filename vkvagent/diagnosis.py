@@ -113,9 +113,9 @@ class Hysteresis:
     def from_json(cls, data: Any) -> Hysteresis:
         return cls(
             bool(data["active"]),
-            _opt_float(data["pending_since"]),
-            _opt_float(data["active_since"]),
-            _opt_float(data.get("last_entering")),
+            optional_float(data["pending_since"]),
+            optional_float(data["active_since"]),
+            optional_float(data.get("last_entering")),
         )
 
 
@@ -197,15 +197,16 @@ class DiagnosisState:
             speed=Hysteresis.from_json(data["speed"]),
             kv=Hysteresis.from_json(data["kv"]),
             stranded=Hysteresis.from_json(data["stranded"]),
-            progress=Progress(_opt_float(data["progress_since"])),
-            throttled_at=_opt_float(data["throttled_at"]),
+            progress=Progress(optional_float(data["progress_since"])),
+            throttled_at=optional_float(data["throttled_at"]),
             throttle_note=str(data["throttle_note"]),
-            fault_at=_opt_float(data["fault_at"]),
+            fault_at=optional_float(data["fault_at"]),
             fault_note=str(data["fault_note"]),
         )
 
 
-def _opt_float(value: Any) -> float | None:
+def optional_float(value: Any) -> float | None:
+    """A number or None from JSON state; ValueError for anything else."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):

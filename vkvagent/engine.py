@@ -35,11 +35,12 @@ from vkvagent.diagnosis import (
     MemoryPoint,
     Situation,
     diagnose,
+    optional_float,
 )
 from vkvagent.flags import FlagValue
 from vkvagent.metrics import VllmMetrics
 from vkvagent.policy import Controls, PolicySettings, RestartRecord
-from vkvagent.rates import is_reset
+from vkvagent.rates import counters, is_reset
 from vkvagent.sample import Sample
 
 ACTIONS = ("restart", "hold", "none")
@@ -97,10 +98,10 @@ class RunState:
     def from_json(cls, data: Any) -> RunState:
         return cls(
             key=None if data["key"] is None else str(data["key"]),
-            started=_opt(data["started"]),
-            first_mono=_opt(data["first_mono"]),
-            cursor=_opt(data["cursor"]),
-            counters=tuple(_opt(v) for v in data["counters"]),
+            started=optional_float(data["started"]),
+            first_mono=optional_float(data["first_mono"]),
+            cursor=optional_float(data["cursor"]),
+            counters=tuple(optional_float(v) for v in data["counters"]),
         )
 
 
@@ -142,18 +143,10 @@ class EngineState:
                 previous=Baseline.from_json(data["previous"]) if data["previous"] else None,
                 diagnosis=DiagnosisState.from_json(data["diagnosis"]),
                 recovered=recovered,
-                seen=_opt(data["seen"]),
+                seen=optional_float(data["seen"]),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"engine state: {type(exc).__name__}: {exc}") from None
-
-
-def _opt(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected a number or null, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -331,17 +324,6 @@ def _after_reboot(state: EngineState, samples: Sequence[Sample]) -> EngineState:
     return replace(state, seen=None, run=replace(state.run, cursor=None))
 
 
-def _counters(metrics: VllmMetrics) -> tuple[float | None, ...]:
-    # The counters rates.is_reset reads, compact enough to keep between calls.
-    return (
-        metrics.generation_tokens_total,
-        metrics.prompt_tokens_total,
-        metrics.request_success_total,
-        metrics.num_preemptions_total,
-        metrics.engine_steps_total,
-    )
-
-
 def _read_samples(state: EngineState, valid: list[Sample]) -> EngineState:
     """Advance the run tracking and the stall clock over the samples not read before. A new
     process start time or a counter going down starts a new run (and a new baseline)."""
@@ -362,7 +344,7 @@ def _read_samples(state: EngineState, valid: list[Sample]) -> EngineState:
         run = replace(
             run,
             cursor=sample.mono,
-            counters=_counters(metrics),
+            counters=counters(metrics),
             started=metrics.process_start_time or run.started,
         )
     return replace(state, run=run, diagnosis=replace(state.diagnosis, progress=progress))
@@ -378,7 +360,7 @@ def _differs(run: RunState, metrics: VllmMetrics) -> bool:
         return True
     return any(
         old is not None and new is not None and new < old
-        for old, new in zip(run.counters, _counters(metrics))
+        for old, new in zip(run.counters, counters(metrics))
     )
 
 

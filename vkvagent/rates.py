@@ -16,13 +16,17 @@ from vkvagent.metrics import Histogram, VllmMetrics
 
 Point = tuple[float, VllmMetrics]  # (monotonic seconds, scrape)
 
-_RESET_COUNTERS: tuple[Callable[[VllmMetrics], float | None], ...] = (
-    lambda m: m.generation_tokens_total,
-    lambda m: m.prompt_tokens_total,
-    lambda m: m.request_success_total,
-    lambda m: m.num_preemptions_total,
-    lambda m: m.engine_steps_total,
-)
+
+def counters(metrics: VllmMetrics) -> tuple[float | None, ...]:
+    """The cumulative counters whose drop means vLLM restarted; compact enough for a caller
+    to keep between scrapes (the engine does)."""
+    return (
+        metrics.generation_tokens_total,
+        metrics.prompt_tokens_total,
+        metrics.request_success_total,
+        metrics.num_preemptions_total,
+        metrics.engine_steps_total,
+    )
 
 
 def is_reset(before: VllmMetrics, after: VllmMetrics) -> bool:
@@ -34,11 +38,10 @@ def is_reset(before: VllmMetrics, after: VllmMetrics) -> bool:
         and before.process_start_time != after.process_start_time
     ):
         return True
-    for read in _RESET_COUNTERS:
-        old, new = read(before), read(after)
-        if old is not None and new is not None and new < old:
-            return True
-    return False
+    return any(
+        old is not None and new is not None and new < old
+        for old, new in zip(counters(before), counters(after))
+    )
 
 
 def increase(values: Sequence[float | None], resets: Sequence[bool]) -> float | None:
