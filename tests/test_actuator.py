@@ -86,6 +86,8 @@ def write_config(
         "drain_timeout = 2",
         # The simulator's traffic never stops; draining is not what these tests are about.
         "drain_max_in_flight = 100000",
+        "[policy]",
+        'windows = ["daily 00:00-24:00"]',  # always open: apply --at-next-window goes at once
         "[vllm.flags]",
     ]
     for name, value in flags.items():
@@ -201,6 +203,15 @@ def big_sandbox() -> Iterator[Sandbox]:
 
 
 # -- 1. plan and apply -------------------------------------------------------------------------
+
+
+def test_apply_at_next_window_goes_at_once_inside_a_window(sandbox: Sandbox) -> None:
+    write_config(sandbox, FLAGS)
+    before = unit(sandbox)
+    done = vkvagent(sandbox, "apply", "--at-next-window")
+    assert done.returncode == 0, output(done)
+    assert "waiting for the restart window" not in done.stdout
+    assert unit(sandbox).invocation_id != before.invocation_id
 
 
 def test_plan_and_apply_put_the_flags_into_the_running_vllm(sandbox: Sandbox) -> None:

@@ -244,3 +244,34 @@ def test_a_window_inside_the_spring_forward_gap_still_opens() -> None:
     is_open, upcoming = window_state(settings, before)
     assert not is_open and upcoming == datetime(2025, 3, 30, 1, 0, tzinfo=timezone.utc)
     assert window_state(settings, during)[0]
+
+
+def test_apply_at_next_window_waits_for_the_window_then_returns() -> None:
+    """`vkvagent apply --at-next-window` sleeps until a window opens (on injected clocks)."""
+    import io
+    from datetime import datetime, timedelta, timezone
+
+    import pytest as _pytest
+
+    from vkvagent.cli import CommandError, wait_for_window
+    from vkvagent.policy import PolicySettings
+
+    settings = PolicySettings(timezone="UTC", windows=("daily 02:00-04:00",))
+    clock = [datetime(2026, 3, 2, 23, 0, tzinfo=timezone.utc)]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock[0] += timedelta(seconds=seconds)
+
+    out = io.StringIO()
+    wait_for_window(settings, out, now=lambda: clock[0], sleep=sleep)
+    assert clock[0] >= datetime(2026, 3, 3, 2, 0, tzinfo=timezone.utc)
+    assert clock[0] < datetime(2026, 3, 3, 4, 0, tzinfo=timezone.utc)
+    assert max(slept) <= 300  # wakes at least every 5 minutes while waiting
+    assert out.getvalue() == "waiting for the restart window at 2026-03-03T02:00:00+00:00\n"
+    slept.clear()
+    wait_for_window(settings, io.StringIO(), now=lambda: clock[0], sleep=sleep)
+    assert slept == []  # already open: at once
+    with _pytest.raises(CommandError, match="no restart window"):
+        wait_for_window(PolicySettings(windows=()), io.StringIO(), now=lambda: clock[0])

@@ -10,6 +10,7 @@ import shlex
 import sys
 import time
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from enum import IntEnum
 from pathlib import Path
 from typing import Callable, TextIO
@@ -28,7 +29,7 @@ from vkvagent.gpu import (
 )
 from vkvagent.ledger import Ledger, LedgerError
 from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
-from vkvagent.policy import MODES
+from vkvagent.policy import MODES, PolicySettings, window_state
 from vkvagent.systemd import Systemd, SystemdError
 from vkvagent.vllm import ScrapeError, VllmClient
 
@@ -146,11 +147,12 @@ def _parser() -> argparse.ArgumentParser:
     apply = commands.add_parser(
         "apply", help="apply [vllm.flags] now: drop-in, restart, attest; rolled back on failure"
     )
-    apply.add_argument(
-        "--now",
+    when = apply.add_mutually_exclusive_group(required=True)
+    when.add_argument("--now", action="store_true", help="apply immediately")
+    when.add_argument(
+        "--at-next-window",
         action="store_true",
-        required=True,
-        help="apply immediately (required: restart windows come with the policy)",
+        help="wait until a [policy] restart window is open, then apply (now, if one is)",
     )
     _action_options(apply)
     apply.set_defaults(command=_apply)
@@ -463,6 +465,8 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
 def _apply(args: argparse.Namespace, out: TextIO) -> int:
     settings = config.load(args.config)
     actuator = _actuator(settings, sys.stderr)
+    if args.at_next_window:
+        wait_for_window(settings.policy.settings(settings.restart.drain_max_in_flight), out)
     with actuator.exclusive():
         _recovered(actuator, out)
         plan = _plan_for(actuator, settings)
@@ -470,6 +474,27 @@ def _apply(args: argparse.Namespace, out: TextIO) -> int:
             print("nothing to apply: the unit already runs with these flags", file=out)
             return ExitCode.OK
         return _report(actuator.restart(args.reason, plan=plan, drain=not args.no_drain), out)
+
+
+def wait_for_window(
+    settings: PolicySettings,
+    out: TextIO,
+    now: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Return once one of the policy's restart windows is open (at once if one is)."""
+    told = None
+    while True:
+        is_open, upcoming = window_state(settings, now())
+        if is_open:
+            return
+        if upcoming is None:
+            raise CommandError("no restart window in [policy] windows: use --now")
+        if upcoming != told:
+            print(f"waiting for the restart window at {upcoming.isoformat()}", file=out, flush=True)
+            told = upcoming
+        # Wake at the window, or every 5 minutes meanwhile (a suspended host, a clock step).
+        sleep(min(300.0, max(0.5, (upcoming - now()).total_seconds())))
 
 
 def _restart(args: argparse.Namespace, out: TextIO) -> int:
