@@ -25,7 +25,7 @@ from vkvagent import history as history_module
 from vkvagent.gpu import GpuReading
 from vkvagent.history import FILE_NAME, History, HistoryError
 from vkvagent.metrics import Histogram, VllmMetrics
-from vkvagent.sample import Sample
+from vkvagent.sample import Sample, UnitFacts
 
 REPO = Path(__file__).resolve().parents[1]
 DAY = 86400.0
@@ -246,6 +246,14 @@ GPU_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "ecc_uncorrected_volatile": optional(INT64),
     "xid_errors": st.lists(st.integers(0, 2**31), max_size=3).map(tuple),
 }
+UNIT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "active_state": TEXT,
+    "sub_state": TEXT,
+    "invocation_id": TEXT,
+    "main_pid": st.integers(0, 2**22),
+    "memory_bytes": optional(INT64),
+    "n_restarts": st.integers(0, 2**31),
+}
 SAMPLES = st.builds(
     Sample,
     time=st.floats(-1e12, 1e12),
@@ -254,12 +262,15 @@ SAMPLES = st.builds(
     vllm_error=optional(TEXT),
     gpus=st.lists(st.builds(GpuReading, **GPU_FIELDS), max_size=3).map(tuple),
     gpu_error=optional(TEXT),
+    unit=optional(st.builds(UnitFacts, **UNIT_FIELDS)),
+    unit_error=optional(TEXT),
 )
 
 
 def test_every_field_is_exercised() -> None:
     assert set(VLLM_FIELDS) == {f.name for f in fields(VllmMetrics)}
     assert set(GPU_FIELDS) == {f.name for f in fields(GpuReading)}
+    assert set(UNIT_FIELDS) == {f.name for f in fields(UnitFacts)}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -317,18 +328,20 @@ def test_prune_removes_exactly_the_old_samples_and_their_gpu_rows(tmp_path: Path
 def test_an_older_database_is_migrated_and_keeps_its_samples(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    current = history_module._MIGRATIONS
-    monkeypatch.setattr(history_module, "_MIGRATIONS", current[:1])
+    current = history_module._MIGRATIONS  # the database is made at today's schema...
     sample = realistic_sample(0, gpus=2)
     with History(tmp_path) as store:
         store.append(sample)
     with History(tmp_path, readonly=True) as reader:
         assert reader.samples() == [sample]
 
-    # The code now knows one more step than the database has.
+    # ...and the code now knows one more step than the database has.
     newer = (*current, ("CREATE TABLE notes (sample_id INTEGER, text TEXT)",))
     monkeypatch.setattr(history_module, "_MIGRATIONS", newer)
-    with pytest.raises(HistoryError, match=r"schema 1 is older than this vkvagent reads \(2\)"):
+    old, new = len(current), len(newer)
+    with pytest.raises(
+        HistoryError, match=rf"schema {old} is older than this vkvagent reads \({new}\)"
+    ):
         History(tmp_path, readonly=True)
     with History(tmp_path) as store:
         assert store.samples() == [sample]
@@ -348,7 +361,7 @@ def test_a_failing_migration_changes_nothing(
     monkeypatch.setattr(history_module, "_MIGRATIONS", (*history_module._MIGRATIONS, *broken))
     with pytest.raises(HistoryError, match="cannot migrate: no such table: nowhere"):
         History(tmp_path)
-    assert sql(tmp_path, "PRAGMA user_version") == [(1,)]
+    assert sql(tmp_path, "PRAGMA user_version") == [(len(history_module._MIGRATIONS) - 1,)]
     assert ("notes",) not in sql(tmp_path, "SELECT name FROM sqlite_master")
 
 
@@ -549,3 +562,19 @@ def test_writes_through_a_closed_or_readonly_history_fail(tmp_path: Path) -> Non
     store.close()  # closing twice is harmless
     with History(tmp_path, readonly=True) as reader:
         assert reader.samples() == [realistic_sample(0)]
+
+
+def test_a_schema_1_database_gains_the_unit_columns_and_keeps_its_rows(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / FILE_NAME, isolation_level=None)
+    for statement in history_module._MIGRATIONS[0]:
+        db.execute(statement)
+    db.execute("PRAGMA user_version = 1")
+    db.execute("INSERT INTO samples (time, mono, vllm_error) VALUES (5.0, 1.0, 'down')")
+    db.close()
+    with History(tmp_path) as store:
+        (old,) = store.samples()
+        assert (old.time, old.vllm_error, old.unit, old.unit_error) == (5.0, "down", None, None)
+        facts = UnitFacts("active", "running", "ab" * 16, 42, 2**30, 0)
+        store.append(replace(old, time=6.0, unit=facts))
+        assert store.latest() == replace(old, time=6.0, unit=facts)
+    assert sql(tmp_path, "PRAGMA user_version") == [(len(history_module._MIGRATIONS),)]

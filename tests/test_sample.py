@@ -70,3 +70,25 @@ def test_a_broken_page_is_an_invalid_sample() -> None:
         sample = Sampler(VllmClient(server.url), version="0.10.1").take()
     assert not sample.valid
     assert sample.vllm_error is not None and "HTML" in sample.vllm_error
+
+
+def test_the_units_state_goes_into_the_sample_and_its_failure_too() -> None:
+    from vkvagent.sample import UnitFacts
+    from vkvagent.systemd import ExecCommand, SystemdError, UnitState
+
+    state = UnitState(
+        "vllm.service", "loaded", "active", "running", "success", 42, "ab" * 16, 1, 0,
+        3 * 2**30, (ExecCommand("/usr/bin/vllm", ("vllm", "serve", "m"), False),),
+        "/etc/systemd/system/vllm.service", (), 5, 10_000_000,
+    )  # fmt: skip
+    routes = {"/metrics": lambda h: h.reply(200, PAGE)}
+    with HttpServer(routes) as server:
+        sample = Sampler(VllmClient(server.url), unit=lambda: state).take()
+    assert sample.unit == UnitFacts("active", "running", "ab" * 16, 42, 3 * 2**30, 0)
+    assert sample.to_json()["unit"]["invocation_id"] == "ab" * 16
+
+    def no_bus() -> UnitState:
+        raise SystemdError("read", "vllm.service", "unavailable", "no system bus")
+
+    sample = Sampler(VllmClient(f"http://127.0.0.1:{free_port()}"), unit=no_bus).take()
+    assert sample.unit is None and sample.unit_error is not None

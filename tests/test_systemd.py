@@ -378,3 +378,17 @@ def test_access_denied_to_an_unprivileged_caller(sandbox: Sandbox, systemd: Syst
     assert (state.active_state, state.n_restarts) == ("active", 0)
     assert os.geteuid() == 0  # and root, on the same bus, may
     assert systemd.restart(VLLM, timeout=30) == "done"
+
+
+def test_samples_carry_the_units_state_from_the_real_systemd(shared_systemd: Systemd) -> None:
+    """What the daemon records each tick: InvocationID (restart detection) and the unit's
+    memory, read over D-Bus with the sample."""
+    from vkvagent.sample import Sampler
+    from vkvagent.vllm import VllmClient
+
+    sampler = Sampler(VllmClient("http://127.0.0.1:9"), unit=lambda: shared_systemd.unit(VLLM))
+    sample = sampler.take()
+    assert sample.unit is not None and sample.unit_error is None
+    assert sample.unit.active_state == "active" and len(sample.unit.invocation_id) == 32
+    assert sample.unit.memory_bytes is not None and sample.unit.memory_bytes > 5 * 2**20
+    assert sample.unit.main_pid == shared_systemd.unit(VLLM).main_pid

@@ -28,7 +28,7 @@ from urllib.parse import quote
 
 from vkvagent.gpu import GpuReading
 from vkvagent.metrics import Histogram, VllmMetrics
-from vkvagent.sample import Sample
+from vkvagent.sample import Sample, UnitFacts
 
 FILE_NAME = "history.sqlite3"
 
@@ -90,6 +90,15 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (sample_id, position)
         ) WITHOUT ROWID""",
     ),
+    (  # 2: the vLLM unit as systemd saw it (restart detection, memory growth)
+        "ALTER TABLE samples ADD COLUMN unit_active_state TEXT",
+        "ALTER TABLE samples ADD COLUMN unit_sub_state TEXT",
+        "ALTER TABLE samples ADD COLUMN unit_invocation_id TEXT",
+        "ALTER TABLE samples ADD COLUMN unit_main_pid INTEGER",
+        "ALTER TABLE samples ADD COLUMN unit_memory_bytes INTEGER",
+        "ALTER TABLE samples ADD COLUMN unit_n_restarts INTEGER",
+        "ALTER TABLE samples ADD COLUMN unit_error TEXT",
+    ),
 )
 
 # VllmMetrics fields stored as they are, tuples stored as JSON, and histograms.
@@ -107,7 +116,11 @@ _VLLM_COLUMNS = (
     *(column for h in _HISTOGRAMS for column in (h + "_layout", h, h + "_sum")),
     "cache_config",
 )  # fmt: skip
-_SAMPLE_COLUMNS = ("time", "mono", "vllm_error", "gpu_error", *_VLLM_COLUMNS)
+_UNIT_FIELDS = (
+    "active_state", "sub_state", "invocation_id", "main_pid", "memory_bytes", "n_restarts",
+)  # fmt: skip
+_UNIT_COLUMNS = (*("unit_" + name for name in _UNIT_FIELDS), "unit_error")
+_SAMPLE_COLUMNS = ("time", "mono", "vllm_error", "gpu_error", *_VLLM_COLUMNS, *_UNIT_COLUMNS)
 _GPU_PLAIN = (
     "uuid", "name", "memory_used_bytes", "memory_total_bytes", "utilization_percent",
     "temperature_c", "power_w", "power_limit_w", "sm_clock_mhz", "sm_clock_max_mhz",
@@ -182,6 +195,7 @@ class History:
                 "vllm_error": sample.vllm_error,
                 "gpu_error": sample.gpu_error,
                 **self._vllm_row(db, sample.vllm),
+                **_unit_row(sample),
             }
             sample_id = cast(int, db.execute(_INSERT_SAMPLE, row).lastrowid)
             db.executemany(
@@ -314,6 +328,8 @@ class History:
                     vllm_error=head["vllm_error"],
                     gpus=tuple(gpus[sample_id]),
                     gpu_error=head["gpu_error"],
+                    unit=_unit(head),
+                    unit_error=head["unit_error"],
                 )
                 for sample_id, head in heads.items()
             ]
@@ -385,6 +401,19 @@ def _lookup(
         for found_id, text in db.execute(f"SELECT id, {column} FROM {table}"):
             cache[found_id] = decode(text)
     return cache[row_id]
+
+
+def _unit_row(sample: Sample) -> dict[str, Any]:
+    facts = sample.unit
+    row = {"unit_" + name: None if facts is None else getattr(facts, name) for name in _UNIT_FIELDS}
+    row["unit_error"] = sample.unit_error
+    return row
+
+
+def _unit(row: dict[str, Any]) -> UnitFacts | None:
+    if row["unit_active_state"] is None:
+        return None
+    return UnitFacts(**{name: row["unit_" + name] for name in _UNIT_FIELDS})
 
 
 def _gpu_row(gpu: GpuReading, sample_id: int, position: int) -> dict[str, Any]:

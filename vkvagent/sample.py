@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from vkvagent.gpu import GpuReader, GpuReading
 from vkvagent.metrics import VllmMetrics
+from vkvagent.systemd import SystemdError, UnitState
 from vkvagent.vllm import ScrapeError, VllmClient
+
+
+@dataclass(frozen=True)
+class UnitFacts:
+    """The vLLM unit as systemd saw it with the sample: its state, its invocation (new at
+    every start, however it was started) and the memory of its whole cgroup."""
+
+    active_state: str
+    sub_state: str
+    invocation_id: str
+    main_pid: int
+    memory_bytes: int | None  # MemoryCurrent; None when not accounted
+    n_restarts: int  # automatic restarts by Restart=
+
+    @classmethod
+    def of(cls, state: UnitState) -> UnitFacts:
+        return cls(
+            state.active_state,
+            state.sub_state,
+            state.invocation_id,
+            state.main_pid,
+            state.memory_current,
+            state.n_restarts,
+        )
 
 
 @dataclass(frozen=True)
@@ -22,6 +48,8 @@ class Sample:
     vllm_error: str | None = None
     gpus: tuple[GpuReading, ...] = ()
     gpu_error: str | None = None
+    unit: UnitFacts | None = None
+    unit_error: str | None = None
 
     @property
     def valid(self) -> bool:
@@ -35,6 +63,8 @@ class Sample:
             "vllm_error": self.vllm_error,
             "gpus": [gpu.to_json() for gpu in self.gpus],
             "gpu_error": self.gpu_error,
+            "unit": None if self.unit is None else dataclasses.asdict(self.unit),
+            "unit_error": self.unit_error,
         }
 
 
@@ -51,11 +81,12 @@ class Sampler:
         vllm: VllmClient,
         gpus: GpuReader | None = None,
         *,
+        unit: Callable[[], UnitState] | None = None,
         version: str = "",
         wall: Callable[[], float] = time.time,
         mono: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.vllm, self.gpus = vllm, gpus
+        self.vllm, self.gpus, self.unit = vllm, gpus, unit
         self._configured_version = version or None
         self._version: str | None = None
         self._started: float | None = None
@@ -76,4 +107,10 @@ class Sampler:
                 self._version = None  # a new vLLM process: ask its version next time
             self._started = metrics.process_start_time
         readings, gpu_error = self.gpus.read() if self.gpus is not None else ((), None)
-        return Sample(at, mono, metrics, error, readings, gpu_error)
+        facts, unit_error = None, None
+        if self.unit is not None:
+            try:
+                facts = UnitFacts.of(self.unit())
+            except SystemdError as exc:
+                unit_error = str(exc)
+        return Sample(at, mono, metrics, error, readings, gpu_error, facts, unit_error)
