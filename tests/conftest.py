@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from vkvagent.baseline import WindowStats
 from vkvagent.metrics import VllmMetrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -39,3 +40,16 @@ def metrics(**values: object) -> VllmMetrics:
     del fields["cache_config"], fields["version"], fields["warnings"]
     fields.update(values)
     return VllmMetrics(**fields)  # type: ignore[arg-type]
+
+
+def window_stats(**values: float | None) -> WindowStats:
+    """A window of a steady server at 845 generated tokens/s (regime 19), unless told
+    otherwise: the engine tests' common starting point."""
+    base: dict[str, float | None] = dict(
+        seconds=300.0, running=17.6, waiting=0.0, kv_usage=0.45, tokens_per_s=5515.0,
+        generation_tokens_per_s=845.0, requests_per_s=4.04, arrivals_per_s=4.04,
+        preemptions_per_s=0.0, itl=0.0225, itl_p50=0.018, ttft_p50=0.25, prompt_share=0.847,
+        per_request=48.0,
+    )  # fmt: skip
+    base.update(values)
+    return WindowStats(**base)  # type: ignore[arg-type]

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from tests.conftest import metrics
+from tests.conftest import window_stats as stats
 from vkvagent.baseline import (
     Baseline,
     BaselineSettings,
     Regime,
-    WindowStats,
     compare,
     regime_label,
     regime_of,
@@ -27,18 +27,6 @@ SETTINGS = BaselineSettings()
 
 def itl(cumulative: tuple[float, ...], total: float) -> Histogram:
     return Histogram(bounds=(0.01, 0.025, 0.05, INF), cumulative=cumulative, sum=total)
-
-
-def stats(**values: float | None) -> WindowStats:
-    """A window at 845 generated tokens/s (regime 19) unless told otherwise."""
-    base: dict[str, float | None] = dict(
-        seconds=300.0, running=17.6, waiting=0.0, kv_usage=0.45, tokens_per_s=5515.0,
-        generation_tokens_per_s=845.0, requests_per_s=4.04, arrivals_per_s=4.04,
-        preemptions_per_s=0.0, itl=0.0225, itl_p50=0.018, ttft_p50=0.25, prompt_share=0.847,
-        per_request=48.0,
-    )  # fmt: skip
-    base.update(values)
-    return WindowStats(**base)  # type: ignore[arg-type]
 
 
 def test_window_stats_reads_rates_load_and_the_exact_mean_latency() -> None:

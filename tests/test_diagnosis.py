@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import metrics
+from tests.conftest import window_stats as window
 from vkvagent import flags
 from vkvagent.baseline import Capacity, Regime, WindowStats, compare
 from vkvagent.diagnosis import (
@@ -39,17 +40,6 @@ FRESH = {
 }  # fmt: skip
 BASE = Regime(10, {name: (value,) * 10 for name, value in FRESH.items()})
 CAPACITY = Capacity(requests_per_s=4.04, generation_tokens_per_s=845.0, running=17.6, regime=19)
-
-
-def window(**values: float | None) -> WindowStats:
-    base: dict[str, float | None] = dict(
-        seconds=300.0, running=17.6, waiting=0.0, kv_usage=0.45, tokens_per_s=5515.0,
-        generation_tokens_per_s=845.0, requests_per_s=4.04, arrivals_per_s=4.04,
-        preemptions_per_s=0.0, itl=0.0225, itl_p50=0.018, ttft_p50=0.25, prompt_share=0.847,
-        per_request=48.0,
-    )  # fmt: skip
-    base.update(values)
-    return WindowStats(**base)  # type: ignore[arg-type]
 
 
 SLOW = dict(itl=0.0225 / 0.68, per_request=48.0 * 0.68, running=25.9)
