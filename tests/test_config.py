@@ -83,7 +83,7 @@ def test_the_values_are_immutable(etc: Path) -> None:
         (
             "[vlm]\nurl = 'x'\n",
             1,
-            "vlm: unknown section (allowed: agent, baseline, diagnosis, gpu, history, policy, "
+            "vlm: unknown section (allowed: agent, baseline, diagnosis, gpu, history, metrics, policy, "
             "restart, vllm)",
         ),
         (

@@ -15,7 +15,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Callable, TextIO
 
-from vkvagent import __version__, config, replay
+from vkvagent import __version__, config, controls, replay, status
 from vkvagent.actuator import Actuator, ActuatorError, Outcome, Plan, RestartSettings
 from vkvagent.dropin import DropinFile
 from vkvagent.flags import FlagError
@@ -217,6 +217,56 @@ def _parser() -> argparse.ArgumentParser:
     _config_option(replayer)
     replayer.set_defaults(command=_replay)
 
+    run = commands.add_parser(
+        "run", help="the daemon: sample, decide and act on a schedule (vkvagent.service runs it)"
+    )
+    _config_option(run)
+    run.set_defaults(command=_run)
+
+    status_cmd = commands.add_parser(
+        "status",
+        help="the daemon's verdict, with the figures behind it (exit 0 healthy, 1 degraded or "
+        "acting, 2 escalated or critical, 3 unknown)",
+    )
+    status_cmd.add_argument("--json", action="store_true", help="print the status as JSON")
+    status_cmd.add_argument(
+        "--explain", action="store_true", help="also list the evidence behind the verdict"
+    )
+    status_cmd.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="show it again every SECONDS (default 2) until interrupted",
+    )
+    _config_option(status_cmd)
+    status_cmd.set_defaults(command=_status)
+
+    pause = commands.add_parser(
+        "pause", help="no restarts by the daemon until a time (emergencies included)"
+    )
+    until = pause.add_mutually_exclusive_group(required=True)
+    until.add_argument("--until", metavar="TIME", help="ISO 8601 or Unix seconds")
+    until.add_argument("--for", dest="duration", metavar="DURATION", help="e.g. 30m, 6h, 2d")
+    _config_option(pause)
+    pause.set_defaults(command=_pause)
+
+    resume = commands.add_parser(
+        "resume",
+        help="end a pause, and forget earlier restarts that did not help (after an escalation)",
+    )
+    _config_option(resume)
+    resume.set_defaults(command=_resume)
+
+    demo = commands.add_parser(
+        "demo",
+        help="a simulated vLLM degrading and the real agent loop diagnosing it, on a fast "
+        "clock (about a minute; no root, GPU or systemd)",
+    )
+    demo.add_argument("--time-scale", type=float, default=400.0, metavar="X")
+    demo.set_defaults(command=_demo)
+
     config_cmd = commands.add_parser("config", help="configuration")
     config_sub = config_cmd.add_subparsers(metavar="ACTION")
     check = config_sub.add_parser(
@@ -277,6 +327,66 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
     )
     out.write(config.render(loaded))
     return ExitCode.OK
+
+
+def _run(args: argparse.Namespace, _out: TextIO) -> int:
+    from vkvagent.daemon import Daemon  # noqa: PLC0415 - apscheduler only for the daemon
+
+    return Daemon(args.config).run()
+
+
+def _status(args: argparse.Namespace, out: TextIO) -> int:
+    state_dir = Path(config.load(args.config).agent.state_dir)
+    while True:
+        report = status.read(state_dir)
+        code = status.exit_code(report, time.time())
+        if args.json:
+            shown = dict(report or {}, exit_code=int(code))
+            json.dump(shown, out, indent=1)
+            out.write("\n")
+        else:
+            if args.watch:
+                out.write("\033[H\033[2J")  # clear the terminal between views
+            out.write(status.render(report, time.time(), explain=args.explain))
+        out.flush()
+        if not args.watch:
+            return int(code)
+        time.sleep(max(0.2, args.watch))
+
+
+def _pause(args: argparse.Namespace, out: TextIO) -> int:
+    now = time.time()
+    try:
+        until = (
+            now + replay.parse_duration(args.duration)
+            if args.duration
+            else replay.parse_time(args.until, now)
+        )
+    except ValueError as exc:
+        raise UsageError(f"pause: {exc}") from None
+    if until <= now:
+        raise UsageError("pause: the time is in the past")
+    controls.write(Path(config.load(args.config).agent.state_dir), paused_until=until)
+    print(
+        f"paused: no restarts until {datetime.fromtimestamp(until, timezone.utc).isoformat()}",
+        file=out,
+    )
+    return ExitCode.OK
+
+
+def _resume(args: argparse.Namespace, out: TextIO) -> int:
+    controls.write(Path(config.load(args.config).agent.state_dir), resumed_at=time.time())
+    print("resumed: restarts allowed again; earlier restarts no longer count as failed", file=out)
+    return ExitCode.OK
+
+
+def _demo(args: argparse.Namespace, out: TextIO) -> int:
+    from vkvagent import demo  # noqa: PLC0415 - the agent never loads the simulator's driver
+
+    try:
+        return demo.run(out, scale=args.time_scale)
+    except demo.DemoError as exc:
+        raise CommandError(f"demo: {exc}") from None
 
 
 def _replay(args: argparse.Namespace, out: TextIO) -> int:

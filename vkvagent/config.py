@@ -73,6 +73,34 @@ class AgentConfig:
     sample_interval: float = setting(
         10.0, "Seconds between two samples of vLLM, the GPUs and the unit.", min=1, max=3600
     )
+    reminder: float = setting(
+        3600.0,
+        "Seconds between journal reminders of a decision that has not changed (a change is "
+        "logged at once).",
+        min=60,
+        max=86400,
+    )
+
+
+def _check_listen(text: str) -> str | None:
+    host, colon, port = text.rpartition(":")
+    if text and not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+        return f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:9849; empty: no endpoint)"
+    return None
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    listen: str = setting(
+        "127.0.0.1:9849",
+        "HOST:PORT of vkvagent's own Prometheus endpoint (vkvagent_* metrics); empty: none.",
+        check=_check_listen,
+    )
+    textfile: str = setting(
+        "",
+        "Also write the metrics to this file for node_exporter's textfile collector (e.g. "
+        "/var/lib/node_exporter/textfile_collector/vkvagent.prom); empty: no file.",
+    )
 
 
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,250}\.service")
@@ -398,6 +426,7 @@ def _values(section: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Config:
     agent: AgentConfig = section(AgentConfig, "The daemon itself.")
+    metrics: MetricsConfig = section(MetricsConfig, "vkvagent's own Prometheus metrics.")
     vllm: VllmConfig = section(VllmConfig, "The vLLM server being watched.")
     gpu: GpuConfig = section(GpuConfig, "GPU readings through NVML.")
     history: HistoryConfig = section(HistoryConfig, "The sample history kept on disk.")

@@ -11,6 +11,7 @@ and keeps nothing between calls; ``EngineState.to_json`` is what a caller persis
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -457,3 +458,35 @@ def _recovered(settings: Settings, previous: Baseline, current: Baseline) -> boo
     if ratio < settings.diagnosis.enter_ratio:
         return False
     return None
+
+
+# -- what callers keep between calls -----------------------------------------------------------
+
+MEMORY_EVERY = 60.0  # seconds between two memory points
+MEMORY_KEPT = 3000  # memory points kept (50 hours at one a minute)
+
+
+class Recent:
+    """The samples and memory points a caller keeps for ``decide``: the trailing baseline
+    window of samples (plus a margin) and one memory point a minute. Shared by the daemon and
+    replay, so both feed the engine the same way."""
+
+    def __init__(self, settings: BaselineSettings, margin: float) -> None:
+        self.keep = settings.window + margin
+        self.samples: deque[Sample] = deque()
+        self.memory: list[MemoryPoint] = []
+
+    def add(self, sample: Sample, memory_bytes: float | None) -> None:
+        """Add a sample, with the unit's memory at that moment when known."""
+        if self.samples and sample.mono < self.samples[-1].mono:
+            self.samples.clear()  # the monotonic clock began again: the host rebooted
+        self.samples.append(sample)
+        while sample.mono - self.samples[0].mono > self.keep:
+            self.samples.popleft()
+        served = sample.vllm.request_success_total if sample.vllm is not None else None
+        if memory_bytes is None or served is None:
+            return
+        if not self.memory or sample.mono - self.memory[-1].mono >= MEMORY_EVERY:
+            self.memory.append(MemoryPoint(sample.mono, memory_bytes, served))
+            if len(self.memory) > MEMORY_KEPT:
+                del self.memory[: len(self.memory) - MEMORY_KEPT]

@@ -244,7 +244,10 @@ class History:
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         except OSError as exc:
             raise HistoryError(f"{self.path.parent}: cannot create: {exc.strerror}") from None
-        return sqlite3.connect(str(self.path), timeout=busy_timeout, isolation_level=None)
+        # The daemon opens it in one thread and writes from its scheduler's, one at a time.
+        return sqlite3.connect(
+            str(self.path), timeout=busy_timeout, isolation_level=None, check_same_thread=False
+        )
 
     def _prepare(self) -> None:
         """Check the schema version, then (writable only) switch to WAL and migrate. Nothing

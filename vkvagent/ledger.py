@@ -83,7 +83,10 @@ class Ledger:
         self.path = Path(state_dir) / FILE_NAME
         try:
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(self.path), timeout=5.0, isolation_level=None)
+            # Opened by the daemon's main thread, used by its scheduler's, one at a time.
+            self._db = sqlite3.connect(
+                str(self.path), timeout=5.0, isolation_level=None, check_same_thread=False
+            )
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")  # an action must survive a power cut
             with self._transaction():

@@ -648,7 +648,8 @@ def _finite(value: Any) -> Any:
 _HEAD = re.compile(r"^[A-Za-z _-]+(?::[A-Za-z _-]+)?")
 
 
-def _key(decision: Decision) -> tuple[Any, ...]:
+def decision_key(decision: Decision) -> tuple[Any, ...]:
+    """What makes a decision worth showing again: its action, cause, reason's head and run."""
     found = _HEAD.match(decision.reason)
     head = found.group().strip() if found else decision.reason
     return decision.action, decision.cause, head, decision.evidence.get("run")
@@ -688,7 +689,7 @@ def replay(settings: Settings, line: Timeline) -> Result:
             result.cause_seconds[decision.cause] = (
                 result.cause_seconds.get(decision.cause, 0.0) + line.step
             )
-        key = _key(decision)
+        key = decision_key(decision)
         if decision.action == "restart":
             restarts.append(RestartRecord(sample.time, decision.cause or "?"))
             result.restarts += 1

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from vkvagent.gpu import GpuReader, GpuReading
 from vkvagent.metrics import VllmMetrics
 from vkvagent.systemd import SystemdError, UnitState
-from vkvagent.vllm import ScrapeError, VllmClient
+from vkvagent.vllm import PageError, ScrapeError, VllmClient
 
 
 @dataclass(frozen=True)
@@ -91,10 +91,12 @@ class Sampler:
         self._version: str | None = None
         self._started: float | None = None
         self._wall, self._mono = wall, mono
+        self.page_recognised: bool | None = None  # the last page's; None: vLLM did not answer
 
     def take(self) -> Sample:
         at, mono = self._wall(), self._mono()
         metrics, error = None, None
+        self.page_recognised = None
         try:
             if self._version is None:
                 self._version = self.vllm.version() or self._configured_version
@@ -102,6 +104,10 @@ class Sampler:
         except ScrapeError as exc:
             error = str(exc)
             self._version = None
+            if isinstance(exc, PageError):
+                self.page_recognised = False
+        else:
+            self.page_recognised = True
         if metrics is not None and metrics.process_start_time != self._started:
             if self._started is not None:
                 self._version = None  # a new vLLM process: ask its version next time

@@ -36,6 +36,10 @@ class ScrapeError(Exception):
     """vLLM could not be read; the message is one line naming the problem."""
 
 
+class PageError(ScrapeError):
+    """vLLM answered, but its page is not one the normaliser recognises."""
+
+
 def base_url(url: str) -> str:
     """``http://host:port`` from a base URL or a full ``.../metrics`` URL."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
@@ -90,7 +94,7 @@ class VllmClient:
         try:
             return self._normaliser.normalise(text, version)
         except ExpositionError as exc:
-            raise ScrapeError(f"{self.base}/metrics: {exc}") from None
+            raise PageError(f"{self.base}/metrics: {exc}") from None
 
     def version(self) -> str | None:
         """vLLM's version from GET /version, or None when it does not answer with one."""

@@ -37,7 +37,10 @@ def _options_parser() -> argparse.ArgumentParser:
         "--scenario",
         choices=list(SCENARIOS),
         default=default.scenario,
-        help="; ".join(f"{name}: {what}" for name, (_onset, what) in SCENARIOS.items()),
+        # argparse formats help with %: the scenarios' "10 %" must be written "10 %%"
+        help="; ".join(f"{name}: {what}" for name, (_onset, what) in SCENARIOS.items()).replace(
+            "%", "%%"
+        ),
     )
     add(
         "--scenario-onset",

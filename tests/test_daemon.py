@@ -1,0 +1,290 @@
+"""The daemon against the simulator on loopback: in-process ticks (real HTTP, real SQLite, real
+files), and ``vkvagent run`` as a process talking to a notify socket this test holds, as
+systemd would. The closed loop against a real systemd is in test_daemon_systemd.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.httpserver import free_port
+from tests.simproc import SimProcess, get
+from vkvagent import controls, status
+from vkvagent.cli import main
+from vkvagent.daemon import STATE_FILE, Daemon
+from vkvagent.demo import scaled_clock
+from vkvagent.events import Events
+
+SCALE = 400.0
+
+
+def write_config(directory: Path, url: str, **sections: dict[str, object]) -> Path:
+    values: dict[str, dict[str, object]] = {
+        "agent": {"state_dir": str(directory / "state"), "sample_interval": 20.0},
+        "vllm": {"url": url},
+        "gpu": {"enabled": False},
+        "metrics": {"listen": ""},
+    }
+    for name, extra in sections.items():
+        values.setdefault(name, {}).update(extra)
+    lines = []
+    for name, keys in values.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in keys.items()]
+    path = directory / "config.toml"
+    path.write_text("\n".join(lines) + "\n")
+    os.chmod(path, 0o644)
+    return path
+
+
+def events_of(stream: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def fast_sim() -> Iterator[SimProcess]:
+    """A healthy simulator 400x faster than real time."""
+    with SimProcess(
+        "meta-llama/Llama-3.1-8B-Instruct", "--time-scale", str(SCALE), "--rate", "4"
+    ) as sim:
+        yield sim
+
+
+def process_start(sim: SimProcess) -> float:
+    page = get(sim.url + "/metrics")[1].decode()
+    line = next(x for x in page.splitlines() if x.startswith("process_start_time_seconds"))
+    return float(line.split()[-1])
+
+
+class Notes:
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def __call__(self, message: str) -> None:
+        self.messages.append(message)
+
+
+def test_ticks_write_status_events_metrics_and_survive_an_agent_restart(
+    tmp_path: Path, fast_sim: SimProcess
+) -> None:
+    port = free_port()
+    path = write_config(tmp_path, fast_sim.url, metrics={"listen": f"127.0.0.1:{port}"})
+    clock = scaled_clock(process_start(fast_sim), SCALE)
+    stream, notes = io.StringIO(), Notes()
+    daemon = Daemon(
+        path, clock=clock, events=Events(stream=stream, now=clock.wall), notify=notes,
+        use_systemd=False,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            decision = daemon.tick()
+            if decision.ratio is not None:
+                break
+            time.sleep(20 / SCALE)
+        assert decision.ratio is not None, decision.reason  # the baseline was learned
+        assert decision.action == "none" and decision.reason.startswith("healthy")
+        scrape = get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+    finally:
+        daemon.close()
+    report = status.read(tmp_path / "state")
+    assert report is not None
+    assert report["verdict"]["state"] == "healthy"
+    assert report["vllm"]["flavor"] == "v1-latest" and report["vllm"]["recognised"] is True
+    assert report["now"]["tokens_per_s"] > 1000
+    assert report["policy"]["mode"] == "observe" and report["policy"]["budget_left"] == 3
+    assert status.exit_code(report, report["updated"]) == status.StatusCode.HEALTHY
+    # One event per change, not per tick: learning, then healthy.
+    decisions = [e for e in events_of(stream) if e["event"] == "decision.changed"]
+    ticks = sum(1 for m in notes.messages if m.startswith("WATCHDOG=1"))
+    assert 2 <= len(decisions) < ticks
+    assert decisions[-1]["reason"].startswith("healthy")  # type: ignore[union-attr]
+    assert all(m.startswith("WATCHDOG=1\nSTATUS=") for m in notes.messages)
+    assert 'vkvagent_verdict{state="healthy"} 1.0' in scrape
+    assert "vkvagent_throughput_ratio " in scrape
+    assert 'vkvagent_decisions_total{action="none"}' in scrape
+    if shutil.which("promtool"):
+        checked = subprocess.run(
+            ["promtool", "check", "metrics"],
+            input=scrape, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    elif os.environ.get("CI") == "true":
+        pytest.fail("promtool missing (Debian's prometheus package)")
+
+    # A new agent process (same state directory) keeps this run's baseline.
+    again = Daemon(path, clock=clock, events=Events(stream=io.StringIO()), notify=Notes(),
+                   use_systemd=False)  # fmt: skip
+    try:
+        assert again.state.baseline is not None
+        assert again.state.baseline == daemon.state.baseline
+        assert again.trend == daemon.trend
+    finally:
+        again.close()
+
+
+def test_a_damaged_state_file_costs_the_baseline_not_the_start(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "http://127.0.0.1:9")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / STATE_FILE).write_text('{"engine": {"version": 99}}')
+    stream = io.StringIO()
+    daemon = Daemon(path, events=Events(stream=stream), notify=Notes(), use_systemd=False)
+    try:
+        assert daemon.state.baseline is None
+        decision = daemon.tick()  # vLLM unreachable: a decision all the same
+        assert decision.cause == "engine_down"
+    finally:
+        daemon.close()
+    names = [e["event"] for e in events_of(stream)]
+    assert names[0] == "state.write_failed"
+    assert "source.failed" in names
+    report = status.read(tmp_path / "state")
+    assert report is not None and report["verdict"]["state"] == "critical"
+    assert status.exit_code(report, time.time()) == status.StatusCode.CRITICAL
+
+
+def test_reload_keeps_the_old_config_when_the_new_one_is_invalid(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "http://127.0.0.1:9")
+    stream, notes = io.StringIO(), Notes()
+    daemon = Daemon(path, events=Events(stream=stream), notify=notes, use_systemd=False)
+    try:
+        before = daemon.parts
+        path.write_text(path.read_text() + '[policy]\nmode = "sometimes"\n')
+        assert daemon.reload() is False
+        assert daemon.parts is before
+        failed = events_of(stream)[-1]
+        assert failed["event"] == "agent.reload_failed" and failed["level"] == "err"
+        assert "policy.mode" in str(failed["message"]) and "sometimes" in str(failed["message"])
+        assert notes.messages[-1].startswith("READY=1\nSTATUS=reload refused")
+
+        path.write_text(path.read_text().replace('"sometimes"', '"enforce"'))
+        assert daemon.reload() is True
+        assert daemon.parts is not before
+        assert daemon.parts.settings.policy.mode == "enforce"
+        assert events_of(stream)[-1]["event"] == "agent.reloaded"
+        assert notes.messages[-2].startswith("RELOADING=1\nMONOTONIC_USEC=")
+    finally:
+        daemon.close()
+
+
+def test_status_command_exit_codes_and_pause_resume(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "http://127.0.0.1:9")
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["status", "--config", str(path)], out, err) == 3  # no daemon has run
+    assert "no status yet" in out.getvalue()
+
+    daemon = Daemon(path, events=Events(stream=io.StringIO()), notify=Notes(), use_systemd=False)
+    try:
+        daemon.tick()
+    finally:
+        daemon.close()
+    out = io.StringIO()
+    assert main(["status", "--config", str(path), "--json"], out, err) == 2
+    shown = json.loads(out.getvalue())
+    assert shown["exit_code"] == 2 and shown["verdict"]["cause"] == "engine_down"
+    out = io.StringIO()
+    assert main(["status", "--config", str(path), "--explain"], out, err) == 2
+    assert "CRITICAL" in out.getvalue() and "/metrics unreachable" in out.getvalue()
+
+    out = io.StringIO()
+    assert main(["pause", "--for", "2h", "--config", str(path)], out, err) == 0
+    paused = controls.read(tmp_path / "state").paused_until
+    assert paused is not None and 7190 < paused - time.time() <= 7200
+    assert main(["resume", "--config", str(path)], out, err) == 0
+    resumed = controls.read(tmp_path / "state")
+    assert resumed.paused_until is None and resumed.resumed_at is not None
+    assert main(["pause", "--until", "2001-01-01T00:00:00Z", "--config", str(path)], out, err) == 2
+
+
+# -- `vkvagent run` as a process, with this test as systemd's notify socket --------------------
+
+
+class NotifySocket:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.received: list[tuple[float, str]] = []
+
+    def wait_for(self, text: str, timeout: float) -> float:
+        """Read messages until one contains ``text``; returns when it came."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.sock.recv(65536).decode()
+            except socket.timeout:
+                break
+            now = time.monotonic()
+            self.received.append((now, data))
+            if text in data:
+                return now
+        raise AssertionError(f"no {text!r} within {timeout} s: {self.received[-5:]}")
+
+
+class HangingServer:
+    """Accepts connections and never answers: vLLM hung."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+
+def test_run_notifies_systemd_from_the_loop_and_handles_signals(
+    tmp_path: Path, fast_sim: SimProcess
+) -> None:
+    hung = HangingServer()
+    path = write_config(
+        tmp_path,
+        fast_sim.url,
+        agent={"sample_interval": 1.0},
+        vllm={"read_timeout": 4.0, "connect_timeout": 1.0},
+    )
+    notify = NotifySocket(tmp_path / "notify")
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "30000000"}
+    env.pop("JOURNAL_STREAM", None)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "vkvagent", "run", "--config", str(path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        notify.wait_for("READY=1", 15)
+        beats = [notify.wait_for("WATCHDOG=1", 5) for _ in range(3)]
+        assert max(b - a for a, b in zip(beats, beats[1:])) < 2.5  # one a second
+
+        # vLLM hangs: each tick now waits out its 5 s deadline, and so does the watchdog.
+        path.write_text(path.read_text().replace(fast_sim.url, hung.url))
+        agent.send_signal(signal.SIGHUP)
+        notify.wait_for("RELOADING=1", 5)
+        notify.wait_for("READY=1", 5)
+        notify.wait_for("STATUS=critical", 15)  # the first tick that timed out
+        first = notify.wait_for("WATCHDOG=1", 10)
+        second = notify.wait_for("WATCHDOG=1", 10)
+        assert second - first > 3.5  # the loop, not a side thread, keeps the watchdog fed
+
+        agent.send_signal(signal.SIGTERM)
+        notify.wait_for("STOPPING=1", 10)
+        assert agent.wait(timeout=15) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        hung.sock.close()
+    lines = [json.loads(line) for line in agent.stderr.read().splitlines() if line.startswith("{")]
+    names = [line["event"] for line in lines]
+    assert names[0] == "agent.started" and names[-1] == "agent.stopping"
+    assert "agent.reloaded" in names and "source.failed" in names
+    assert all(len(str(line["message_id"])) == 32 for line in lines)

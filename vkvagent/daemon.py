@@ -1,0 +1,715 @@
+"""The daemon, ``vkvagent run``: sample, decide, act, report, on a schedule.
+
+One apscheduler job runs the tick every ``sample_interval``: take a sample (vLLM, GPUs, the
+unit over D-Bus), store it, run the engine, act on a restart decision through the actuator
+(one action at a time, under the state directory's lock), then write the status, publish
+the metrics and tell systemd the loop is alive (``WATCHDOG=1`` from the tick itself, so a hung
+tick is killed by ``WatchdogSec=``). The main thread only waits for signals: SIGHUP reloads
+(the new config is validated first; on error the old one stays), SIGTERM stops after the tick
+in progress (an action still draining is abandoned before anything changed; one past that
+point is finished, or completed by ``recover()`` at the next start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import sdnotify
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from vkvagent import __version__, config, controls, replay, status
+from vkvagent.actuator import Actuator, ActuatorError, Outcome, RestartSettings
+from vkvagent.dropin import DropinFile, write_atomically
+from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
+from vkvagent.events import Events
+from vkvagent.exporter import AgentMetrics, Exporter
+from vkvagent.flags import FlagError
+from vkvagent.gpu import reader_for
+from vkvagent.history import History, HistoryError
+from vkvagent.ledger import Ledger, LedgerError
+from vkvagent.policy import DAY, RestartRecord, window_state
+from vkvagent.rates import window_rates
+from vkvagent.sample import Sample, Sampler
+from vkvagent.systemd import Systemd, SystemdError
+from vkvagent.vllm import VllmClient
+
+SYSTEMD_UNIT_DIR = Path("/etc/systemd/system")
+STATE_FILE = "engine.json"
+RESTART_KINDS = ("restart", "apply", "rollback")
+HISTORY_PRUNE_EVERY = 3600.0
+
+
+@dataclass(frozen=True)
+class Clock:
+    """The daemon's clocks. ``scale`` > 1 runs the schedule that many times faster than real
+    time (the demo's fast clock: ``wall`` and ``mono`` must then run fast too)."""
+
+    wall: Callable[[], float] = time.time
+    mono: Callable[[], float] = time.monotonic
+    scale: float = 1.0
+
+
+class Parts:
+    """What one configuration builds; a reload builds a new one and swaps it in whole."""
+
+    def __init__(
+        self,
+        cfg: config.Config,
+        clock: Clock,
+        *,
+        use_systemd: bool,
+        progress: Callable[[str], None] = lambda _message: None,
+    ) -> None:
+        self.config = cfg
+        self.settings = replay.engine_settings(cfg)
+        self.state_dir = Path(cfg.agent.state_dir)
+        self.state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+        unit = cfg.vllm.unit
+        self.systemd = Systemd() if use_systemd else None
+        gpus = reader_for(cfg.gpu.devices, cfg.gpu.recording) if cfg.gpu.enabled else None
+        bus = self.systemd
+        self.sampler = Sampler(
+            VllmClient.from_config(cfg.vllm),
+            gpus,
+            unit=(lambda: bus.unit(unit)) if bus is not None else None,
+            version=cfg.vllm.version,
+            wall=clock.wall,
+            mono=clock.mono,
+        )
+        self.history = History(self.state_dir)
+        self.ledger = Ledger(self.state_dir)
+        self.actuator: Actuator | None = None
+        if self.systemd is not None:
+            r = cfg.restart
+            self.actuator = Actuator(
+                unit=unit,
+                systemd=self.systemd,
+                ledger=self.ledger,
+                dropin=DropinFile(unit, SYSTEMD_UNIT_DIR, self.state_dir / "dropins"),
+                probe=VllmClient.from_config(cfg.vllm),
+                state_dir=self.state_dir,
+                settings=RestartSettings(
+                    drain_max_in_flight=r.drain_max_in_flight,
+                    drain_timeout=r.drain_timeout,
+                    job_timeout=r.job_timeout,
+                    ready_timeout=r.ready_timeout,
+                ),
+                gpus=gpus,
+                progress=progress,
+            )
+
+    @property
+    def action_seconds(self) -> float:
+        """The longest a restart may take, all of its timeouts added."""
+        r = self.config.restart
+        return r.drain_timeout + r.job_timeout + r.ready_timeout + 60.0
+
+    def close(self) -> None:
+        for closing in (self.history.close, self.ledger.close):
+            with contextlib.suppress(Exception):
+                closing()
+        if self.systemd is not None:
+            with contextlib.suppress(Exception):
+                self.systemd.close()
+
+
+class Daemon:
+    def __init__(
+        self,
+        config_path: Path | None = None,
+        *,
+        clock: Clock = Clock(),
+        events: Events | None = None,
+        notify: Callable[[str], None] | None = None,
+        use_systemd: bool = True,
+    ) -> None:
+        self.config_path, self.clock, self.use_systemd = config_path, clock, use_systemd
+        self.events = events or Events.for_environment(now=clock.wall)
+        self.notify = notify or sdnotify.SystemdNotifier().notify
+        self.metrics = AgentMetrics()
+        cfg = config.load(config_path)  # ConfigError: `vkvagent run` exits 1 with the problems
+        self.parts = Parts(cfg, clock, use_systemd=use_systemd, progress=self._progress)
+        self.exporter = Exporter(self.metrics, cfg.metrics.listen, cfg.metrics.textfile)
+        self.lock = threading.Lock()  # one tick or reload at a time
+        self.stopping = threading.Event()
+        self._wake = threading.Event()
+        self._reload = False
+        self.recent = Recent(self.parts.settings.baseline, margin=3 * cfg.agent.sample_interval)
+        self.state, self.judged, self.trend = self._load_state()
+        self._logged: tuple[Any, ...] | None = None
+        self._logged_at = -math.inf
+        self._failing: dict[str, str] = {}  # source or "state" -> its last error
+        self._pruned = -math.inf
+        self.last: Decision | None = None
+        self._pending: dict[str, Any] | None = None  # flag changes not applied yet
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Until SIGTERM or SIGINT. Returns the exit status."""
+        logging.getLogger("apscheduler").setLevel(logging.ERROR)
+        self._recover()
+        scheduler = BackgroundScheduler(timezone=timezone.utc)
+        scheduler.add_job(
+            self._job,
+            "interval",
+            seconds=self.parts.config.agent.sample_interval / self.clock.scale,
+            next_run_time=datetime.now(timezone.utc),
+            max_instances=1,
+            coalesce=True,
+            misfire_grace_time=None,
+            id="tick",
+        )
+        handlers = {
+            signal.SIGTERM: self._on_stop,
+            signal.SIGINT: self._on_stop,
+            signal.SIGHUP: self._on_hup,
+        }
+        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+        try:
+            scheduler.start()
+            self.notify("READY=1\nSTATUS=started; first evaluation under way")
+            cfg = self.parts.config
+            self.events.emit(
+                "agent.started",
+                f"vkvagent {__version__} watching {cfg.vllm.unit} at {cfg.vllm.url}, mode "
+                f"{cfg.policy.mode}",
+                version=__version__,
+                unit=cfg.vllm.unit,
+                url=cfg.vllm.url,
+                mode=cfg.policy.mode,
+                config=[str(p) for p in config.config_files(self.config_path)],
+                interval_s=cfg.agent.sample_interval,
+            )
+            while not self.stopping.is_set():
+                self._wake.wait()
+                self._wake.clear()
+                if self._reload and not self.stopping.is_set():
+                    self._reload = False
+                    self.reload()
+                    scheduler.reschedule_job(
+                        "tick",
+                        trigger="interval",
+                        seconds=self.parts.config.agent.sample_interval / self.clock.scale,
+                    )
+        finally:
+            self.notify("STOPPING=1")
+            self.events.emit("agent.stopping", "vkvagent is stopping")
+            scheduler.shutdown(wait=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.close()
+        return 0
+
+    def stop(self) -> None:
+        """Ask ``run`` to return (what SIGTERM does)."""
+        self.stopping.set()
+        self._wake.set()
+
+    def _on_stop(self, _signum: int, _frame: object) -> None:
+        self.stop()
+
+    def _on_hup(self, _signum: int, _frame: object) -> None:
+        self._reload = True
+        self._wake.set()
+
+    def _job(self) -> None:
+        try:
+            self.tick()
+        except Exception as exc:  # a bug: keep the loop (and its watchdog) honest about it
+            self.notify(f"STATUS=tick failed: {type(exc).__name__}: {exc}")
+            raise
+
+    def close(self) -> None:
+        self.exporter.close()
+        self.parts.close()
+
+    def reload(self) -> bool:
+        """Read the config again; keep the old one (and say why) if the new one is invalid."""
+        self.notify(
+            f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}"
+        )
+        try:
+            with self.lock:
+                cfg = config.load(self.config_path)
+                parts = Parts(
+                    cfg, self.clock, use_systemd=self.use_systemd, progress=self._progress
+                )
+                old = self.parts
+                self.parts = parts
+                self._pending = None
+                old.close()
+                if (cfg.metrics.listen, cfg.metrics.textfile) != (
+                    old.config.metrics.listen,
+                    old.config.metrics.textfile,
+                ):
+                    self.exporter.close()
+                    self.exporter = Exporter(self.metrics, cfg.metrics.listen, cfg.metrics.textfile)
+                self.recent.keep = parts.settings.baseline.window + 3 * cfg.agent.sample_interval
+        except (config.ConfigError, HistoryError, LedgerError, OSError, SystemdError) as exc:
+            problems = str(exc).splitlines()
+            self.events.emit(
+                "agent.reload_failed",
+                f"reload refused, keeping the running config: {problems[0]}",
+                problems=problems,
+            )
+            self.notify("READY=1\nSTATUS=reload refused: the config is invalid; old config kept")
+            return False
+        self.events.emit(
+            "agent.reloaded",
+            f"config reloaded: mode {cfg.policy.mode}",
+            mode=cfg.policy.mode,
+            config=[str(p) for p in config.config_files(self.config_path)],
+        )
+        self.notify("READY=1\nSTATUS=config reloaded")
+        return True
+
+    # -- one tick ---------------------------------------------------------------------------
+
+    def tick(self) -> Decision:
+        with self.lock:
+            p = self.parts
+            sample = p.sampler.take()
+            self._note_sources(sample)
+            self._write_state("history", lambda: p.history.append(sample))
+            self.recent.add(sample, sample.unit.memory_bytes if sample.unit else None)
+            now = datetime.fromtimestamp(sample.time, timezone.utc)
+            restarts = self._restarts(sample.time)
+            observed = Observation(
+                samples=tuple(self.recent.samples),
+                unit_active=None if sample.unit is None else sample.unit.active_state == "active",
+                memory=self.recent.memory,
+                restarts=restarts,
+                controls=controls.read(p.state_dir),
+                flags=p.config.vllm.flags,
+            )
+            decision = decide(p.settings, self.state, observed, now)
+            self.state = decision.state
+            self._judge(decision)
+            self._log(decision)
+            outcome = None
+            if decision.action == "restart" and p.actuator is not None:
+                outcome = self._restart(p.actuator, decision)
+                restarts = self._restarts(sample.time)
+                self._pending = None
+            self.last = decision
+            self.metrics.count(
+                action=decision.action,
+                errors={
+                    "vllm": sample.vllm_error is not None,
+                    "gpu": sample.gpu_error is not None,
+                    "systemd": sample.unit_error is not None,
+                },
+            )
+            self._write_state("state", self._save_state)
+            report = self._status(sample, decision, restarts, outcome)
+            self._write_state("status", lambda: self._write_status(report))
+            self.metrics.update(report)
+            self._write_state("textfile", self.exporter.publish)
+            if sample.time - self._pruned >= HISTORY_PRUNE_EVERY:
+                self._pruned = sample.time
+                self._write_state(
+                    "history", lambda: p.history.prune(sample.time, p.config.history.retention_days)
+                )
+            self.notify(f"WATCHDOG=1\nSTATUS={_status_line(report)}")
+            return decision
+
+    def _note_sources(self, sample: Sample) -> None:
+        for source, error in (
+            ("vllm", sample.vllm_error),
+            ("gpu", sample.gpu_error),
+            ("systemd", sample.unit_error),
+        ):
+            before = self._failing.get(source)
+            if error is not None and before is None:
+                self._failing[source] = error
+                self.events.emit("source.failed", f"{source}: {error}", source=source, error=error)
+            elif error is None and before is not None:
+                del self._failing[source]
+                self.events.emit(
+                    "source.recovered", f"{source} answers again", source=source, error=before
+                )
+
+    def _write_state(self, what: str, write: Callable[[], object]) -> None:
+        """Run a write to the state directory; a failure is an event (once until it works
+        again), never the end of the loop: the next tick tries again."""
+        key = f"state:{what}"
+        try:
+            write()
+        except (OSError, HistoryError, LedgerError) as exc:
+            if key not in self._failing:
+                self._failing[key] = str(exc)
+                self.events.emit(
+                    "state.write_failed",
+                    f"cannot write the {what}: {exc}",
+                    what=what,
+                    error=str(exc),
+                )
+            return
+        if key in self._failing:
+            del self._failing[key]
+            self.events.emit("state.write_recovered", f"the {what} is written again", what=what)
+
+    def _restarts(self, now: float) -> tuple[RestartRecord, ...]:
+        """Restarts in the ledger (the daemon's and manual ones) for the policy's budgets,
+        each with its judged outcome."""
+        try:
+            actions = self.parts.ledger.since(now - 8 * DAY)
+        except LedgerError:
+            return ()
+        return tuple(
+            RestartRecord(a.started, a.reason.split(":", 1)[0], self.judged.get(a.id))
+            for a in reversed(actions)
+            if a.kind in RESTART_KINDS and a.outcome not in ("aborted",)
+        )
+
+    def _judge(self, decision: Decision) -> None:
+        """Write the engine's judgement of the last restart (did the fresh speed come back?)
+        to that restart, once."""
+        if decision.recovered is None:
+            return
+        try:
+            actions = [
+                a
+                for a in self.parts.ledger.recent(5)
+                if a.kind in RESTART_KINDS and a.outcome == "done"
+            ]
+        except LedgerError:
+            return
+        if not actions or actions[0].id in self.judged:
+            return
+        action = actions[0]
+        self.judged[action.id] = decision.recovered
+        cause = action.reason.split(":", 1)[0]
+        if decision.recovered:
+            self.events.emit(
+                "restart.recovered",
+                f"action {action.id} ({cause}) restored the fresh speed",
+                action=action.id,
+                cause=cause,
+            )
+        else:
+            self.metrics.count_restart(cause, "not-recovered")
+            self.events.emit(
+                "restart.not_recovered",
+                f"action {action.id} ({cause}) did not restore the fresh speed",
+                action=action.id,
+                cause=cause,
+            )
+
+    def _log(self, decision: Decision) -> None:
+        """A decision event when it changes, and a reminder while it does not."""
+        key = replay.decision_key(decision)
+        at = decision.time.timestamp()
+        changed = key != self._logged
+        if not changed and at - self._logged_at < self.parts.config.agent.reminder:
+            return
+        if changed and decision.reason.startswith("escalated"):
+            self.events.emit("policy.escalated", decision.reason, cause=decision.cause)
+        self._logged, self._logged_at = key, at
+        self.events.emit(
+            "decision.changed" if changed else "decision.unchanged",
+            f"{decision.action}: {decision.reason}",
+            **_decision_fields(decision),
+        )
+
+    def _restart(self, actuator: Actuator, decision: Decision) -> Outcome | None:
+        cause = decision.cause or "unknown"
+        reason = f"{cause}: {decision.reason}"
+        drain = decision.drain_max_in_flight is not None
+        self.events.emit(
+            "restart.started",
+            f"restarting {actuator.unit}: {reason}",
+            cause=cause,
+            reason=decision.reason,
+            ratio=decision.ratio,
+            drain=drain,
+            evidence=dict(decision.evidence),
+        )
+        # The action may outlast WatchdogSec (a cold start takes minutes): give systemd its
+        # own bound for the time being, then the unit's again.
+        watchdog = os.environ.get("WATCHDOG_USEC")
+        if watchdog:
+            self.notify(f"WATCHDOG_USEC={int(self.parts.action_seconds * 1e6)}")
+        try:
+            with actuator.exclusive():
+                outcome = actuator.restart(reason, drain=drain)
+        except (ActuatorError, LedgerError) as exc:
+            self.metrics.count_restart(cause, "failed")
+            self.events.emit(
+                "restart.failed", f"restart refused: {exc}", cause=cause, error=str(exc)
+            )
+            return None
+        finally:
+            if watchdog:
+                self.notify(f"WATCHDOG_USEC={watchdog}")
+            self.notify("WATCHDOG=1")
+        self.metrics.count_restart(cause, outcome.result)
+        fields = {
+            "cause": cause,
+            "action": outcome.action_id,
+            "result": outcome.result,
+            "seconds": round(outcome.seconds, 3),
+            "service_seconds": outcome.service_seconds,
+        }
+        if outcome.result == "done":
+            self.events.emit(
+                "restart.completed",
+                f"restarted {actuator.unit} ({cause}) in {outcome.seconds:.1f} s",
+                **fields,
+            )
+        elif outcome.result == "rolled-back":
+            self.events.emit("restart.rolled_back", outcome.message, **fields)
+        else:
+            self.events.emit("restart.failed", outcome.message, error=outcome.message, **fields)
+        return outcome
+
+    def _progress(self, message: str) -> None:
+        """The actuator's word while it drains or waits: the loop is alive. A stop request
+        while draining abandons the restart before anything changed."""
+        self.notify(f"WATCHDOG=1\nSTATUS={message}")
+        if self.stopping.is_set() and message.startswith("draining"):
+            raise ActuatorError("vkvagent is stopping: restart abandoned while draining")
+
+    def _recover(self) -> None:
+        actuator = self.parts.actuator
+        if actuator is None:
+            return
+        try:
+            with actuator.exclusive():
+                outcome = actuator.recover()
+        except (ActuatorError, LedgerError) as exc:
+            self.events.emit(
+                "agent.action_recovered",
+                f"interrupted action: {exc}",
+                result="failed",
+                error=str(exc),
+            )
+            return
+        if outcome is not None:
+            self.events.emit(
+                "agent.action_recovered",
+                f"action {outcome.action_id}: {outcome.message} ({outcome.result})",
+                action=outcome.action_id,
+                result=outcome.result,
+            )
+
+    # -- persisted state --------------------------------------------------------------------
+
+    def _load_state(self) -> tuple[EngineState, dict[int, bool], list[list[Any]]]:
+        """The engine state, the restarts judged and the trend, as the last run left them. A
+        missing or damaged file costs the learned baselines, never the start."""
+        path = self.parts.state_dir / STATE_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            engine = EngineState.from_json(data["engine"])
+            judged = {int(k): bool(v) for k, v in data.get("judged", {}).items()}
+            trend = [list(p) for p in data.get("trend", [])]
+        except FileNotFoundError:
+            return EngineState(), {}, []
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self.events.emit(
+                "state.write_failed",
+                f"{path}: unreadable ({exc}); starting with no baseline",
+                what="state",
+                error=str(exc),
+            )
+            return EngineState(), {}, []
+        return engine, judged, trend
+
+    def _save_state(self) -> None:
+        judged = dict(sorted(self.judged.items())[-50:])
+        data = {
+            "engine": self.state.to_json(),
+            "judged": {str(k): v for k, v in judged.items()},
+            "trend": self.trend,
+        }
+        write_atomically(
+            self.parts.state_dir / STATE_FILE,
+            json.dumps(_finite(data), separators=(",", ":")),
+            0o640,
+        )
+
+    def _write_status(self, report: Mapping[str, Any]) -> None:
+        write_atomically(
+            status.path(self.parts.state_dir), json.dumps(_finite(report), indent=1), 0o640
+        )
+
+    def _status(
+        self,
+        sample: Sample,
+        decision: Decision,
+        restarts: tuple[RestartRecord, ...],
+        outcome: Outcome | None,
+    ) -> dict[str, Any]:
+        p = self.parts
+        pol = p.settings.policy
+        at = sample.time
+        first = self.recent.samples[0] if self.recent.samples else None
+        m = sample.vllm
+        rates = (
+            window_rates([(first.mono, first.vllm), (sample.mono, m)])
+            if first is not None
+            and first.vllm is not None
+            and m is not None
+            and sample.mono > first.mono
+            else None
+        )
+        self.trend = status.add_trend(
+            self.trend, at, rates.tokens_per_s if rates else None, decision.ratio
+        )
+        unit = sample.unit
+        is_open, upcoming = window_state(pol, decision.time)
+        recent_restarts = sum(1 for r in restarts if at - r.time < DAY)
+        paused_until = controls.read(p.state_dir).paused_until
+        last = self._last_action()
+        return {
+            "version": status.VERSION,
+            "updated": at,
+            "pid": os.getpid(),
+            "agent_version": __version__,
+            "interval": p.config.agent.sample_interval,
+            "unit_name": p.config.vllm.unit,
+            "unit": None
+            if unit is None
+            else {
+                "active_state": unit.active_state,
+                "sub_state": unit.sub_state,
+                "main_pid": unit.main_pid,
+                "memory_bytes": unit.memory_bytes,
+                "n_restarts": unit.n_restarts,
+            },
+            "unit_error": sample.unit_error,
+            "vllm": {
+                "version": m.version if m else None,
+                "flavor": m.flavor if m else None,
+                "recognised": p.sampler.page_recognised,
+                "uptime_s": decision.uptime,
+                "error": sample.vllm_error,
+            },
+            "now": {
+                "tokens_per_s": rates.tokens_per_s if rates else None,
+                "requests_per_s": rates.requests_per_s if rates else None,
+                "kv_usage": m.kv_cache_usage if m else None,
+                "preemptions_per_s": rates.preemptions_per_s if rates else None,
+                "prefix_hit_ratio": rates.prefix_cache_hit_ratio if rates else None,
+                "ttft_p50_s": rates.ttft_p50 if rates else None,
+                "itl_p50_s": rates.itl_p50 if rates else None,
+                "running": m.num_requests_running if m else None,
+                "waiting": m.num_requests_waiting if m else None,
+            },
+            "gpus": [
+                {
+                    "index": g.index,
+                    "temperature_c": g.temperature_c,
+                    "sm_clock_mhz": g.sm_clock_mhz,
+                    "sm_clock_max_mhz": g.sm_clock_max_mhz,
+                    "clock_event_reasons": list(g.clock_event_reasons),
+                    "throttled_by": list(g.throttled_by),
+                }
+                for g in sample.gpus
+            ],
+            "verdict": {
+                "state": status.verdict_state(
+                    action=decision.action,
+                    cause=decision.cause,
+                    reason=decision.reason,
+                    has_data=sample.vllm is not None or sample.unit is not None,
+                ),
+                "action": decision.action,
+                "cause": decision.cause,
+                "reason": decision.reason,
+                "ratio": decision.ratio,
+                "evidence": dict(decision.evidence),
+                "suggestion": dict(decision.suggestion),
+            },
+            "policy": {
+                "mode": pol.mode,
+                "window_open": is_open,
+                "next_window": upcoming.isoformat() if upcoming else None,
+                "budget_left": max(0, pol.max_per_day - recent_restarts),
+                "paused_until": _iso(paused_until) if paused_until and paused_until > at else None,
+            },
+            "last_restart": None
+            if last is None
+            else {
+                "id": last.id,
+                "kind": last.kind,
+                "reason": last.reason,
+                "started": last.started,
+                "ended": last.ended,
+                "outcome": last.outcome,
+                "recovered": self.judged.get(last.id),
+            },
+            "pending_flags": self._pending_flags(m.version if m else None),
+            "trend": self.trend,
+        }
+
+    def _pending_flags(self, version: str | None) -> dict[str, Any] | str | None:
+        """The [vllm.flags] the unit does not run with yet (``vkvagent apply`` applies them),
+        asked of systemd once per config and after each action."""
+        p = self.parts
+        if not p.config.vllm.flags or p.actuator is None:
+            return None
+        if self._pending is None:
+            try:
+                plan = p.actuator.plan(
+                    p.config.vllm.flags, version or p.config.vllm.version or None
+                )
+            except (ActuatorError, FlagError) as exc:
+                return f"unknown: {exc}"
+            self._pending = {k: v for k, v in plan.flags.items()} if plan.changed else {}
+        return self._pending or None
+
+    def _last_action(self) -> Any:
+        try:
+            actions = self.parts.ledger.recent(1)
+        except LedgerError:
+            return None
+        return actions[0] if actions else None
+
+
+def _decision_fields(decision: Decision) -> dict[str, Any]:
+    return {
+        "action": decision.action,
+        "cause": decision.cause,
+        "reason": decision.reason,
+        "ratio": decision.ratio,
+        "window_open": decision.window_open,
+        "next_window": decision.next_window.isoformat() if decision.next_window else None,
+        "uptime_s": decision.uptime,
+        "evidence": {k: v for k, v in decision.evidence.items() if v is not None},
+        "suggestion": dict(decision.suggestion),
+    }
+
+
+def _status_line(report: Mapping[str, Any]) -> str:
+    v = report["verdict"]
+    ratio = "" if v["ratio"] is None else f", speed {v['ratio']:.2f} of baseline"
+    return f"{v['state']}: {v['action']} ({v['cause'] or 'no cause'}){ratio}"[:200]
+
+
+def _iso(at: float | None) -> str | None:
+    return None if at is None else datetime.fromtimestamp(at, timezone.utc).isoformat()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,180 @@
+"""vkvagent's own Prometheus metrics (``vkvagent_*``), from the status the daemon just wrote.
+
+Served on 127.0.0.1 by default (``[metrics] listen``) and/or written to a node_exporter
+textfile (``[metrics] textfile``). Gauges are read from the latest status at scrape time;
+the counters (decisions, restarts, source errors) count since the daemon started, as
+Prometheus counters do.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from vkvagent import __version__
+from vkvagent.status import STATES
+
+
+class AgentMetrics(Collector):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._status: Mapping[str, Any] | None = None
+        self.decisions: Counter[str] = Counter()
+        self.restarts: Counter[tuple[str, str]] = Counter()
+        self.source_errors: Counter[str] = Counter({"vllm": 0, "gpu": 0, "systemd": 0})
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def update(self, status: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._status = status
+
+    def count(self, *, action: str, errors: Mapping[str, bool]) -> None:
+        with self._lock:
+            self.decisions[action] += 1
+            for source, failed in errors.items():
+                self.source_errors[source] += failed
+
+    def count_restart(self, reason: str, result: str) -> None:
+        with self._lock:
+            self.restarts[(reason, result)] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            status = self._status
+            decisions, restarts = dict(self.decisions), dict(self.restarts)
+            errors = dict(self.source_errors)
+        counter = CounterMetricFamily(
+            "vkvagent_decisions", "Evaluations by the action decided.", labels=["action"]
+        )
+        for action in ("restart", "hold", "none"):
+            counter.add_metric([action], decisions.get(action, 0))
+        yield counter
+        counter = CounterMetricFamily(
+            "vkvagent_restarts",
+            "Restarts by vkvagent, by reason (cause) and result.",
+            labels=["reason", "result"],
+        )
+        for (reason, result), n in sorted(restarts.items()):
+            counter.add_metric([reason, result], n)
+        yield counter
+        counter = CounterMetricFamily(
+            "vkvagent_scrape_errors", "Samples a source failed, by source.", labels=["source"]
+        )
+        for source, n in sorted(errors.items()):
+            counter.add_metric([source], n)
+        yield counter
+        if status is not None:
+            yield from _gauges(status)
+
+
+def _gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
+    if value is not None:
+        yield GaugeMetricFamily(name, doc, value=float(value))
+
+
+def _gauges(status: Mapping[str, Any]) -> Iterator[Metric]:
+    verdict, policy, vllm = status["verdict"], status["policy"], status.get("vllm") or {}
+    info = GaugeMetricFamily(
+        "vkvagent_info",
+        "The agent, the vLLM it watches, and the policy mode.",
+        labels=["version", "vllm_version", "flavor", "unit", "mode"],
+    )
+    info.add_metric(
+        [
+            __version__,
+            vllm.get("version") or "",
+            vllm.get("flavor") or "",
+            status["unit_name"],
+            policy["mode"],
+        ],
+        1,
+    )
+    yield info
+    state = GaugeMetricFamily(
+        "vkvagent_verdict", "1 for the current verdict, 0 for the others.", labels=["state"]
+    )
+    for name in STATES:
+        state.add_metric([name], 1 if verdict["state"] == name else 0)
+    yield state
+    cause = GaugeMetricFamily(
+        "vkvagent_cause", "1 for the cause diagnosed now (absent when none).", labels=["cause"]
+    )
+    if verdict.get("cause"):
+        cause.add_metric([verdict["cause"]], 1)
+    yield cause
+    yield from _gauge(
+        "vkvagent_throughput_ratio",
+        "Speed now over this run's fresh baseline at the same load (absent when unknown).",
+        verdict.get("ratio"),
+    )
+    yield from _gauge("vkvagent_window_open", "1 inside a restart window.", policy["window_open"])
+    yield from _gauge(
+        "vkvagent_restart_budget_remaining",
+        "Restarts still allowed in the rolling 24 hours.",
+        policy["budget_left"],
+    )
+    yield from _gauge(
+        "vkvagent_escalated",
+        "1 when restarts stopped helping and vkvagent waits for `vkvagent resume`.",
+        verdict["state"] == "escalated",
+    )
+    yield from _gauge(
+        "vkvagent_metrics_schema_recognised",
+        "1 when vLLM's /metrics page was read as a known version's.",
+        vllm.get("recognised"),
+    )
+    yield from _gauge(
+        "vkvagent_last_evaluation_timestamp_seconds",
+        "When the last evaluation ran (Unix seconds).",
+        status["updated"],
+    )
+    gpus = status.get("gpus") or []
+    for name, key, doc, scale in (
+        ("vkvagent_gpu_temperature_celsius", "temperature_c", "GPU temperature.", 1.0),
+        ("vkvagent_gpu_sm_clock_hertz", "sm_clock_mhz", "GPU SM clock.", 1e6),
+    ):
+        family = GaugeMetricFamily(name, doc, labels=["gpu"])
+        for gpu in gpus:
+            if gpu.get(key) is not None:
+                family.add_metric([str(gpu["index"])], gpu[key] * scale)
+        yield family
+    events = GaugeMetricFamily(
+        "vkvagent_gpu_clock_event",
+        "1 for each clock-event (throttle) reason NVML reports now.",
+        labels=["gpu", "reason"],
+    )
+    for gpu in gpus:
+        for reason in gpu.get("clock_event_reasons") or []:
+            events.add_metric([str(gpu["index"]), reason], 1)
+    yield events
+
+
+class Exporter:
+    """Serves ``metrics`` on ``listen`` (host:port; "" for none) and writes ``textfile``."""
+
+    def __init__(self, metrics: AgentMetrics, listen: str, textfile: str) -> None:
+        self.metrics, self.textfile = metrics, textfile
+        self._server: Any = None
+        if listen:
+            host, _, port = listen.rpartition(":")
+            self._server, _thread = start_http_server(
+                int(port), addr=host.strip("[]"), registry=metrics.registry
+            )
+
+    def publish(self) -> None:
+        """Write the textfile (atomically: node_exporter never reads half of it)."""
+        if self.textfile:
+            write_to_textfile(self.textfile, self.metrics.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
