@@ -36,7 +36,6 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from array import array
-from collections import deque
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -44,8 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from vkvagent.config import Config
-from vkvagent.diagnosis import MemoryPoint
-from vkvagent.engine import Decision, EngineState, Observation, Settings, decide
+from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
 from vkvagent.gpu import GpuReading, decode_clock_event_reasons
 from vkvagent.metrics import WANTED, ExpositionError, Normaliser, VllmMetrics
 from vkvagent.policy import RestartRecord
@@ -56,8 +54,6 @@ MAX_RESPONSE_BYTES = 1 << 30
 TARGET_LABELS = ("instance", "job")  # added by Prometheus, not by vLLM
 PROCESS_START = "process_start_time_seconds"
 PROCESS_MEMORY = "process_resident_memory_bytes"  # the API server's RSS: unit memory, at least
-MEMORY_EVERY = 60.0  # seconds between two memory points, as the daemon keeps them
-MEMORY_KEPT = 3000  # memory points kept (50 hours at one a minute)
 MIB = 1 << 20
 
 # dcgm-exporter field -> GpuReading field.
@@ -658,25 +654,17 @@ def decision_key(decision: Decision) -> tuple[Any, ...]:
 def replay(settings: Settings, line: Timeline) -> Result:
     """Run the engine over the timeline, one decision per timestamp."""
     result = Result(settings, line.step)
-    window = settings.baseline.window + 2 * line.step
-    samples: deque[Sample] = deque()
-    memory: list[MemoryPoint] = []
+    recent = Recent(settings.baseline, margin=2 * line.step)
     restarts: list[RestartRecord] = []
     state = EngineState()
     previous: Decision | None = None
     previous_key: tuple[Any, ...] | None = None
     for sample, rss in line.samples():
-        samples.append(sample)
-        while sample.mono - samples[0].mono > window:
-            samples.popleft()
-        if rss is not None and sample.vllm is not None:
-            served = sample.vllm.request_success_total
-            if served is not None and (not memory or sample.mono - memory[-1].mono >= MEMORY_EVERY):
-                memory.append(MemoryPoint(sample.mono, rss, served))
-                if len(memory) > MEMORY_KEPT:
-                    del memory[: len(memory) - MEMORY_KEPT]
+        recent.add(sample, rss)
         now = datetime.fromtimestamp(sample.time, timezone.utc)
-        observed = Observation(samples=tuple(samples), memory=memory, restarts=tuple(restarts))
+        observed = Observation(
+            samples=tuple(recent.samples), memory=recent.memory, restarts=tuple(restarts)
+        )
         decision = decide(settings, state, observed, now)
         state = decision.state
         result.evaluations += 1
