@@ -7,7 +7,7 @@ PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
 # pyenv prefix printing nothing would leave /bin/python3: refuse rather than test another Python.
 check-python = $(if $(filter /bin/python3,$(1)),$(error $(2) not found: install it with pyenv))
 
-.PHONY: dev test lint typecheck unit test-pythons bench config-example clean
+.PHONY: dev demo test lint typecheck unit test-pythons bench config-example clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ dev: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
+
+# The README's first command: a simulated vLLM degrades and the agent loop diagnoses it (~30 s).
+demo: dev
+	$(BIN)/vkvagent demo
 
 # The README's test command: style, types, then every test.
 test: dev lint typecheck unit

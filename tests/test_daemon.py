@@ -288,3 +288,14 @@ def test_run_notifies_systemd_from_the_loop_and_handles_signals(
     assert names[0] == "agent.started" and names[-1] == "agent.stopping"
     assert "agent.reloaded" in names and "source.failed" in names
     assert all(len(str(line["message_id"])) == 32 for line in lines)
+
+
+def test_demo_shows_health_degradation_diagnosis_and_decision() -> None:
+    out = io.StringIO()
+    assert main(["demo", "--time-scale", "600"], out, io.StringIO()) == 0
+    text = out.getvalue()
+    summary = text[text.index("summary:") :]
+    assert "healthy   speed/baseline  1.0" in text or "healthy   speed/baseline  0.9" in text
+    assert "degradation diagnosed at" in summary and "uptime_decline" in summary
+    assert "restart decided at" in summary and "would restart now" in summary
+    assert "decision.changed" in summary
