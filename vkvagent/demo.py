@@ -83,15 +83,23 @@ def _wait_started(process: subprocess.Popen[str], url: str, recording: Path) -> 
         if process.poll() is not None:
             error = process.stderr.read().strip() if process.stderr else ""
             raise DemoError(f"the simulator exited {process.returncode}: {error}")
-        with (
-            contextlib.suppress(OSError, ValueError),
-            urllib.request.urlopen(url + "/metrics", timeout=1) as response,
-        ):
-            for line in response.read().decode().splitlines():
-                if line.startswith("process_start_time_seconds") and recording.exists():
-                    return float(line.split()[-1])
+        started = _process_start(url) if recording.exists() else None
+        if started is not None:
+            return started
         time.sleep(0.1)
     raise DemoError("the simulator did not answer within 20 s")
+
+
+def _process_start(url: str) -> float | None:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=1) as response:
+            page = response.read().decode()
+    except (OSError, ValueError):
+        return None
+    for line in page.splitlines():
+        if line.startswith("process_start_time_seconds"):
+            return float(line.split()[-1])
+    return None
 
 
 def scaled_clock(anchor: float, scale: float) -> Clock:
