@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from vkvagent.cli import main
 from vkvagent.daemon import STATE_FILE, Daemon
 from vkvagent.demo import scaled_clock
 from vkvagent.events import Events
+from vkvagent.ledger import Ledger
 
 SCALE = 400.0
 
@@ -122,6 +124,26 @@ def test_ticks_write_status_events_metrics_and_survive_an_agent_restart(
         assert checked.returncode == 0, checked.stdout + checked.stderr
     elif os.environ.get("CI") == "true":
         pytest.fail("promtool missing (Debian's prometheus package)")
+
+    # The restart that began this run is judged once this run's fresh speed is known: as
+    # fast as the run before it (the same baseline, here), so it helped.
+    started = process_start(fast_sim)
+    with Ledger(tmp_path / "state") as ledger:
+        action = ledger.begin("restart", "uptime_decline: restart: in window", started - 5, {})
+        ledger.end(action, "done", started + 30)
+    daemon = Daemon(path, clock=clock, events=Events(stream=stream), notify=notes,
+                    use_systemd=False)  # fmt: skip
+    try:
+        daemon.state = replace(daemon.state, previous=daemon.state.baseline, recovered=None)
+        assert daemon.tick().recovered is True
+        daemon.tick()
+    finally:
+        daemon.close()
+    assert daemon.judged == {action: True}
+    judged = [e for e in events_of(stream) if e["event"] == "restart.recovered"]
+    assert len(judged) == 1 and judged[0]["cause"] == "uptime_decline"
+    report = status.read(tmp_path / "state")
+    assert report is not None and report["last_restart"]["recovered"] is True
 
     # A new agent process (same state directory) keeps this run's baseline.
     again = Daemon(path, clock=clock, events=Events(stream=io.StringIO()), notify=Notes(),

@@ -314,8 +314,8 @@ class Daemon:
                     "systemd": sample.unit_error is not None,
                 },
             )
+            report = self._status(sample, decision, restarts, outcome)  # updates the trend
             self._write_state("state", self._save_state)
-            report = self._status(sample, decision, restarts, outcome)
             self._write_state("status", lambda: self._write_status(report))
             self.metrics.update(report)
             self._write_state("textfile", self.exporter.publish)
@@ -392,6 +392,11 @@ class Daemon:
         if not actions or actions[0].id in self.judged:
             return
         action = actions[0]
+        # Only the action that started this vLLM process (not a crash or an operator's
+        # restart since) is judged by this run's speed.
+        began = decision.state.run.started
+        if began is not None and not action.started - 1 <= began <= (action.ended or began) + 1:
+            return
         self.judged[action.id] = decision.recovered
         cause = action.reason.split(":", 1)[0]
         if decision.recovered:
