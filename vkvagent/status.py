@@ -81,10 +81,19 @@ def path(state_dir: Path) -> Path:
     return state_dir / FILE_NAME
 
 
+class StatusError(Exception):
+    """status.json exists but cannot be read (permissions); one line."""
+
+
 def read(state_dir: Path) -> dict[str, Any] | None:
-    """The last status the daemon wrote; None when there is none or it cannot be read."""
+    """The last status the daemon wrote; None when there is none (or it is damaged)."""
     try:
         data = json.loads(path(state_dir).read_text(encoding="utf-8"))
+    except PermissionError:
+        raise StatusError(
+            f"{path(state_dir)}: permission denied (the state is readable by root and the "
+            "vkvagent group)"
+        ) from None
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("version") != VERSION:
