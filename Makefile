@@ -7,7 +7,7 @@ PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
 # pyenv prefix printing nothing would leave /bin/python3: refuse rather than test another Python.
 check-python = $(if $(filter /bin/python3,$(1)),$(error $(2) not found: install it with pyenv))
 
-.PHONY: dev demo test lint typecheck unit test-pythons bench config-example clean
+.PHONY: dev demo test lint typecheck unit test-pythons bench bench-policy config-example package clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,10 +46,19 @@ test-pythons:
 bench: dev
 	$(BIN)/python bench/scrape.py
 	$(BIN)/python bench/sim.py
+	$(BIN)/python bench/daemon.py
+
+# Decision quality: every restart policy against the oracle over simulated weeks (bench/README.md).
+bench-policy: dev
+	$(BIN)/python -m bench.policy
 
 config-example: dev
 	$(BIN)/python -c 'from vkvagent import config; \
 	open("config.example.toml", "w").write(config.render(config.Config(), with_docs=True))'
+
+# dist/vkvagent_<version>_all.deb and dist/vkvagent-<version>-1.noarch.rpm (packaging/README.md).
+package: dev
+	PYTHON=$(BIN)/python UV=$(BIN)/uv NFPM=$(BIN)/nfpm bash packaging/build.sh
 
 clean:
 	rm -rf $(VENV) .venv-3.9 .venv-3.13 .mypy_cache .pytest_cache .ruff_cache build dist *.egg-info

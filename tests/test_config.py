@@ -83,8 +83,8 @@ def test_the_values_are_immutable(etc: Path) -> None:
         (
             "[vlm]\nurl = 'x'\n",
             1,
-            "vlm: unknown section (allowed: agent, baseline, diagnosis, gpu, history, metrics, policy, "
-            "restart, vllm)",
+            "vlm: unknown section (allowed: agent, baseline, diagnosis, fleet, gpu, history, "
+            "metrics, policy, restart, vllm)",
         ),
         (
             "\n\n[vllm]\nread_timeout = 'fast'\n",

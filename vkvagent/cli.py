@@ -214,6 +214,13 @@ def _parser() -> argparse.ArgumentParser:
         help="replay as if policy.mode were this (default: the config's)",
     )
     replayer.add_argument("--json", action="store_true", help="print one JSON object")
+    replayer.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="also draw speed against baseline, windows, causes and restarts over time "
+        "(needs matplotlib: pip install 'vkvagent[plot]')",
+    )
     _config_option(replayer)
     replayer.set_defaults(command=_replay)
 
@@ -338,7 +345,11 @@ def _run(args: argparse.Namespace, _out: TextIO) -> int:
 def _status(args: argparse.Namespace, out: TextIO) -> int:
     state_dir = Path(config.load(args.config).agent.state_dir)
     while True:
-        report = status.read(state_dir)
+        try:
+            report = status.read(state_dir)
+        except status.StatusError as exc:
+            print(f"vkvagent: {exc}", file=sys.stderr)
+            return status.StatusCode.UNKNOWN
         code = status.exit_code(report, time.time())
         if args.json:
             shown = dict(report or {}, exit_code=int(code))
@@ -390,6 +401,13 @@ def _demo(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _replay(args: argparse.Namespace, out: TextIO) -> int:
+    if args.plot:
+        from vkvagent import plot  # noqa: PLC0415 - matplotlib only when a picture is asked for
+
+        try:
+            plot.require()
+        except plot.PlotError as exc:
+            raise CommandError(str(exc)) from None
     loaded = config.load(args.config)
     settings = replay.engine_settings(loaded, args.mode)
     step: float | None = None
@@ -415,7 +433,19 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
         store = replay.load_files(args.files)
     else:
         raise UsageError("replay: give query_range FILEs, or --prometheus URL --match ...")
-    result = replay.run(settings, store, step=step, model=loaded.vllm.model, instance=args.instance)
+    result = replay.run(
+        settings,
+        store,
+        step=step,
+        model=loaded.vllm.model,
+        instance=args.instance,
+        trace=bool(args.plot),
+    )
+    if args.plot:
+        try:
+            plot.draw(result, args.plot)
+        except plot.PlotError as exc:
+            raise CommandError(str(exc)) from None
     if args.json:
         json.dump(result.to_json(), out, indent=1, allow_nan=False)
         out.write("\n")

@@ -382,6 +382,14 @@ class PolicyConfig:
         "Traffic gate inside a window: restart only below this many requests/s; 0: no gate.",
         min=0, max=1e6,
     )  # fmt: skip
+    max_request_rate_percentile: float = setting(
+        _P.max_request_rate_percentile,
+        "Traffic gate relative to this host: restart in a window only when the request rate "
+        "is at or below this percentile of this host's own rates at the same local hour "
+        "(e.g. 25); 0: no gate. Until an hour of the day has 60 minutes of history, the gate "
+        "holds restarts then (emergencies excepted).",
+        min=0, max=100,
+    )  # fmt: skip
     min_interval: float = setting(
         _P.min_interval,
         "Seconds between two restarts, whatever the cause.",
@@ -423,6 +431,89 @@ def _values(section: Any) -> dict[str, Any]:
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
 
 
+# -- fleets (vkvagent.fleet): at most max_concurrent hosts of a group restarting at once ---------
+
+_FLEET_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _check_endpoint(url: str) -> str | None:
+    match = re.fullmatch(r"(https?)://([^/:\s]+|\[[0-9a-fA-F:.]+\]):(\d{1,5})/?", url)
+    if not match or not 0 < int(match.group(3)) < 65536:
+        return f"{url!r} is not an etcd client URL (allowed: http(s)://HOST:PORT)"
+    return None
+
+
+def _check_fleet_name(name: str) -> str | None:
+    if not _FLEET_NAME.fullmatch(name):
+        return f"{name!r} is not a name (allowed: 1 to 64 of A-Z a-z 0-9 _ . -)"
+    return None
+
+
+def _check_prefix(prefix: str) -> str | None:
+    if not re.fullmatch(r"(/[A-Za-z0-9_.-]+)+", prefix):
+        return f"{prefix!r} is not a key prefix (allowed: e.g. /vkvagent/fleet, no trailing /)"
+    return None
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    endpoints: tuple[str, ...] = setting(
+        (),
+        "etcd client URLs (etcd 3.4 or newer, its v3 JSON gateway), e.g. "
+        '["https://etcd1:2379", "https://etcd2:2379"]; empty: no fleet, this host restarts '
+        "on its own policy alone.",
+        item=str, check=_check_endpoint,
+    )  # fmt: skip
+    group: str = setting(
+        "default",
+        "Hosts that must not restart together (e.g. the replicas behind one load balancer) "
+        "share a group.",
+        check=_check_fleet_name,
+    )
+    max_concurrent: int = setting(
+        1,
+        "Hosts of the group that may restart at once (the same value on every host of it).",
+        min=1, max=1000,
+    )  # fmt: skip
+    lease_ttl: int = setting(
+        60,
+        "Seconds a slot outlives a host that died holding it (the etcd lease, renewed every "
+        "third of it while the restart runs). etcd grants at least its own minimum (2 s).",
+        min=2, max=3600,
+    )  # fmt: skip
+    on_unreachable: str = setting(
+        "hold",
+        "When etcd does not answer: hold (no restart: fail closed) or emergency-only (causes "
+        "in [policy] emergency restart without a slot; others are held).",
+        choices=("hold", "emergency-only"),
+    )  # fmt: skip
+    prefix: str = setting(
+        "/vkvagent/fleet", "etcd key prefix; slots are PREFIX/GROUP/slot-N.", check=_check_prefix
+    )
+    name: str = setting("", "This host's name in the slot holders; empty: its host name.")
+    timeout: float = setting(
+        2.0,
+        "Seconds one etcd request may take, connecting included (each endpoint in turn).",
+        min=0.1, max=30,
+    )  # fmt: skip
+    ca_file: str = setting("", "CA bundle to verify etcd's certificate; empty: the system's.")
+    cert_file: str = setting("", "Client certificate (PEM) for etcd's TLS; empty: none.")
+    key_file: str = setting("", "The client certificate's key (PEM).")
+    username: str = setting("", "etcd user (etcd's auth); empty: no authentication.")
+    password_file: str = setting(
+        "",
+        "File holding the etcd user's password (one line; keep it mode 0600). Never the "
+        "password itself in the config.",
+    )
+
+    def check(self) -> None:
+        """ValueError when keys contradict each other."""
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("fleet: cert_file and key_file go together")
+        if bool(self.username) != bool(self.password_file):
+            raise ValueError("fleet: username and password_file go together")
+
+
 @dataclass(frozen=True)
 class Config:
     agent: AgentConfig = section(AgentConfig, "The daemon itself.")
@@ -441,6 +532,11 @@ class Config:
         PolicyConfig,
         "Policy: when a restart that would help may happen. The default mode, observe, never "
         'restarts: set mode = "enforce" to let vkvagent act.',
+    )
+    fleet: FleetConfig = section(
+        FleetConfig,
+        "Fleets: at most max_concurrent hosts of a group restart at once, through etcd leases "
+        "(docs/fleet.md). Off until endpoints are set.",
     )
 
 
@@ -513,6 +609,7 @@ def _engine_problems(built: Config, origins: Mapping[tuple[str, ...], str]) -> l
         "baseline": built.baseline.settings,
         "diagnosis": built.diagnosis.settings,
         "policy": lambda: built.policy.settings(built.restart.drain_max_in_flight),
+        "fleet": built.fleet.check,
     }
     for name, make in parts.items():
         try:

@@ -67,6 +67,20 @@ CATALOGUE: Mapping[str, EventType] = {
     "source.recovered": EventType(INFO, "a source answers again"),
     "state.write_failed": EventType(ERR, "the state directory could not be written"),
     "state.write_recovered": EventType(INFO, "the state directory can be written again"),
+    "fleet.slot_acquired": EventType(
+        NOTICE, "a slot of the fleet group was taken (etcd lease): the restart may begin"
+    ),
+    "fleet.slot_waited": EventType(
+        INFO, "every slot of the group is held: the restart waits (once per change of holders)"
+    ),
+    "fleet.slot_released": EventType(INFO, "the slot was given back after the restart"),
+    "fleet.slot_lost": EventType(
+        ERR, "the slot's lease expired while held (keepalive failed): others may restart"
+    ),
+    "fleet.unreachable": EventType(
+        WARNING, "etcd does not answer: restarts held (or emergencies only, as configured)"
+    ),
+    "fleet.reachable": EventType(INFO, "etcd answers again: restarts are coordinated again"),
 }
 
 _PRIORITY_NAMES = ("emerg", "alert", "crit", "err", "warning", "notice", "info", "debug")

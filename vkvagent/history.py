@@ -268,6 +268,8 @@ class History:
             return
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = NORMAL")
+        # The daemon only appends: 512 KiB of page cache, not SQLite's 2 MiB default (RSS).
+        db.execute("PRAGMA cache_size = -512")
         if version < latest:
             with self._write("cannot migrate"):
                 # Read again under the write lock: another process may have migrated it since.

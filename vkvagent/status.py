@@ -188,6 +188,8 @@ def render(status: Mapping[str, Any] | None, now: float, *, explain: bool = Fals
         f"{policy['budget_left']}"
         + (f", paused until {policy['paused_until']}" if policy.get("paused_until") else "")
     )
+    if status.get("fleet"):
+        lines.append(f"  fleet       {fleet_line(status['fleet'])}")
     last = status.get("last_restart")
     if last:
         judged = {True: "recovered", False: "did not recover", None: "not judged yet"}
@@ -207,6 +209,23 @@ def render(status: Mapping[str, Any] | None, now: float, *, explain: bool = Fals
         for key, value in sorted((v.get("evidence") or {}).items()):
             lines.append(f"    {key:34} {value}")
     return "\n".join(lines) + "\n"
+
+
+def fleet_line(fleet: Mapping[str, Any]) -> str:
+    """The group's slot holders and this host's state in it, in one line."""
+    group, n = fleet["group"], fleet["max_concurrent"]
+    if fleet["state"] == "unreachable":
+        held = "held" if fleet["on_unreachable"] == "hold" else "held but for emergencies"
+        return f"group {group}: etcd unreachable, restarts {held} ({fleet['error']})"
+    holders = fleet.get("holders") or []
+    shown = ", ".join(
+        f"{h['host']} (slot {h['slot']}, since {_iso(h.get('since'))}, {h.get('cause') or '-'})"
+        for h in holders
+    )
+    return (
+        f"group {group}, {len(holders)} of {n} slots held" + (f": {shown}" if shown else "")
+        + f"; this host ({fleet['host']}) {fleet['state']}"
+    )  # fmt: skip
 
 
 def _iso(at: float | None) -> str:

@@ -1,0 +1,1 @@
+"""Benchmarks (``make bench``, ``make bench-policy``); not part of the installed package."""
