@@ -317,6 +317,10 @@ class Daemon:
             self._log(decision)
             outcome = None
             if decision.action == "restart" and p.actuator is not None:
+                # Say "acting" for as long as the restart may take, before it begins.
+                acting = self._status(sample, decision, restarts, None)
+                acting["stale_after"] = p.action_seconds
+                self._write_state("status", lambda: self._write_status(acting))
                 outcome = self._restart(p.actuator, decision)
                 restarts = self._restarts(sample.time)
                 self._pending = None

@@ -63,8 +63,10 @@ def exit_code(status: Mapping[str, Any] | None, now: float) -> StatusCode:
 
 
 def is_stale(status: Mapping[str, Any], now: float) -> bool:
-    """The daemon has not written for three intervals (at least a minute): stopped or hung."""
-    return now - float(status["updated"]) > max(60.0, 3 * float(status["interval"]))
+    """The daemon has not written for three intervals (at least a minute), or, while it
+    restarts vLLM, for longer than the restart may take: stopped or hung."""
+    limit = max(60.0, 3 * float(status["interval"]), float(status.get("stale_after") or 0))
+    return now - float(status["updated"]) > limit
 
 
 def add_trend(

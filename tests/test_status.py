@@ -1,0 +1,95 @@
+"""`vkvagent status`'s verdicts, exit codes and staleness, on status documents as the daemon
+writes them (the daemon's own writing is tested in test_daemon.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vkvagent.status import (
+    StatusCode,
+    add_trend,
+    exit_code,
+    is_stale,
+    render,
+    sparkline,
+    verdict_state,
+)
+
+NOW = 1_800_000_000.0
+
+
+def report(state: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "version": 1, "updated": NOW, "pid": 2**22 + 7, "agent_version": "0.1.0",
+        "interval": 10.0, "unit_name": "vllm.service", "unit": None, "unit_error": None,
+        "vllm": {"version": "0.11.0", "flavor": "v1-latest", "uptime_s": 7200.0},
+        "now": {"tokens_per_s": 5000.0},
+        "verdict": {"state": state, "action": "none", "cause": None, "reason": "healthy: ...",
+                    "ratio": 0.98, "evidence": {"itl": 0.02}},
+        "policy": {"mode": "observe", "window_open": False, "next_window": None,
+                   "budget_left": 3},
+        **extra,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("action", "cause", "reason", "has_data", "state"),
+    [
+        ("none", None, "healthy: speed 1.00", True, "healthy"),
+        ("none", None, "learning: warm-up", True, "healthy"),
+        ("hold", "uptime_decline", "outside window", True, "degraded"),
+        ("hold", "gpu_throttle", "vetoed: gpu_throttle", True, "degraded"),
+        ("restart", "stall", "restart: emergency", True, "acting"),
+        ("hold", "kv_pressure", "escalated: the last 2 restarts", True, "escalated"),
+        ("none", "engine_down", "/metrics unreachable", True, "critical"),
+        ("none", "gpu_fault", "vetoed: gpu_fault", True, "critical"),
+        ("none", None, "no sample", False, "unknown"),
+    ],
+)
+def test_verdict_states(
+    action: str, cause: str | None, reason: str, has_data: bool, state: str
+) -> None:
+    assert verdict_state(action=action, cause=cause, reason=reason, has_data=has_data) == state
+
+
+@pytest.mark.parametrize(
+    ("state", "code"),
+    [
+        ("healthy", StatusCode.HEALTHY),
+        ("degraded", StatusCode.DEGRADED),
+        ("acting", StatusCode.DEGRADED),
+        ("escalated", StatusCode.CRITICAL),
+        ("critical", StatusCode.CRITICAL),
+        ("unknown", StatusCode.UNKNOWN),
+    ],
+)
+def test_exit_codes(state: str, code: StatusCode) -> None:
+    assert exit_code(report(state), NOW + 5) == code
+
+
+def test_a_silent_daemon_is_unknown_but_a_restart_in_progress_is_not() -> None:
+    assert exit_code(None, NOW) == StatusCode.UNKNOWN
+    assert not is_stale(report("healthy"), NOW + 60)
+    assert is_stale(report("healthy"), NOW + 61)  # three 10 s intervals, at least a minute
+    acting = report("acting", stale_after=900.0)
+    assert exit_code(acting, NOW + 600) == StatusCode.DEGRADED
+    assert exit_code(acting, NOW + 901) == StatusCode.UNKNOWN
+    shown = render(report("healthy"), NOW + 3600)
+    assert "last update 60 min ago; daemon not running" in shown.splitlines()[0]
+
+
+def test_render_explains_and_draws_the_trend() -> None:
+    trend: list[list[Any]] = []
+    for minute in range(0, 120, 5):
+        trend = add_trend(trend, NOW + minute * 60, 5000.0 - minute * 10, None)
+    trend = add_trend(trend, NOW + 116 * 60, 1.0, None)  # 1 min after the last: not kept
+    assert len(trend) == 24 and trend[-1][1] == 5000.0 - 115 * 10
+    shown = render(report("healthy", trend=trend), NOW, explain=True)
+    line = next(x for x in shown.splitlines() if x.startswith("  trend"))
+    spark = line.split()[1]
+    assert len(spark) == 24 and spark[0] == "█" and spark[-1] == "▁"  # falling
+    assert "last 1.9 h" in line
+    assert "evidence" in shown and "itl" in shown
+    assert sparkline([None, 1.0, 2.0]) == " ▁█"
