@@ -30,7 +30,7 @@ from vkvagent.engine import (
     decide,
 )
 from vkvagent.metrics import Normaliser
-from vkvagent.policy import PolicySettings
+from vkvagent.policy import PolicySettings, TrafficProfile, rate_bin
 from vkvagent.sample import Sample
 from vkvagent.sim import exposition
 from vkvagent.sim.stats import ServerInfo
@@ -315,10 +315,32 @@ def test_state_persisted_as_json_mid_run_gives_the_same_decisions() -> None:
     assert any(d.cause == "uptime_decline" for d in a)
 
 
+def test_each_decision_adds_the_request_rate_to_this_hosts_traffic_profile() -> None:
+    gated = Settings(
+        policy=PolicySettings(mode="enforce", windows=("daily 00:00-24:00",),
+                              max_request_rate_percentile=50)
+    )  # fmt: skip
+    samples = [sample(t, start=1.7e9) for t in range(0, 1200, 10)]
+    state = EngineState()
+    for end in range(31, len(samples) + 1):
+        state = decide(
+            gated, state, Observation(samples[end - 31 : end]), now_of(samples[end - 1])
+        ).state
+    hour = now_of(samples[-1]).hour
+    assert state.traffic.count(hour) == pytest.approx(14, abs=1)  # one value a minute
+    assert state.traffic.percentile_bin(hour, 50) is None  # an hour of values is needed
+    assert rate_bin(0.1) in state.traffic.hours[hour]  # request_success_total grows t / 10
+    saved = json.loads(json.dumps(state.to_json()))
+    assert EngineState.from_json(saved) == state
+    del saved["traffic"]  # a state written before the percentile gate
+    assert EngineState.from_json(saved).traffic == TrafficProfile()
+
+
 def test_a_corrupt_state_is_refused_in_one_line() -> None:
     good = simulate("healthy", 9.0).state.to_json()
     for bad in ({}, {**good, "version": 2}, {**good, "recovered": "yes"},
-                {**good, "run": {**good["run"], "cursor": "x"}}, None):  # fmt: skip
+                {**good, "run": {**good["run"], "cursor": "x"}}, None,
+                {**good, "traffic": {"last": None, "hours": {"31": {}}}}):  # fmt: skip
         with pytest.raises(ValueError, match=r"^engine state: ") as caught:
             EngineState.from_json(bad)
         assert "\n" not in str(caught.value)

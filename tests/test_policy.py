@@ -3,20 +3,28 @@ never in a loop that does not help, and always says what blocked it."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 
 from vkvagent.policy import (
+    PROFILE_MAX_VALUES,
+    PROFILE_MIN_VALUES,
     SCHEDULED,
     Controls,
     PolicySettings,
     RestartRecord,
+    TrafficProfile,
     Verdict,
+    bin_top,
     escalated,
     evaluate,
     parse_window,
+    rate_bin,
     window_state,
 )
 
@@ -169,7 +177,10 @@ def test_observe_mode_decides_everything_but_never_acts() -> None:
 
 def test_cooldown_then_budget_over_a_rolling_day() -> None:
     v = verdict(history=(restart(1.5),))
-    assert v.action == "hold" and v.reason == "cooldown: last restart 1.5 h ago (cooldown 2.0 h)"
+    assert v.action == "hold" and v.reason == "cooldown: last restart 1.5 h ago (cooldown 6.0 h)"
+    # Longer than the default window (3 h): one window holds one restart for a slow cause.
+    assert verdict(history=(restart(5.9),)).reason.startswith("cooldown: ")
+    assert verdict(history=(restart(6.1),)).action == "restart"
     three = (restart(23), restart(16), restart(9))
     v = verdict(history=three)
     assert v.action == "hold" and v.reason == "budget: 3 restarts in the last 24 h (at most 3)"
@@ -185,6 +196,70 @@ def test_the_traffic_gate_holds_a_busy_window() -> None:
     assert v.action == "hold" and v.reason == "traffic gate: 2.50 requests/s above 1"
     assert verdict(gated, request_rate=None).reason == "traffic gate: request rate unknown"
     assert verdict(gated, request_rate=50.0, cause="stall", now=OUT).action == "restart"
+
+
+def history(rates: list[float], hour: int = 3, zone: str = "UTC") -> TrafficProfile:
+    """A profile holding ``rates``, one a minute at ``hour`` local, on the days before IN."""
+    profile, day = TrafficProfile(), IN.date() - timedelta(days=30)
+    local = ZoneInfo(zone)
+    for index, rate in enumerate(rates):
+        when = datetime(day.year, day.month, day.day, hour, tzinfo=local)
+        when += timedelta(days=index // 60, minutes=index % 60)
+        profile = profile.record(rate, when, local)
+    return profile
+
+
+def test_the_percentile_gate_holds_a_window_busier_than_this_host_usually_is_then() -> None:
+    gated = PolicySettings(mode="enforce", max_request_rate_percentile=25)
+    # Two days at 03:00: a quarter of the minutes at 1 request/s, the rest busier.
+    profile = history([1.0, 4.0, 4.0, 8.0] * 30)
+    v = verdict(gated, request_rate=0.9, traffic=profile)
+    assert v.action == "restart"
+    v = verdict(gated, request_rate=3.0, traffic=profile)
+    assert v.action == "hold"
+    assert v.reason == (
+        "traffic gate: 3.00 requests/s above this host's 25th percentile at 03:00 (up to 1.2/s)"
+    )
+    assert verdict(replace(gated, max_request_rate_percentile=75), request_rate=3.0,
+                   traffic=profile).action == "restart"  # fmt: skip
+    # Another hour of the day has no history yet: the gate holds, and says why.
+    v = verdict(gated, request_rate=0.1, traffic=profile, now=IN + timedelta(hours=1))
+    assert v.reason == (
+        "traffic gate: 0 of 60 minutes of this host's traffic known at 04:00, too few for its "
+        "25th percentile"
+    )
+    assert verdict(gated, request_rate=0.1, traffic=history([0.1] * 59)).action == "hold"
+    assert verdict(gated, request_rate=0.1, traffic=history([0.1] * 60)).action == "restart"
+    assert verdict(gated, request_rate=None, traffic=profile).reason == (
+        "traffic gate: request rate unknown"
+    )
+    # Emergencies pass; the absolute gate still applies on its own.
+    assert verdict(gated, request_rate=50.0, cause="stall", traffic=None).action == "restart"
+    both = replace(gated, max_request_rate=0.5)
+    assert verdict(both, request_rate=0.9, traffic=profile).reason.startswith("traffic gate: 0.90")
+
+
+def test_the_traffic_profile_keeps_one_value_a_minute_per_local_hour_and_stays_small() -> None:
+    zone = ZoneInfo("Europe/Paris")
+    at = datetime(2025, 3, 4, 2, 0, 30, tzinfo=UTC)  # 03:00:30 in Paris
+    profile = TrafficProfile().record(2.0, at, zone)
+    assert profile.hours == {3: {rate_bin(2.0): 1.0}} and profile.last == at.timestamp()
+    assert profile.record(9.0, at + timedelta(seconds=59), zone) is profile
+    assert profile.record(9.0, at + timedelta(seconds=60), zone).count(3) == 2
+    # Quarter-octave bins: a rate is at most its bin's top, and the top is under 19 % above.
+    for rate in (0.02, 0.5, 1.0, 3.3, 700.0):
+        assert rate <= bin_top(rate_bin(rate)) < rate * 1.19
+    assert rate_bin(0.0) == rate_bin(0.001) == -1
+    # Weeks of history: an hour's counts are halved at the cap, so the profile stays small.
+    long = history([1.0, 2.0] * 3000)
+    assert PROFILE_MIN_VALUES <= long.count(3) < PROFILE_MAX_VALUES
+    assert len(long.hours[3]) == 2
+    data = json.loads(json.dumps(long.to_json()))
+    assert TrafficProfile.from_json(data) == long
+    for bad in ({}, {"last": None, "hours": {"24": {}}}, {"last": "x", "hours": {}},
+                {"last": None, "hours": {"3": {"0": -1}}}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^traffic profile: "):
+            TrafficProfile.from_json(bad)
 
 
 def test_pause_until_a_time() -> None:

@@ -40,7 +40,7 @@ from vkvagent.diagnosis import (
 )
 from vkvagent.flags import FlagValue
 from vkvagent.metrics import VllmMetrics
-from vkvagent.policy import Controls, PolicySettings, RestartRecord
+from vkvagent.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
 from vkvagent.rates import counters, is_reset
 from vkvagent.sample import Sample
 
@@ -116,6 +116,7 @@ class EngineState:
     diagnosis: DiagnosisState = field(default_factory=DiagnosisState)
     recovered: bool | None = None  # did this run's fresh speed match the previous run's
     seen: float | None = None  # monotonic time of the newest sample read, valid or not
+    traffic: TrafficProfile = field(default_factory=TrafficProfile)  # for the percentile gate
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -126,6 +127,7 @@ class EngineState:
             "diagnosis": self.diagnosis.to_json(),
             "recovered": self.recovered,
             "seen": self.seen,
+            "traffic": self.traffic.to_json(),
         }
 
     @classmethod
@@ -145,6 +147,12 @@ class EngineState:
                 diagnosis=DiagnosisState.from_json(data["diagnosis"]),
                 recovered=recovered,
                 seen=optional_float(data["seen"]),
+                # States written before the percentile gate have no profile: start one.
+                traffic=(
+                    TrafficProfile.from_json(data["traffic"])
+                    if data.get("traffic") is not None
+                    else TrafficProfile()
+                ),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"engine state: {type(exc).__name__}: {exc}") from None
@@ -254,7 +262,12 @@ def decide(
     if recovered is None and state.previous is not None:
         recovered = _recovered(settings, state.previous, baseline)
     seen = max((s.mono for s in fresh), default=state.seen)
-    state = replace(state, baseline=baseline, diagnosis=dstate, recovered=recovered, seen=seen)
+    traffic = state.traffic
+    if stats is not None and stats.requests_per_s is not None:
+        traffic = traffic.record(stats.requests_per_s, now, settings.policy.zone)
+    state = replace(
+        state, baseline=baseline, diagnosis=dstate, recovered=recovered, seen=seen, traffic=traffic
+    )
 
     verdict = policy.evaluate(
         settings.policy,
@@ -265,6 +278,7 @@ def decide(
         history=observed.restarts,
         controls=observed.controls,
         now=now,
+        traffic=traffic,
     )
     action, reason = _action(settings.policy, diagnosis, verdict, uptime)
     evidence = dict(diagnosis.evidence)
@@ -379,6 +393,7 @@ def _new_run(state: EngineState, sample: Sample) -> EngineState:
         diagnosis=state.diagnosis.for_new_run(),
         recovered=None,
         seen=state.seen,
+        traffic=state.traffic,
     )
 
 

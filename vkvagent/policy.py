@@ -14,11 +14,13 @@ changes neither skip nor double a window.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
 from functools import cached_property
+from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from vkvagent.diagnosis import FIXABLE
@@ -108,9 +110,12 @@ class PolicySettings:
     timezone: str = "UTC"  # IANA zone the windows are written in
     windows: tuple[str, ...] = ("daily 02:00-05:00",)  # none: only emergencies
     max_request_rate: float = 0.0  # traffic gate in a window (requests/s); 0: no gate
+    # Traffic gate relative to this host: the request rate must be at or below this percentile
+    # of its own rates at the same local hour (TrafficProfile); 0: no gate.
+    max_request_rate_percentile: float = 0.0
     min_interval: float = 3600.0  # between two restarts, whatever the cause
     max_per_day: int = 3  # restarts in any rolling 24 hours
-    cooldown: float = 7200.0  # after a restart, non-emergency causes wait this long
+    cooldown: float = 21600.0  # after a restart, non-emergency causes wait this long
     emergency: tuple[str, ...] = ("stall",)  # causes allowed outside the windows
     max_uptime: float = 0.0  # opt-in scheduled restart after this uptime; 0: never
     escalate_after: int = 2  # restarts in a row that did not help: stop until resumed
@@ -134,6 +139,11 @@ class PolicySettings:
             problems.append(f"emergency causes {unknown} (allowed: {', '.join(sorted(FIXABLE))})")
         if self.max_per_day < 1 or self.escalate_after < 1:
             problems.append("max_per_day and escalate_after must be at least 1")
+        if not 0 <= self.max_request_rate_percentile <= 100:
+            problems.append(
+                f"max_request_rate_percentile {self.max_request_rate_percentile:g} "
+                "(allowed: 0 to 100)"
+            )
         if problems:
             raise ValueError("policy: " + "; ".join(problems))
 
@@ -144,6 +154,101 @@ class PolicySettings:
     @cached_property
     def parsed(self) -> tuple[RestartWindow, ...]:
         return tuple(parse_window(text) for text in self.windows)
+
+
+# The traffic profile: one value a minute per local hour of the day, in quarter-octave bins of
+# request rate; an hour's percentile is known once it holds an hour of values, and an hour that
+# reaches two weeks of values is halved, so old weeks fade and the profile stays small.
+PROFILE_EVERY = 60.0  # seconds between two values kept
+PROFILE_MIN_VALUES = 60  # values an hour of the day needs before its percentile is known
+PROFILE_MAX_VALUES = 14 * 60  # values an hour of the day holds before all of them are halved
+PROFILE_BINS_PER_OCTAVE = 4
+PROFILE_FLOOR = 1 / 64  # requests/s; slower counts as idle (bin -1)
+
+
+def rate_bin(rate: float) -> int:
+    """The profile bin of a request rate: -1 below PROFILE_FLOOR, then quarter octaves."""
+    if not rate >= PROFILE_FLOOR:  # also NaN
+        return -1
+    return math.floor(math.log2(rate / PROFILE_FLOOR) * PROFILE_BINS_PER_OCTAVE)
+
+
+def bin_top(index: int) -> float:
+    """The highest rate (requests/s) a bin holds."""
+    return PROFILE_FLOOR * 2 ** ((index + 1) / PROFILE_BINS_PER_OCTAVE)
+
+
+@dataclass(frozen=True)
+class TrafficProfile:
+    """This host's request rates by local hour of the day (in the policy's time zone), for the
+    percentile traffic gate: per hour, how many minutes fell in each rate bin. Pure: ``record``
+    returns a new profile (itself when a value is not due yet)."""
+
+    hours: Mapping[int, Mapping[int, float]] = field(default_factory=dict)  # hour -> bin -> n
+    last: float | None = None  # UTC Unix seconds of the last value kept
+
+    def record(self, rate: float, now: datetime, zone: ZoneInfo) -> TrafficProfile:
+        """The profile with ``rate`` (requests/s) at ``now``, at most one value a minute."""
+        at = now.timestamp()
+        if self.last is not None and 0 <= at - self.last < PROFILE_EVERY:
+            return self
+        hour = now.astimezone(zone).hour
+        counts = dict(self.hours.get(hour, {}))
+        index = rate_bin(rate)
+        counts[index] = counts.get(index, 0.0) + 1.0
+        if sum(counts.values()) >= PROFILE_MAX_VALUES:
+            counts = {k: n / 2 for k, n in counts.items() if n / 2 >= 0.25}
+        hours = dict(self.hours)
+        hours[hour] = counts
+        return TrafficProfile(hours, at)
+
+    def count(self, hour: int) -> float:
+        return sum(self.hours.get(hour, {}).values())
+
+    def percentile_bin(self, hour: int, percent: float) -> int | None:
+        """The bin holding the ``percent``-th percentile of the hour's rates; None until the
+        hour holds PROFILE_MIN_VALUES values."""
+        counts = self.hours.get(hour, {})
+        total = sum(counts.values())
+        if total < PROFILE_MIN_VALUES:
+            return None
+        running = 0.0
+        for index in sorted(counts):
+            running += counts[index]
+            if running >= total * percent / 100 - 1e-9:
+                return index
+        return max(counts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "last": self.last,
+            "hours": {
+                str(h): {str(b): n for b, n in sorted(c.items())}
+                for h, c in sorted(self.hours.items())
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> TrafficProfile:
+        """The inverse of ``to_json``; ValueError (one line) for anything malformed."""
+        try:
+            last = data["last"]
+            if last is not None and (isinstance(last, bool) or not isinstance(last, (int, float))):
+                raise ValueError(f"last must be a number or null, got {last!r}")
+            hours: dict[int, dict[int, float]] = {}
+            for hour, counts in data["hours"].items():
+                if not 0 <= int(hour) <= 23:
+                    raise ValueError(f"hour {hour!r} out of 0-23")
+                hours[int(hour)] = {}
+                for index, n in counts.items():
+                    if isinstance(n, bool) or not isinstance(n, (int, float)) or not n >= 0:
+                        raise ValueError(f"hour {hour}: bad count {n!r}")
+                    hours[int(hour)][int(index)] = float(n)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"traffic profile: malformed ({type(exc).__name__}: {exc})") from None
+        except ValueError as exc:
+            raise ValueError(f"traffic profile: {exc}") from None
+        return cls(hours, None if last is None else float(last))
 
 
 @dataclass(frozen=True)
@@ -217,9 +322,11 @@ def evaluate(
     history: Sequence[RestartRecord],
     controls: Controls,
     now: datetime,
+    traffic: TrafficProfile | None = None,
 ) -> Verdict:
     """The verdict for a diagnosed ``cause``; ``wanted`` says a restart would fix it. With no
-    such cause, a scheduled restart is proposed once the uptime passes ``max_uptime``."""
+    such cause, a scheduled restart is proposed once the uptime passes ``max_uptime``.
+    ``traffic``: this host's rates by local hour, for the percentile gate."""
     is_open, upcoming = window_state(settings, now)
 
     def verdict(action: str, reason: str, drain: int | None = None) -> Verdict:
@@ -276,11 +383,43 @@ def evaluate(
                     f"traffic gate: {request_rate:.2f} requests/s above "
                     f"{settings.max_request_rate:g}",
                 )
+        if settings.max_request_rate_percentile > 0:
+            busy = _busier_than_usual(settings, traffic, request_rate, now)
+            if busy:
+                return verdict("hold", busy)
     drain = None if emergency else settings.drain_max_in_flight
     where = "emergency, any time" if emergency else "in window"
     if settings.mode == "observe":
         return verdict("hold", f"observe mode: would restart now ({where})", drain)
     return verdict("restart", f"restart: {where}", drain)
+
+
+def _busier_than_usual(
+    settings: PolicySettings,
+    traffic: TrafficProfile | None,
+    request_rate: float | None,
+    now: datetime,
+) -> str:
+    """Why the percentile gate holds, or "" when the rate is at or below this host's
+    percentile for this local hour. Too little history at this hour holds: the operator asked
+    for a quiet moment by this host's standard, which cannot be told yet."""
+    percent = settings.max_request_rate_percentile
+    hour = now.astimezone(settings.zone).hour
+    if request_rate is None:
+        return "traffic gate: request rate unknown"
+    limit = traffic.percentile_bin(hour, percent) if traffic is not None else None
+    if limit is None:
+        known = traffic.count(hour) if traffic is not None else 0.0
+        return (
+            f"traffic gate: {known:.0f} of {PROFILE_MIN_VALUES} minutes of this host's traffic "
+            f"known at {hour:02d}:00, too few for its {percent:g}th percentile"
+        )
+    if rate_bin(request_rate) > limit:
+        return (
+            f"traffic gate: {request_rate:.2f} requests/s above this host's {percent:g}th "
+            f"percentile at {hour:02d}:00 (up to {bin_top(limit):.2g}/s)"
+        )
+    return ""
 
 
 def _iso(at: float) -> str:

@@ -51,6 +51,10 @@ from vkvagent.sample import Sample
 
 MAX_POINTS = 10_000  # per series per query: under Prometheus' 11,000, with a margin
 MAX_RESPONSE_BYTES = 1 << 30
+# Timestamps replay can put on a calendar (1970 to 9999), and the most evaluations one replay
+# makes: a point far from the others would otherwise fill the gap with billions of them.
+MAX_TIME = 253402300799.0
+MAX_EVALUATIONS = 4_000_000
 TARGET_LABELS = ("instance", "job")  # added by Prometheus, not by vLLM
 PROCESS_START = "process_start_time_seconds"
 PROCESS_MEMORY = "process_resident_memory_bytes"  # the API server's RSS: unit memory, at least
@@ -188,6 +192,11 @@ def _matrix(
                 raise bad(
                     f'result[{index}] ({name}): values[{position}] is not [time, "value"]: '
                     f"{json.dumps(pair)[:60]}"
+                )
+            if not 0 <= point[0] <= MAX_TIME:
+                raise bad(
+                    f"result[{index}] ({name}): values[{position}]: time {point[0]:g} is not "
+                    "between 1970 and 9999 (Unix seconds)"
                 )
             times.append(point[0])
             numbers.append(point[1])
@@ -521,6 +530,11 @@ def timeline(
         if not gaps:
             raise ReplayError("the vLLM series have a single timestamp: nothing to replay")
         step = statistics.median_low(gaps)
+    if step <= 0 or (times[-1] - times[0]) / step >= MAX_EVALUATIONS:
+        raise ReplayError(
+            f"{_iso(times[0])} to {_iso(times[-1])} every {step:g} s is over "
+            f"{MAX_EVALUATIONS:,} evaluations: replay a shorter range or use a larger step"
+        )
     times = _fill_gaps(times, step)
 
     # Only the series the normaliser reads are written back: the others (``_created``, series
@@ -595,6 +609,35 @@ def _gpus(series: Sequence[Series]) -> list[_Gpu]:
 
 
 @dataclass
+class Trace:
+    """Every evaluation's numbers, for ``vkvagent replay --plot``: time (Unix seconds), the
+    speed and throughput ratios against this run's fresh baseline and the generated tokens/s
+    (NaN when unknown), whether a window was open, the cause; and the restarts' times."""
+
+    times: list[float] = field(default_factory=list)
+    ratio: list[float] = field(default_factory=list)
+    throughput_ratio: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    window_open: list[bool] = field(default_factory=list)
+    causes: list[str | None] = field(default_factory=list)
+    restarts: list[float] = field(default_factory=list)
+
+    def add(self, decision: Decision) -> None:
+        def number(value: object) -> float:
+            return float(value) if isinstance(value, (int, float)) else math.nan
+
+        at = decision.time.timestamp()
+        self.times.append(at)
+        self.ratio.append(number(decision.ratio))
+        self.throughput_ratio.append(number(decision.evidence.get("throughput_ratio")))
+        self.tokens_per_s.append(number(decision.evidence.get("generation_tokens_per_s")))
+        self.window_open.append(decision.window_open)
+        self.causes.append(decision.cause)
+        if decision.action == "restart":
+            self.restarts.append(at)
+
+
+@dataclass
 class Result:
     """What replay found: the decisions worth showing and the summary."""
 
@@ -608,6 +651,7 @@ class Result:
     restarts: int = 0
     restarts_outside_window: int = 0
     cause_seconds: dict[str, float] = field(default_factory=dict)
+    trace: Trace | None = None  # every evaluation, when asked for (``--plot``)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -651,9 +695,10 @@ def decision_key(decision: Decision) -> tuple[Any, ...]:
     return decision.action, decision.cause, head, decision.evidence.get("run")
 
 
-def replay(settings: Settings, line: Timeline) -> Result:
-    """Run the engine over the timeline, one decision per timestamp."""
-    result = Result(settings, line.step)
+def replay(settings: Settings, line: Timeline, *, trace: bool = False) -> Result:
+    """Run the engine over the timeline, one decision per timestamp; ``trace`` keeps every
+    evaluation's numbers in ``Result.trace``."""
+    result = Result(settings, line.step, trace=Trace() if trace else None)
     recent = Recent(settings.baseline, margin=2 * line.step)
     restarts: list[RestartRecord] = []
     state = EngineState()
@@ -668,6 +713,8 @@ def replay(settings: Settings, line: Timeline) -> Result:
         decision = decide(settings, state, observed, now)
         state = decision.state
         result.evaluations += 1
+        if result.trace is not None:
+            result.trace.add(decision)
         result.first = result.first or now
         result.last = now
         run = state.run.key
@@ -753,8 +800,9 @@ def run(
     step: float | None = None,
     model: str = "",
     instance: str = "",
+    trace: bool = False,
 ) -> Result:
     """Replay ``store``'s series with ``settings``."""
     line = timeline(store.series(), step=step, model=model, instance=instance, seen=store.names)
     check_step(settings, line.step)
-    return replay(settings, line)
+    return replay(settings, line, trace=trace)

@@ -1,0 +1,523 @@
+"""Benchmark: decision quality of restart policies over a simulated week (``make bench-policy``).
+
+Every scenario of ``bench.policy_model.WORLDS`` is a week of the same fluid model; every policy
+is scored on it from its restart times: never restart, every 6 h (the runbook's CronJob), daily
+at 04:00 (the guide's cron line), the runbook's alert acted on, vkvagent's default configuration
+in enforce mode, and the oracle (the exact optimum, by dynamic programming). vkvagent runs the
+real ``engine.decide`` on samples synthesised from the model every 30 s, in closed loop: its
+restarts change what the model serves and what the next samples say. bench/README.md has the
+definitions and the latest table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
+from pathlib import Path as FilePath
+from types import MappingProxyType
+from typing import Any
+
+from bench.policy_model import (
+    COLD_STEPS,
+    DAY_STEPS,
+    HOUR,
+    START,
+    STEP,
+    VARIANTS,
+    WORLDS,
+    Episode,
+    Model,
+    Path,
+    Server,
+    Values,
+    World,
+    episodes,
+    oracle,
+    walk,
+)
+from vkvagent.config import Config
+from vkvagent.diagnosis import FIXABLE
+from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
+from vkvagent.gpu import GpuReader, GpuReading, RecordedBackend
+from vkvagent.metrics import Histogram, VllmMetrics
+from vkvagent.policy import PolicySettings, RestartRecord, window_state
+from vkvagent.replay import engine_settings
+from vkvagent.sample import Sample
+from vkvagent.sim.exposition import histogram_bounds
+
+SAMPLE_EVERY = 30.0  # seconds between samples, and between two decisions
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+BOUNDS = histogram_bounds("v1-latest")
+ITL_BOUNDS = BOUNDS["inter_token_latency_seconds"]
+TTFT_BOUNDS = BOUNDS["time_to_first_token_seconds"]
+MONO = 1_000_000.0  # the monotonic clock at START
+
+
+def vkvagent_settings() -> Settings:
+    """vkvagent's default configuration (``Config()``), in enforce mode."""
+    return engine_settings(Config(), mode="enforce")
+
+
+# -- the timer and alert policies --------------------------------------------------------------
+
+
+def every_6h(model: Model) -> list[int]:
+    """The runbook's CronJob ``0 */6 * * *``: 00:00, 06:00, 12:00, 18:00 (not the first
+    instant, when the server has just started)."""
+    return list(range(6 * HOUR, model.steps, 6 * HOUR))
+
+
+def daily_0400(model: Model) -> list[int]:
+    """The guide's ``0 4 * * * systemctl restart vllm.service``."""
+    return list(range(4 * HOUR, model.steps, DAY_STEPS))
+
+
+@dataclass
+class Alert:
+    """The runbook's alert acted on: every 5 minutes, the last hour's mean throughput
+    (generated tokens/s served) against the same hour 8 h earlier; below 0.7 for 15 minutes
+    (``for: 15m``) it fires, and a firing alert is acted on by a restart, repeated every 4 h
+    while it keeps firing (Alertmanager's default ``repeat_interval``)."""
+
+    ratio: float = 0.7
+    every: int = 5
+    pending_for: int = 15
+    repeat: int = 4 * HOUR
+    pending_since: int | None = None
+    acted: int | None = None
+
+    def __call__(self, path: Path) -> bool:
+        k = path.k
+        if k % self.every or k < 9 * HOUR:
+            return False
+        now = float(path.served[k - HOUR : k].mean())
+        before = float(path.served[k - 9 * HOUR : k - 8 * HOUR].mean())
+        if not (before > 0 and now < self.ratio * before):
+            self.pending_since = self.acted = None
+            return False
+        if self.pending_since is None:
+            self.pending_since = k
+        if k - self.pending_since < self.pending_for:
+            return False
+        if self.acted is None or k - self.acted >= self.repeat:
+            self.acted = k
+            return True
+        return False
+
+
+# -- vkvagent in closed loop -------------------------------------------------------------------
+
+
+def _lognormal_cumulative(bounds: Sequence[float], mean: float, sigma: float) -> list[float]:
+    """Share of a lognormal with this mean at or below each bound."""
+    mu = math.log(mean) - sigma * sigma / 2
+    return [0.5 * (1 + math.erf((math.log(b) - mu) / (sigma * math.sqrt(2)))) for b in bounds]
+
+
+def _gpu_readings() -> dict[str, tuple[GpuReading, ...]]:
+    """One GPU as NVML reports it (through the recorded-readings backend): hot and throttled,
+    busy, or idle; the values of the simulator's ``Cluster.gpu_recording``."""
+    out = {}
+    for kind, temp, power, clock, reasons, util in (
+        ("hot", 91, 520000, 1155, 0x60, 98),
+        ("busy", 66, 640000, 1980, 0, 98),
+        ("idle", 38, 90000, 345, 0x1, 0),
+    ):
+        device = {
+            "uuid": "GPU-51570000-0000-4000-8000-000000000000",
+            "name": "NVIDIA H100 80GB HBM3",
+            "memory_used": (72 * 2**30),
+            "memory_total": 80 * 2**30,
+            "utilization_gpu": util,
+            "temperature": temp,
+            "power_mw": power,
+            "power_limit_mw": 700000,
+            "sm_clock": clock,
+            "sm_clock_max": 1980,
+            "clock_event_reasons": reasons,
+            "ecc_uncorrected_volatile": 0,
+        }
+        recording = {"devices": [device], "xid_events": []}
+        readings, error = GpuReader(open=functools.partial(RecordedBackend, recording)).read()
+        assert error is None
+        out[kind] = readings
+    return out
+
+
+@dataclass
+class _Counters:
+    """One vLLM process's cumulative counters and histograms."""
+
+    started: float  # process_start_time (UTC)
+    generation: float = 0.0
+    prompt: float = 0.0
+    success: float = 0.0
+    preemptions: float = 0.0
+    steps: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    itl: list[float] = field(default_factory=lambda: [0.0] * (len(ITL_BOUNDS) + 1))
+    itl_sum: float = 0.0
+    ttft: list[float] = field(default_factory=lambda: [0.0] * (len(TTFT_BOUNDS) + 1))
+    ttft_sum: float = 0.0
+
+
+class Synth:
+    """Samples of the model's server every ``SAMPLE_EVERY`` seconds, as the daemon would take
+    them: counters that advance by what the model serves (with Poisson-like noise on the
+    request count and noisy gauges), histograms whose mean is the model's inter-token latency
+    and TTFT, a new ``process_start_time`` (and counters from zero) after each restart,
+    connection refused during a cold start, the GPU's thermal reasons while it is hot, and the
+    unit's memory."""
+
+    def __init__(self, model: Model, seed: int) -> None:
+        self.model, self.server = model, model.server
+        self.rng = random.Random(seed)
+        self.gpus = _gpu_readings()
+        self.run: _Counters | None = None
+        self.cache_config = MappingProxyType(
+            {
+                "block_size": str(self.server.block_size),
+                "gpu_memory_utilization": "0.9",
+                "num_gpu_blocks": str(self.server.kv_blocks),
+            }
+        )
+
+    def sample(self, t: float, values: Values, run_started: float) -> tuple[Sample, float]:
+        """The sample at ``t`` seconds after START, covering the ``SAMPLE_EVERY`` seconds
+        before it (all in one step whose values are ``values``), and the unit's memory."""
+        wall, mono = START.timestamp() + t, MONO + t
+        memory = float(values.memory) * (1 + self.rng.gauss(0, 0.002))
+        if not bool(values.up):
+            self.run = None
+            return Sample(wall, mono, None, "connection refused"), memory
+        if self.run is None or self.run.started != run_started:
+            self.run = _Counters(run_started)
+        self._advance(self.run, values)
+        return Sample(wall, mono, self._metrics(self.run, values), None, self._gpus(values)), memory
+
+    def _advance(self, c: _Counters, v: Values) -> None:
+        s, rng, dt = self.server, self.rng, SAMPLE_EVERY
+        done = float(v.served) * dt / s.output_tokens  # requests finished in the interval
+        if done > 0:
+            noise = min(1.5, max(0.5, 1 + rng.gauss(0, 1 / math.sqrt(max(done, 1.0)))))
+            finished = done * noise
+            tokens = float(v.served) * dt * noise * (1 + rng.gauss(0, 0.02))
+            c.success += round(finished)
+            c.generation += tokens
+            prompt = finished * s.prompt_tokens * (1 + rng.gauss(0, 0.03))
+            c.prompt += prompt
+            c.prefix_queries += prompt
+            c.prefix_hits += prompt * s.prefix_hit
+            itl = float(v.itl) * (1 + rng.gauss(0, 0.02))
+            _fill(c.itl, ITL_BOUNDS, tokens, itl, 0.3)
+            c.itl_sum += tokens * itl
+            ttft = float(v.ttft) * (1 + rng.gauss(0, 0.05))
+            _fill(c.ttft, TTFT_BOUNDS, finished, ttft, 0.5)
+            c.ttft_sum += finished * ttft
+            c.steps += dt / float(v.itl)
+            preempted = float(v.preemptions) * dt
+            if preempted > 0:
+                c.preemptions += max(0, round(rng.gauss(preempted, math.sqrt(preempted))))
+
+    def _metrics(self, c: _Counters, v: Values) -> VllmMetrics:
+        rng = self.rng
+        running = float(v.running) * max(0.0, 1 + rng.gauss(0, 0.08))
+        waiting = float(v.waiting) * max(0.0, 1 + rng.gauss(0, 0.15))
+        kv = min(1.0, float(v.kv_usage) * max(0.0, 1 + rng.gauss(0, 0.02)))
+        return VllmMetrics(
+            flavor="v1-latest",
+            models=(MODEL,),
+            engines=1,
+            kv_cache_usage=kv,
+            kv_cache_usage_max=kv,
+            num_requests_running=float(round(running)),
+            num_requests_waiting=float(round(waiting)),
+            num_preemptions_total=c.preemptions,
+            generation_tokens_total=c.generation,
+            prompt_tokens_total=c.prompt,
+            request_success_total=c.success,
+            prefix_cache_queries_total=c.prefix_queries,
+            prefix_cache_hits_total=c.prefix_hits,
+            prefix_cache_unit="tokens",
+            prefix_cache_hit_rate=None,
+            engine_steps_total=c.steps,
+            process_start_time=c.started,
+            time_to_first_token=Histogram((*TTFT_BOUNDS, math.inf), tuple(c.ttft), c.ttft_sum),
+            inter_token_latency=Histogram((*ITL_BOUNDS, math.inf), tuple(c.itl), c.itl_sum),
+            cache_config=self.cache_config,
+            version="0.11.0",
+        )
+
+    def _gpus(self, v: Values) -> tuple[GpuReading, ...]:
+        if bool(v.hot):
+            return self.gpus["hot"]
+        return self.gpus["busy" if float(v.running) > 0 else "idle"]
+
+
+def _fill(cumulative: list[float], bounds: Sequence[float], count: float, mean: float,
+          sigma: float) -> None:  # fmt: skip
+    if count <= 0 or mean <= 0:
+        return
+    for i, share in enumerate(_lognormal_cumulative(bounds, mean, sigma)):
+        cumulative[i] += count * share
+    cumulative[-1] += count
+
+
+@dataclass
+class EngineRun:
+    """What vkvagent did in one scenario."""
+
+    path: Path
+    decisions: int = 0
+    cpu_ns: list[int] = field(default_factory=list)  # decide()'s CPU time per tick
+    restarts: list[tuple[int, str, bool]] = field(default_factory=list)  # step, cause, in window
+    detected: list[int] = field(default_factory=list)  # steps a run's first fixable cause came
+    causes: dict[str, float] = field(default_factory=dict)  # minutes per named cause
+
+
+def run_vkvagent(model: Model, settings: Settings, seed: int = 1) -> EngineRun:
+    """The real engine, deciding every ``SAMPLE_EVERY`` seconds on synthesised samples; a
+    restart it decides begins at the next step (a cold start, then a new process)."""
+    path = Path(model)
+    out = EngineRun(path)
+    synth = Synth(model, seed)
+    recent = Recent(settings.baseline, 2 * SAMPLE_EVERY)
+    restarts: list[RestartRecord] = []
+    state = EngineState()
+    started = START.timestamp() - COLD_STEPS * STEP  # the first process came up at START
+    restart_next, named = False, False
+    per_step = round(STEP / SAMPLE_EVERY)
+    for k in range(model.steps):
+        values = path.advance(restart_next)
+        if path.u == 0:  # a restart (the policy's or an OOM kill): a new process
+            started = START.timestamp() + k * STEP
+            named = False
+        restart_next = False
+        for part in range(1, per_step + 1):
+            t = k * STEP + part * SAMPLE_EVERY
+            sample, memory = synth.sample(t, values, started)
+            recent.add(sample, memory)
+            observed = Observation(
+                samples=tuple(recent.samples),
+                unit_active=True,
+                memory=recent.memory,
+                restarts=tuple(restarts),
+            )
+            now = datetime.fromtimestamp(sample.time, timezone.utc)
+            began = time.process_time_ns()
+            decision = decide(settings, state, observed, now)
+            out.cpu_ns.append(time.process_time_ns() - began)
+            state = decision.state
+            out.decisions += 1
+            _judge(restarts, decision)
+            if decision.cause is not None:
+                out.causes[decision.cause] = out.causes.get(decision.cause, 0.0) + 0.5
+            if decision.cause in FIXABLE and not named:
+                out.detected.append(k)
+                named = True
+            if decision.action == "restart" and not restart_next:
+                restarts.append(RestartRecord(sample.time, decision.cause or "?"))
+                out.restarts.append((k + 1, decision.cause or "?", decision.window_open))
+                restart_next = True
+    return out
+
+
+def _judge(restarts: list[RestartRecord], decision: Decision) -> None:
+    """Record the engine's judgement of the last restart, as the daemon's ledger does."""
+    if decision.recovered is not None and restarts and restarts[-1].recovered is None:
+        restarts[-1] = replace(restarts[-1], recovered=decision.recovered)
+
+
+# -- the report --------------------------------------------------------------------------------
+
+POLICIES = ("oracle", "never", "every 6 h", "daily 04:00", "alert", "vkvagent")
+
+
+@dataclass
+class Row:
+    world: str
+    policy: str
+    score: float  # quality-weighted goodput
+    of_oracle: float
+    restarts: int
+    outside: int  # restarts outside the default restart windows
+    wrong: int
+    kills: int  # OOM kills
+    delay_min: float | None  # median minutes from a run's degradation to its restart
+    missed: int  # degraded runs still degraded at the end of the week
+    detected_min: float | None = None  # vkvagent: median minutes to its first fixable cause
+    detected: int = 0  # vkvagent: degraded runs in which it named a fixable cause
+    degraded: int = 0  # degraded runs
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _outside(policy: PolicySettings, steps: Sequence[int]) -> int:
+    return sum(not window_state(policy, START + timedelta(seconds=k * STEP))[0] for k in steps)
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _detected(episode: Episode, detected: Sequence[int]) -> int | None:
+    """Minutes from a degraded run's onset to vkvagent's first fixable cause in that run."""
+    for step in detected:
+        if step >= episode.onset and (episode.end is None or step < episode.end):
+            return step - episode.onset
+    return None
+
+
+def score_world(
+    world: World, settings: Settings, seed: int = 1, server: Server | None = None
+) -> tuple[list[Row], EngineRun]:
+    model = Model(world, server)
+    best = oracle(model)
+    paths: dict[str, Path] = {
+        "oracle": walk(model, best.restarts),
+        "never": walk(model, []),
+        "every 6 h": walk(model, every_6h(model)),
+        "daily 04:00": walk(model, daily_0400(model)),
+        "alert": walk(model, Alert()),
+    }
+    engine = run_vkvagent(model, settings, seed)
+    paths["vkvagent"] = engine.path
+    top = paths["oracle"].score()
+    assert abs(top - best.score(model)) < 1e-9, "the oracle's walk must score its DP value"
+    rows = []
+    for name in POLICIES:
+        path = paths[name]
+        found = episodes(model, path)
+        done = [e.minutes for e in found if e.minutes is not None]
+        row = Row(
+            world=world.name,
+            policy=name,
+            score=path.score(),
+            of_oracle=path.score() / top,
+            restarts=len(path.restarts),
+            outside=_outside(settings.policy, path.restarts),
+            wrong=len(path.restarts) if world.wrong else 0,
+            kills=len(path.kills),
+            delay_min=_median(done),
+            missed=len(found) - len(done),
+        )
+        if name == "vkvagent":
+            named = [d for d in (_detected(e, engine.detected) for e in found) if d is not None]
+            row.detected_min = _median([float(d) for d in named])
+            row.detected, row.degraded = len(named), len(found)
+        rows.append(row)
+    return rows, engine
+
+
+def _minutes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 90:
+        return f"{value / 60:.1f} h"
+    return f"{value:.0f} min"
+
+
+def table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| scenario | policy | goodput | of oracle | restarts | outside window | wrong "
+        "| OOM kills | degraded -> restart (median) | still degraded at end |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.world} | {r.policy} | {r.score:.4f} | {r.of_oracle:.3f} | {r.restarts} | "
+            f"{r.outside} | {r.wrong} | {r.kills} | {_minutes(r.delay_min)} | {r.missed} |"
+        )
+    return "\n".join(lines)
+
+
+def summary(rows: Sequence[Row]) -> str:
+    worlds = list(dict.fromkeys(r.world for r in rows))
+    head = (
+        "| scenario | "
+        + " | ".join(POLICIES)
+        + " | vkvagent names a fixable cause after (in degraded runs) |"
+    )
+    lines = [head, "|---" * (len(POLICIES) + 2) + "|"]
+    for w in worlds:
+        mine = {r.policy: r for r in rows if r.world == w}
+        cells = [f"{mine[p].of_oracle:.3f}" if p in mine else "-" for p in POLICIES]
+        detected = "-"
+        if "vkvagent" in mine and mine["vkvagent"].degraded:
+            ours = mine["vkvagent"]
+            detected = f"{_minutes(ours.detected_min)} ({ours.detected} of {ours.degraded})"
+        lines.append(f"| {w} | " + " | ".join(cells) + f" | {detected} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scenario", action="append", help="only these (repeatable)")
+    parser.add_argument("--json", type=FilePath, help="also write the rows here")
+    parser.add_argument("--seed", type=int, default=1, help="the samples' noise")
+    parser.add_argument(
+        "--no-variants", action="store_true", help="skip the slower and faster degradations"
+    )
+    args = parser.parse_args(argv)
+    every = (*WORLDS, *VARIANTS)
+    worlds = [w for w in every if w.name in args.scenario] if args.scenario else list(WORLDS)
+    if not args.scenario and not args.no_variants:
+        worlds += VARIANTS
+    if not worlds:
+        parser.error(f"no such scenario (have: {', '.join(w.name for w in every)})")
+    settings = vkvagent_settings()
+    began = time.monotonic()
+    rows: list[Row] = []
+    cpu: list[int] = []
+    for world in worlds:
+        t0 = time.monotonic()
+        found, engine = score_world(world, settings, args.seed)
+        rows += found
+        cpu += engine.cpu_ns
+        causes = ", ".join(f"{c} {m / 60:.1f} h" for c, m in sorted(engine.causes.items()))
+        restarts = ", ".join(
+            f"{(START + timedelta(minutes=k)):%a %H:%M} {cause}{'' if inside else ' (outside)'}"
+            for k, cause, inside in engine.restarts
+        )
+        print(
+            f"{world.name}: {time.monotonic() - t0:.0f} s; vkvagent named {causes or 'nothing'};"
+            f" restarted {restarts or 'never'}",
+            file=sys.stderr,
+        )
+    variants = {w.name for w in VARIANTS}
+    main_rows = [r for r in rows if r.world not in variants]
+    if main_rows:
+        print(summary(main_rows))
+        print()
+        print(table(main_rows))
+        print()
+    if len(main_rows) < len(rows):
+        print(summary([r for r in rows if r.world in variants]))
+        print()
+    cpu_ms = sorted(n / 1e6 for n in cpu)
+    print(
+        f"decide() CPU time per tick over {len(cpu_ms)} ticks: median "
+        f"{statistics.median(cpu_ms):.3f} ms, p90 {cpu_ms[int(0.9 * len(cpu_ms))]:.3f} ms, "
+        f"p99 {cpu_ms[int(0.99 * len(cpu_ms))]:.3f} ms"
+    )
+    print(f"whole run: {time.monotonic() - began:.0f} s")
+    if args.json:
+        args.json.write_text(
+            json.dumps({"rows": [r.to_json() for r in rows]}, indent=1) + "\n", encoding="utf-8"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

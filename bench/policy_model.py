@@ -1,0 +1,469 @@
+"""The world ``make bench-policy`` scores restart policies in: a fluid model of one vLLM server
+over a simulated week, and the exact optimum of its objective (the oracle).
+
+Everything is a deterministic function of the step ``k`` (one minute of world time) and the
+uptime ``u`` (minutes since the vLLM process started), so the best restart schedule with full
+knowledge of the future is a dynamic programme over (k, u), and any policy is scored from its
+restart steps alone. bench/README.md defines the objective and the scenarios in words.
+
+Per step: demand is the ServeGen week (``sim.workload.servegen_week``) scaled to
+``Server.peak_rate`` requests/s, times the simulator's surge multiplier during surges. A
+request asks for the Azure trace's mean output (generated tokens). Capacity follows the
+simulator's engine model (``sim/engine.py``): decode throughput ``s1 * speed * n ** 0.7`` with
+``n`` running requests, ``n`` at most ``max_num_seqs`` and what the KV blocks hold (less the
+leaked fraction of the ``kv-pressure`` scenario); when KV binds, preemption recomputes work, so
+only ``kv_waste`` of it is goodput. Served = min(demand, capacity); nothing is served during a
+cold start or a stall. Reward = served generated tokens x speed factor (the GPU's relative
+speed: the uptime decline, thermal throttling, a world-time slowdown).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from functools import cache
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from vkvagent.sim.engine import Scenario
+from vkvagent.sim.server import SimOptions
+from vkvagent.sim.workload import azure_sizes, servegen_week
+
+Array = npt.NDArray[np.float64]
+Mask = npt.NDArray[np.bool_]
+
+STEP = 60.0  # seconds per step
+DAY_STEPS = 1440
+WEEK_STEPS = 7 * DAY_STEPS
+COLD_STEPS = 3  # a restart costs a 3-minute cold start (vllm-facts.md: 90 s to 5 min)
+START = datetime(2025, 3, 3, tzinfo=timezone.utc)  # a Monday, 00:00; ServeGen's t=0 is a midnight
+GIB = float(1 << 30)
+HOUR = 60  # steps
+
+
+@cache
+def _trace_means() -> tuple[float, float]:
+    sizes = azure_sizes()
+    return (
+        sum(p for p, _ in sizes) / len(sizes),
+        sum(o for _, o in sizes) / len(sizes),
+    )
+
+
+@dataclass(frozen=True)
+class Server:
+    """One vLLM server (the simulator's Llama-3.1-8B on one 80 GB GPU) and its traffic."""
+
+    single_stream: float = 110.0  # decode tokens/s of one request alone (sim capacity())
+    max_num_seqs: int = 256
+    kv_blocks: int = 10000  # sized tight: the fresh server runs at 70 % KV usage at peak
+    block_size: int = 16
+    peak_rate: float = 12.0  # requests/s in the busiest ServeGen window
+    kv_waste: float = 0.9  # goodput left while KV binds (preempted requests recompute)
+    patience: float = 60.0  # seconds a request waits before its client gives up
+    prefill_speed: float = 13200.0  # prompt tokens/s (sim capacity(): 120 x single stream)
+    prefix_hit: float = 0.3  # share of each prompt found in the prefix cache
+    base_memory: float = 6 * GIB  # the unit's memory when fresh
+    leak_per_request: float = float(SimOptions().leak_per_request)  # memory-growth scenario
+    memory_max: float = 40 * GIB  # the unit's MemoryMax: the kernel OOM-kills vLLM there
+
+    @property
+    def prompt_tokens(self) -> float:
+        return _trace_means()[0]
+
+    @property
+    def output_tokens(self) -> float:
+        return _trace_means()[1]
+
+    @property
+    def blocks_per_request(self) -> float:
+        """KV blocks a running request holds on average (its prompt and half its output)."""
+        return (self.prompt_tokens + self.output_tokens / 2) / self.block_size
+
+
+Span = tuple[float, float]  # (start, end) in hours after START
+
+
+@dataclass(frozen=True)
+class World:
+    """One scenario: what degrades, when, and whether a restart cures it.
+
+    ``uptime``: a simulator scenario whose effect follows the process's uptime (a restart
+    cures it), with its onset and rates ``stretch`` times slower; ``onset_h`` overrides the
+    onset (hours of uptime).
+    ``hot``/``surges``: the simulator's thermal throttling and load surge, at these world
+    times. ``hangs``: world times (hours) at which the engine hangs until it is restarted.
+    ``slowdown``: (start hour, loss per hour, floor): the GPU slows with world time, with no
+    throttle reason, and a restart does not cure it. ``memory_growth``: the unit's memory
+    grows with every request served until the kernel OOM-kills vLLM."""
+
+    name: str
+    summary: str
+    uptime: str = "healthy"
+    onset_h: float | None = None
+    stretch: float = 1.0
+    hot: tuple[Span, ...] = ()
+    surges: tuple[Span, ...] = ()
+    hangs: tuple[float, ...] = ()
+    slowdown: tuple[float, float, float] | None = None
+    memory_growth: bool = False
+    wrong: bool = False  # any restart here is a wrong restart (nothing a restart cures)
+
+    def uptime_effects(self, minutes: int) -> tuple[Array, Array]:
+        """(speed factor, leaked KV fraction) for each uptime 0..minutes-1."""
+        onset = None if self.onset_h is None else self.onset_h * 3600 / self.stretch
+        scenario = Scenario(self.uptime, onset)
+        seconds = [m * STEP / self.stretch for m in range(minutes)]
+        speed = np.array([scenario.speed_factor(s) for s in seconds])
+        leak = np.array([scenario.leaked_fraction(s) for s in seconds])
+        return speed, leak
+
+
+def slowed(name: str, stretch: float, label: str = "") -> World:
+    """The simulator's uptime-driven scenario ``name`` with its onset and rates ``stretch``
+    times slower (the simulator's are made for demos on a fast clock)."""
+    if name == "uptime-decline":
+        summary = (
+            f"the simulator's uptime decline {stretch:g}x slower: stable {stretch:g} h, then "
+            f"-{10 / stretch:.2g} %/h to 0.3; a restart cures it"
+        )
+    elif name == "kv-pressure":
+        summary = (
+            f"the simulator's KV leak {stretch:g}x slower: from {stretch / 2:g} h of uptime "
+            f"{15 / stretch:.2g} % of the KV blocks an hour, up to 70 %; a restart cures it"
+        )
+    else:
+        raise ValueError(f"slowed: no uptime-driven scenario {name!r}")
+    return World(label or name, summary, uptime=name, stretch=stretch)
+
+
+THROTTLED = Scenario("thermal-throttle", 0.0).speed_factor(0.0)  # 0.6
+SURGE = Scenario("load-surge", 0.0).demand_multiplier(0.0)  # 3.0
+SURGE_HOURS = 1.0  # the simulator's surge lasts an hour
+
+
+def _at(day: int, hour: float) -> float:
+    return day * 24 + hour
+
+
+def _surge(day: int, hour: float) -> Span:
+    return (_at(day, hour), _at(day, hour) + SURGE_HOURS)
+
+
+# How fast the uptime-driven degradations go decides who wins; ``make bench-policy`` also
+# scores these slower and faster variants (bench/README.md, "Sensitivity").
+VARIANTS: tuple[World, ...] = (
+    slowed("uptime-decline", 2.0, "uptime-decline 2x"),
+    slowed("uptime-decline", 10.0, "uptime-decline 10x"),
+    slowed("uptime-decline", 20.0, "uptime-decline 20x"),
+    slowed("kv-pressure", 1.5, "kv-pressure 1.5x"),
+    slowed("kv-pressure", 6.0, "kv-pressure 6x"),
+    slowed("kv-pressure", 12.0, "kv-pressure 12x"),
+)
+
+# World times (hours after Monday 00:00 UTC) chosen across the week, some inside the default
+# restart window (daily 02:00-05:00 UTC), where a naive policy would restart for them.
+WORLDS: tuple[World, ...] = (
+    World("steady", "nothing degrades", wrong=True),
+    slowed("uptime-decline", 5.0),
+    slowed("kv-pressure", 3.0),
+    World(
+        "thermal-throttle",
+        "speed 0.6 with thermal clock-event reasons: Mon 14-16, Tue 02:30-04:30, Wed 21-23, "
+        "Fri 03-05, Sun 12-15",
+        hot=(
+            (_at(0, 14), _at(0, 16)),
+            (_at(1, 2.5), _at(1, 4.5)),
+            (_at(2, 21), _at(2, 23)),
+            (_at(4, 3), _at(4, 5)),
+            (_at(6, 12), _at(6, 15)),
+        ),
+        wrong=True,
+    ),
+    World(
+        "load-surge",
+        "demand x3 for an hour: Mon 11:00, Tue 03:00, Wed 16:00, Thu 02:00, Sat 20:00",
+        surges=(_surge(0, 11), _surge(1, 3), _surge(2, 16), _surge(3, 2), _surge(5, 20)),
+        wrong=True,
+    ),
+    World(
+        "stall",
+        "the engine hangs (no token; /health 200) until restarted: Mon 15:20, Wed 03:10, "
+        "Thu 22:40, Sat 04:50, Sun 13:00",
+        hangs=(
+            _at(0, 15 + 1 / 3),
+            _at(2, 3 + 1 / 6),
+            _at(3, 22 + 2 / 3),
+            _at(5, 4 + 5 / 6),
+            _at(6, 13),
+        ),
+    ),
+    World(
+        "memory-growth",
+        "64 KiB of unit memory per request served; OOM-killed at 40 GiB (about 36 h)",
+        memory_growth=True,
+    ),
+    World(
+        "uncured",
+        "the GPU slows with world time from Tue 12:00, -1 %/h to 0.6, no throttle reason; a "
+        "restart does not cure it",
+        slowdown=(_at(1, 12), 0.01, 0.6),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Values:
+    """The model at (step, uptime) pairs, as arrays (rates per second)."""
+
+    rate: Array  # requests/s demanded
+    demand: Array  # generated tokens/s demanded
+    capacity: Array  # generated tokens/s the server could serve (were it working)
+    served: Array  # generated tokens/s served
+    reward: Array  # served x speed
+    speed: Array  # the GPU's relative speed
+    up: Mask  # the process answers (not in its cold start)
+    stalled: Mask
+    hot: Mask  # the GPU reports thermal throttling
+    running: Array
+    waiting: Array
+    kv_usage: Array
+    preemptions: Array  # per second
+    itl: Array  # mean inter-token latency (s)
+    ttft: Array  # mean time to first token (s)
+    memory: Array  # the unit's memory (bytes)
+    killed: Mask  # the kernel OOM-kills the process in this step
+
+
+class Model:
+    """One world over ``steps`` minutes; ``evaluate(k, u)`` is the whole model."""
+
+    def __init__(self, world: World, server: Server | None = None, steps: int = WEEK_STEPS):
+        self.world, self.server, self.steps = world, server or Server(), steps
+        s = self.server
+        hours = np.arange(steps) * STEP / 3600
+        curve = servegen_week(s.peak_rate)
+        multiplier = np.ones(steps)
+        for begin, end in world.surges:
+            multiplier[(hours >= begin) & (hours < end)] = SURGE
+        self.rate = np.array([curve(k * STEP) for k in range(steps)]) * multiplier
+        self.demand = self.rate * s.output_tokens
+        self.hot = np.zeros(steps, dtype=bool)
+        for begin, end in world.hot:
+            self.hot[(hours >= begin) & (hours < end)] = True
+        self.world_speed = np.where(self.hot, THROTTLED, 1.0)
+        if world.slowdown is not None:
+            begin, per_hour, floor = world.slowdown
+            self.world_speed *= np.clip(1 - per_hour * (hours - begin), floor, 1.0)
+        # The latest hang at or before each step (-inf: none yet).
+        self.hang = np.full(steps, -np.inf)
+        for at in sorted(world.hangs):
+            self.hang[hours >= at] = math.floor(at * 60)
+        # Requests demanded before each step, for the memory growth.
+        self.requests = np.concatenate(([0.0], np.cumsum(self.rate * STEP)))
+        self.uptimes = steps + COLD_STEPS + 2
+        self.up_speed, self.leak = world.uptime_effects(self.uptimes)
+
+    def evaluate(self, k: Any, u: Any) -> Values:
+        """The model at steps ``k`` with uptimes ``u`` (arrays or scalars, broadcast)."""
+        s = self.server
+        k = np.asarray(k, dtype=np.int64)
+        u = np.asarray(u, dtype=np.int64)
+        k, u = np.broadcast_arrays(k, u)
+        rate, demand = self.rate[k], self.demand[k]
+        up = u >= COLD_STEPS
+        stalled = up & (k - u < self.hang[k])
+        speed = self.up_speed[u] * self.world_speed[k]
+        n_kv = s.kv_blocks * (1 - self.leak[u]) / s.blocks_per_request
+        n_max = np.minimum(float(s.max_num_seqs), n_kv)
+        need = (demand / (s.single_stream * speed)) ** (1 / 0.7)
+        kv_bound = (need > n_kv) & (n_kv < s.max_num_seqs)
+        capacity = s.single_stream * speed * n_max**0.7 * np.where(kv_bound, s.kv_waste, 1.0)
+        working = up & ~stalled
+        served = np.where(working, np.minimum(demand, capacity), 0.0)
+        running = np.where(up, np.minimum(need, n_max), 0.0)
+        finished = served / s.output_tokens
+        waiting = np.where(up, np.maximum(0.0, rate - finished) * s.patience, 0.0)
+        used = running * s.blocks_per_request + self.leak[u] * s.kv_blocks
+        kv_usage = np.where(up, np.minimum(1.0, used / s.kv_blocks), 0.0)
+        preemptions = np.where(working & kv_bound, finished * np.minimum(1.0, need / n_kv - 1), 0.0)
+        per_request = s.single_stream * speed * np.maximum(running, 1.0) ** -0.3
+        prefill = s.prompt_tokens * (1 - s.prefix_hit) / (s.prefill_speed * speed)
+        ttft = prefill * (1 + running / 32) + waiting / np.maximum(rate, 1e-9)
+        if self.world.memory_growth:
+            began = np.clip(k - u + COLD_STEPS, 0, k)
+            memory = s.base_memory + s.leak_per_request * (self.requests[k] - self.requests[began])
+            memory = np.where(up, memory, s.base_memory)
+        else:
+            memory = np.full(k.shape, s.base_memory)
+        return Values(
+            rate=rate,
+            demand=demand,
+            capacity=capacity,
+            served=served,
+            reward=served * speed,
+            speed=speed,
+            up=up,
+            stalled=stalled,
+            hot=self.hot[k],
+            running=running,
+            waiting=waiting,
+            kv_usage=kv_usage,
+            preemptions=preemptions,
+            itl=1 / per_request,
+            ttft=ttft,
+            memory=memory,
+            killed=memory >= s.memory_max,
+        )
+
+    def total_demand(self) -> float:
+        return float(self.demand.sum() * STEP)
+
+
+# -- walking a schedule ------------------------------------------------------------------------
+
+
+class Path:
+    """A run through the model, one step at a time: restart at a step (a cold start begins
+    there), or continue. The kernel's OOM kill restarts the process whatever the policy says.
+    The first step finds a fresh server that has just come up."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.k = 0  # the next step
+        self.u = COLD_STEPS - 1  # the uptime of the step before
+        self.reward = 0.0
+        self.restarts: list[int] = []  # steps at which a restart (by the policy) began
+        self.kills: list[int] = []  # steps at which an OOM kill restarted the process
+        self.served = np.zeros(model.steps)
+        self.uptime = np.zeros(model.steps, dtype=np.int64)
+
+    def advance(self, restart: bool = False) -> Values:
+        """Step ``k``: restart at its start, or continue; returns the step's values."""
+        k, u = self.k, self.u + 1
+        values = self.model.evaluate(k, u)
+        if bool(values.killed):
+            self.kills.append(k)
+            u = 0
+        elif restart:
+            self.restarts.append(k)
+            u = 0
+        if u == 0:
+            values = self.model.evaluate(k, u)
+        self.reward += float(values.reward) * STEP
+        self.served[k] = float(values.served)
+        self.uptime[k] = u
+        self.k, self.u = k + 1, u
+        return values
+
+    def score(self) -> float:
+        """Quality-weighted goodput: reward over the tokens demanded, all week."""
+        return self.reward / self.model.total_demand()
+
+
+def walk(model: Model, restarts: Sequence[int] | Callable[[Path], bool]) -> Path:
+    """The path of a fixed schedule (restart steps) or of a policy asked at every step."""
+    path = Path(model)
+    wanted = set(restarts) if not callable(restarts) else None
+    while path.k < model.steps:
+        if wanted is not None:
+            path.advance(path.k in wanted)
+        else:
+            assert callable(restarts)
+            path.advance(restarts(path))
+    return path
+
+
+# -- the oracle --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Optimum:
+    value: float  # the best reward (token x speed) over the whole run
+    restarts: tuple[int, ...]  # the steps the best schedule restarts at
+
+    def score(self, model: Model) -> float:
+        return self.value / model.total_demand()
+
+
+def oracle(model: Model) -> Optimum:
+    """The best schedule with full knowledge of the future, by dynamic programming.
+
+    ``A[k][v]``: the best reward from step ``k`` on, arriving with uptime ``v`` (the previous
+    step's plus one); the choice at ``k`` is to keep ``v`` or restart (uptime 0), unless the
+    process is OOM-killed at ``v``. Uptimes beyond ``k + COLD_STEPS`` cannot be reached by step
+    ``k``, so each step's vector is only as long as that (ties keep the process running)."""
+    steps = model.steps
+    after = np.zeros(steps + COLD_STEPS + 1)  # A[steps][v] = 0
+    chosen: list[npt.NDArray[np.uint8]] = []
+    for k in range(steps - 1, -1, -1):
+        n = k + COLD_STEPS + 1  # arriving uptimes 0..k+COLD_STEPS
+        values = model.evaluate(k, np.arange(n))
+        keep = values.reward * STEP + after[1 : n + 1]
+        restart = (keep[0] > keep) | values.killed
+        after = np.where(restart, keep[0], keep)
+        chosen.append(np.packbits(restart))
+    chosen.reverse()
+    restarts, v = [], COLD_STEPS
+    for k in range(steps):
+        if np.unpackbits(chosen[k], count=k + COLD_STEPS + 1)[v]:
+            if not bool(model.evaluate(k, v).killed):
+                restarts.append(k)
+            v = 0
+        v += 1
+    return Optimum(float(after[COLD_STEPS]), tuple(restarts))
+
+
+# -- ground truth for the report ---------------------------------------------------------------
+
+ONSET_LOSS = 0.05  # a run is degraded once a restart would win back 5 % of the demand
+
+
+@dataclass(frozen=True)
+class Episode:
+    """A run that became degraded: the step a fresh server would first have earned
+    ``ONSET_LOSS`` of the demand more, and the step of the restart (or OOM kill) that ended the
+    run; None when the week ended first."""
+
+    onset: int
+    end: int | None
+
+    @property
+    def minutes(self) -> float | None:
+        return None if self.end is None else float(self.end - self.onset)
+
+
+def curable(model: Model, path: Path) -> npt.NDArray[np.float64]:
+    """Per step: how much more (a share of the demand) a server that had just come up, and
+    had not hung, would have earned than the path's server: what a restart would win back."""
+    k = np.arange(model.steps)
+    now = model.evaluate(k, path.uptime)
+    fresh = model.evaluate(k, np.full(model.steps, COLD_STEPS))
+    fresh_reward = np.minimum(fresh.demand, fresh.capacity) * fresh.speed
+    loss = (fresh_reward - now.reward) / np.maximum(now.demand, 1e-9)
+    return np.where(now.up & (now.demand > 0), loss, 0.0)
+
+
+def episodes(model: Model, path: Path) -> list[Episode]:
+    """The degraded runs of a path, in order."""
+    degraded = curable(model, path) >= ONSET_LOSS
+    ends = set(path.restarts) | set(path.kills)
+    out: list[Episode] = []
+    onset: int | None = None
+    for k in range(model.steps):
+        if k in ends and onset is not None:
+            out.append(Episode(onset, k))
+            onset = None
+        if onset is None and degraded[k]:
+            onset = k
+    if onset is not None:
+        out.append(Episode(onset, None))
+    return out
+
+
+def when(step: float) -> datetime:
+    return START + timedelta(seconds=step * STEP)

@@ -1,0 +1,166 @@
+"""The decision-quality benchmark (bench/policy.py): its model, its oracle and its samples."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+
+pytest.importorskip("numpy")
+
+from bench.policy import SAMPLE_EVERY, Alert, Synth, daily_0400, every_6h, run_vkvagent
+from bench.policy_model import (
+    COLD_STEPS,
+    GIB,
+    STEP,
+    Model,
+    Path,
+    Server,
+    World,
+    episodes,
+    oracle,
+    walk,
+)
+from vkvagent.baseline import window_stats
+from vkvagent.engine import Settings
+from vkvagent.policy import PolicySettings
+
+# Small worlds whose effects move within minutes, so that ten steps hold real choices.
+FAST = (
+    World("decline", "", uptime="uptime-decline", onset_h=0.0, stretch=0.02),
+    World("leak", "", uptime="kv-pressure", onset_h=0.0, stretch=0.01),
+    World("hang", "", hangs=(4 / 60,)),
+    World("hot", "", hot=((0.0, 3 / 60),), hangs=(7 / 60,), surges=((0.0, 5 / 60),)),
+)
+
+
+def brute_force(model: Model) -> float:
+    best = 0.0
+    for pattern in itertools.product((False, True), repeat=model.steps):
+        restarts = [k for k, on in enumerate(pattern) if on]
+        best = max(best, walk(model, restarts).reward)
+    return best
+
+
+@pytest.mark.parametrize("world", FAST, ids=lambda w: w.name)
+def test_the_oracle_is_the_best_of_every_schedule_on_small_instances(world: World) -> None:
+    model = Model(world, Server(kv_blocks=2500), steps=10)
+    best = oracle(model)
+    assert best.value == pytest.approx(brute_force(model), rel=1e-12)
+    assert walk(model, best.restarts).reward == pytest.approx(best.value, rel=1e-12)
+
+
+def test_the_oracle_respects_oom_kills_it_cannot_avoid() -> None:
+    # Memory grows with every request; the unit is killed once it holds 50 MiB more.
+    world = World("memory", "", memory_growth=True)
+    server = Server(memory_max=6 * GIB + 50 * 2**20, leak_per_request=64 * 1024)
+    model = Model(world, server, steps=10)
+    never = walk(model, [])
+    assert never.kills, "the leak must reach the limit within ten minutes"
+    best = oracle(model)
+    assert best.value == pytest.approx(brute_force(model), rel=1e-12)
+
+
+def test_a_score_is_the_reward_of_its_restart_times_over_the_demand() -> None:
+    # The first ten minutes of ServeGen are one window: constant demand. A restart at step 2
+    # loses steps 2, 3 and 4 (the cold start) of six.
+    model = Model(World("steady", ""), steps=6)
+    assert walk(model, []).score() == pytest.approx(1.0)
+    path = walk(model, [2])
+    assert path.score() == pytest.approx(3 / 6)
+    assert list(path.uptime) == [COLD_STEPS, COLD_STEPS + 1, 0, 1, 2, 3]
+    assert path.restarts == [2] and path.served[2:5].sum() == 0
+    # Speed weighs the reward: throttled (0.6) for the first minute.
+    hot = Model(World("hot", "", hot=((0.0, 1 / 60),)), steps=6)
+    assert walk(hot, []).score() == pytest.approx((0.6 + 5) / 6)
+    assert walk(hot, [0]).score() == pytest.approx(3 / 6)
+
+
+def test_degraded_runs_and_their_delays() -> None:
+    model = Model(World("hang", "", hangs=(2 / 60,)), steps=10)
+    path = walk(model, [6])
+    found = episodes(model, path)
+    assert [(e.onset, e.end) for e in found] == [(2, 6)]
+    assert found[0].minutes == 4.0
+    assert [(e.onset, e.end) for e in episodes(model, walk(model, []))] == [(2, None)]
+
+
+def test_the_timer_policies_restart_at_the_runbooks_and_the_guides_times() -> None:
+    model = Model(World("steady", ""), steps=2 * 1440)
+    assert every_6h(model) == [360, 720, 1080, 1440, 1800, 2160, 2520]
+    assert daily_0400(model) == [240, 1680]
+
+
+def alert_fires(served: list[float]) -> list[int]:
+    model = Model(World("steady", ""), steps=len(served))
+    path = Path(model)
+    path.served[:] = served  # the alert reads only what came before the step it is asked at
+    alert = Alert()
+    fired = []
+    for k in range(model.steps):
+        path.k = k
+        if alert(path):
+            fired.append(k)
+    return fired
+
+
+def test_the_alert_fires_after_15_minutes_below_70_percent_of_8_hours_before() -> None:
+    # Two hours at 100 tokens/s, then 60: from 09:00 the last hour is 60 % of 8 h before.
+    assert alert_fires([100.0] * 120 + [60.0] * 900) == [9 * 60 + 15]
+    # A steady decline of 5 % an hour keeps it firing: acted on again every 4 hours.
+    declining = [100.0 * 0.95 ** (k / 60) for k in range(24 * 60)]
+    assert alert_fires(declining) == [555, 555 + 240, 555 + 480, 555 + 720]
+
+
+def test_synthetic_samples_read_back_as_the_models_rates() -> None:
+    model = Model(World("steady", ""), steps=3 * 60)
+    synth = Synth(model, seed=3)
+    path = Path(model)
+    points = []
+    expected = []
+    for k in range(model.steps):
+        values = path.advance()
+        for part in (1, 2):
+            sample, memory = synth.sample(k * STEP + part * SAMPLE_EVERY, values, 0.0)
+            assert sample.vllm is not None and memory == pytest.approx(6 * GIB, rel=0.01)
+            points.append((sample.mono, sample.vllm))
+        expected.append(values)
+    stats = window_stats(points)
+    assert stats is not None
+    served = statistics.mean(float(v.served) for v in expected)
+    assert stats.generation_tokens_per_s == pytest.approx(served, rel=0.03)
+    assert stats.requests_per_s == pytest.approx(served / model.server.output_tokens, rel=0.03)
+    assert stats.running == pytest.approx(statistics.mean(float(v.running) for v in expected),
+                                          rel=0.05)  # fmt: skip
+    assert stats.itl == pytest.approx(statistics.mean(float(v.itl) for v in expected), rel=0.03)
+    assert stats.prompt_share == pytest.approx(
+        model.server.prompt_tokens / (model.server.prompt_tokens + model.server.output_tokens),
+        rel=0.03,
+    )
+    assert stats.preemptions_per_s == 0 and stats.waiting == 0
+
+
+def test_a_restart_gives_a_new_process_and_refuses_connections_while_it_starts() -> None:
+    model = Model(World("steady", ""), steps=10)
+    synth = Synth(model, seed=1)
+    path = Path(model)
+    seen = []
+    for k in range(model.steps):
+        values = path.advance(k == 4)
+        started = 1000.0 if k < 4 else 2000.0
+        sample, _memory = synth.sample(k * STEP + SAMPLE_EVERY, values, started)
+        seen.append(None if sample.vllm is None else sample.vllm.process_start_time)
+    assert seen == [1000.0] * 4 + [None] * COLD_STEPS + [2000.0] * 3
+
+
+def test_vkvagent_restarts_a_hung_engine_within_minutes_in_closed_loop() -> None:
+    settings = Settings(policy=PolicySettings(mode="enforce"))
+    model = Model(World("hang", "", hangs=(1.0,)), steps=90)
+    run = run_vkvagent(model, settings, seed=2)
+    assert [step for step, _cause, _inside in run.restarts] == run.path.restarts
+    assert len(run.path.restarts) == 1
+    restart = run.restarts[0]
+    assert restart[1] == "stall" and not restart[2]  # 01:00 is outside the window
+    assert 60 + 2 <= restart[0] <= 60 + 4  # stall_after is 120 s
+    assert run.decisions == 2 * model.steps and len(run.cpu_ns) == run.decisions
