@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vkvagent import flags as vflags
+from vkvagent.config import Config
 from vkvagent.dropin import (
     DropinFile,
     ExecCommand,
@@ -90,6 +91,9 @@ class Outcome:
     service_seconds: float | None  # restart job requested to service ready: vLLM's own start
 
 
+SYSTEMD_UNIT_DIR = Path("/etc/systemd/system")  # where the drop-in goes: /etc overrides /lib
+
+
 class Actuator:
     """Acts on one unit. ``probe`` reads vLLM; ``proc`` is the /proc of the unit's processes
     (the container's, in tests)."""
@@ -117,6 +121,35 @@ class Actuator:
         self._state_dir = state_dir
         self._base_file = state_dir / f"base-{unit}.json"
         self._clock, self._wall, self._sleep, self._progress = clock, wall, sleep, progress
+
+    @classmethod
+    def for_config(
+        cls,
+        cfg: Config,
+        *,
+        systemd: Systemd,
+        ledger: Ledger,
+        gpus: GpuReader | None,
+        progress: Callable[[str], None] = lambda _message: None,
+    ) -> Actuator:
+        """The actuator a configuration describes: the CLI's and the daemon's."""
+        state_dir, r = Path(cfg.agent.state_dir), cfg.restart
+        return cls(
+            unit=cfg.vllm.unit,
+            systemd=systemd,
+            ledger=ledger,
+            dropin=DropinFile(cfg.vllm.unit, SYSTEMD_UNIT_DIR, state_dir / "dropins"),
+            probe=VllmClient.from_config(cfg.vllm),
+            state_dir=state_dir,
+            settings=RestartSettings(
+                drain_max_in_flight=r.drain_max_in_flight,
+                drain_timeout=r.drain_timeout,
+                job_timeout=r.job_timeout,
+                ready_timeout=r.ready_timeout,
+            ),
+            progress=progress,
+            gpus=gpus,
+        )
 
     # -- planning ---------------------------------------------------------------------------
 

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from vkvagent import __version__, config, controls, replay, status
-from vkvagent.actuator import Actuator, ActuatorError, Outcome, Plan, RestartSettings
-from vkvagent.dropin import DropinFile
+from vkvagent.actuator import Actuator, ActuatorError, Outcome, Plan
 from vkvagent.flags import FlagError
 from vkvagent.gpu import (
     GpuReader,
@@ -32,8 +31,6 @@ from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
 from vkvagent.policy import MODES, PolicySettings, window_state
 from vkvagent.systemd import Systemd, SystemdError
 from vkvagent.vllm import ScrapeError, VllmClient
-
-SYSTEMD_UNIT_DIR = Path("/etc/systemd/system")
 
 
 class ExitCode(IntEnum):
@@ -533,24 +530,14 @@ def _actuator(settings: config.Config, err: TextIO) -> Actuator:
             print(f"vkvagent: {message}", file=err, flush=True)
             last[0] = message
 
-    restart = settings.restart
-    return Actuator(
-        unit=settings.vllm.unit,
+    return Actuator.for_config(
+        settings,
         systemd=Systemd(),
         ledger=Ledger(state_dir),
-        dropin=DropinFile(settings.vllm.unit, SYSTEMD_UNIT_DIR, state_dir / "dropins"),
-        probe=VllmClient.from_config(settings.vllm),
-        state_dir=state_dir,
-        settings=RestartSettings(
-            drain_max_in_flight=restart.drain_max_in_flight,
-            drain_timeout=restart.drain_timeout,
-            job_timeout=restart.job_timeout,
-            ready_timeout=restart.ready_timeout,
-        ),
-        progress=progress,
         gpus=reader_for(settings.gpu.devices, settings.gpu.recording)
         if settings.gpu.enabled
         else None,
+        progress=progress,
     )
 
 

@@ -30,14 +30,15 @@ import sdnotify
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from vkvagent import __version__, config, controls, fleet, replay, status
-from vkvagent.actuator import Actuator, ActuatorError, Outcome, RestartSettings
-from vkvagent.dropin import DropinFile, write_atomically
+from vkvagent.actuator import Actuator, ActuatorError, Outcome
+from vkvagent.dropin import write_atomically
 from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
 from vkvagent.events import Events
 from vkvagent.exporter import AgentMetrics, Exporter
 from vkvagent.flags import FlagError
 from vkvagent.gpu import reader_for
 from vkvagent.history import History, HistoryError
+from vkvagent.jsonsafe import finite
 from vkvagent.ledger import Ledger, LedgerError
 from vkvagent.policy import DAY, RestartRecord, window_state
 from vkvagent.rates import window_rates
@@ -45,7 +46,6 @@ from vkvagent.sample import Sample, Sampler
 from vkvagent.systemd import Systemd, SystemdError
 from vkvagent.vllm import VllmClient
 
-SYSTEMD_UNIT_DIR = Path("/etc/systemd/system")
 STATE_FILE = "engine.json"
 RESTART_KINDS = ("restart", "apply", "rollback")
 HISTORY_PRUNE_EVERY = 3600.0
@@ -98,22 +98,8 @@ class Parts:
         self.ledger = Ledger(self.state_dir)
         self.actuator: Actuator | None = None
         if self.systemd is not None:
-            r = cfg.restart
-            self.actuator = Actuator(
-                unit=unit,
-                systemd=self.systemd,
-                ledger=self.ledger,
-                dropin=DropinFile(unit, SYSTEMD_UNIT_DIR, self.state_dir / "dropins"),
-                probe=VllmClient.from_config(cfg.vllm),
-                state_dir=self.state_dir,
-                settings=RestartSettings(
-                    drain_max_in_flight=r.drain_max_in_flight,
-                    drain_timeout=r.drain_timeout,
-                    job_timeout=r.job_timeout,
-                    ready_timeout=r.ready_timeout,
-                ),
-                gpus=gpus,
-                progress=progress,
+            self.actuator = Actuator.for_config(
+                cfg, systemd=self.systemd, ledger=self.ledger, gpus=gpus, progress=progress
             )
 
     @property
@@ -599,7 +585,7 @@ class Daemon:
         }
         write_atomically(
             self.parts.state_dir / STATE_FILE,
-            json.dumps(_finite(data), separators=(",", ":")),
+            json.dumps(finite(data), separators=(",", ":")),
             0o640,
         )
 
@@ -607,7 +593,7 @@ class Daemon:
         write_atomically(
             # Compact: json's C encoder (indent= would take the pure-Python one, 4x slower).
             status.path(self.parts.state_dir),
-            json.dumps(_finite(report), separators=(",", ":")),
+            json.dumps(finite(report), separators=(",", ":")),
             0o640,
         )
 
@@ -770,13 +756,3 @@ def _status_line(report: Mapping[str, Any]) -> str:
 
 def _iso(at: float | None) -> str | None:
     return None if at is None else datetime.fromtimestamp(at, timezone.utc).isoformat()
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value

@@ -26,6 +26,8 @@ from typing import Any, Callable, TextIO
 
 import structlog
 
+from vkvagent.jsonsafe import finite
+
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 IDENTIFIER = "vkvagent"
 _ID_NAMESPACE = uuid.UUID("6f1c2b53-64c6-4c1e-9d5b-0c8d2f7e9a41")
@@ -225,17 +227,6 @@ class Events:
             "message": event.pop("message", name),
             **event,
         }
-        self.stream.write(json.dumps(_finite(line), default=str) + "\n")
+        self.stream.write(json.dumps(finite(line), default=str) + "\n")
         self.stream.flush()
         raise structlog.DropEvent
-
-
-def _finite(value: Any) -> Any:
-    """JSON has no NaN or infinity: those become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value

@@ -45,6 +45,7 @@ from typing import Any
 from vkvagent.config import Config
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
 from vkvagent.gpu import GpuReading, decode_clock_event_reasons
+from vkvagent.jsonsafe import finite
 from vkvagent.metrics import WANTED, ExpositionError, Normaliser, VllmMetrics
 from vkvagent.policy import RestartRecord
 from vkvagent.sample import Sample
@@ -671,18 +672,8 @@ class Result:
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON (a non-finite number in the evidence becomes null)."""
-        decisions = [_finite(d.to_json()) for d in self.decisions]
+        decisions = [finite(d.to_json()) for d in self.decisions]
         return {"decisions": decisions, "summary": self.summary()}
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 _HEAD = re.compile(r"^[A-Za-z _-]+(?::[A-Za-z _-]+)?")
