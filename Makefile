@@ -7,7 +7,7 @@ PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
 # pyenv prefix printing nothing would leave /bin/python3: refuse rather than test another Python.
 check-python = $(if $(filter /bin/python3,$(1)),$(error $(2) not found: install it with pyenv))
 
-.PHONY: dev demo test lint typecheck unit test-pythons bench bench-policy config-example package clean
+.PHONY: dev demo test lint typecheck unit test-pythons bench bench-policy reliability config-example package clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,8 @@ demo: dev
 test: dev lint typecheck unit
 
 lint:
-	$(BIN)/ruff check vkvagent tests bench
-	$(BIN)/ruff format --check vkvagent tests bench
+	$(BIN)/ruff check vkvagent tests bench reliability
+	$(BIN)/ruff format --check vkvagent tests bench reliability
 
 typecheck:
 	$(BIN)/mypy
@@ -51,6 +51,11 @@ bench: dev
 # Decision quality: every restart policy against the oracle over simulated weeks (bench/README.md).
 bench-policy: dev
 	$(BIN)/python -m bench.policy
+
+# Fuzzing, kill -9 and other faults against a real systemd, a simulated week's soak: the table
+# in docs/RELIABILITY.md. Root (the systemd sandbox), about 13 minutes; not part of `make test`.
+reliability: dev
+	$(BIN)/python -m reliability
 
 config-example: dev
 	$(BIN)/python -c 'from vkvagent import config; \

@@ -452,6 +452,8 @@ class Actuator:
         since = self._wall() - window
         ours: list[tuple[float, float]] = []  # (begun, ended) of each restart step
         for action in self.ledger.since(since):
+            if action.outcome == "aborted":  # nothing reached systemd (a refused job included)
+                continue
             begun: float | None = None
             for step in action.steps:
                 if step.step != "restart":

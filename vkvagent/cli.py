@@ -26,6 +26,7 @@ from vkvagent.gpu import (
     reader_for,
     record,
 )
+from vkvagent.history import HistoryError
 from vkvagent.ledger import Ledger, LedgerError
 from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
 from vkvagent.policy import MODES, PolicySettings, window_state
@@ -77,6 +78,7 @@ def main(
         ActuatorError,
         SystemdError,
         LedgerError,
+        HistoryError,
         FlagError,
         replay.ReplayError,
     ) as exc:

@@ -679,7 +679,7 @@ def _merge_table(
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key, value in data.items():
         path = (*prefix, key)
-        dotted = ".".join(path)
+        dotted = ".".join(map(_key_text, path))
         spec = fields.get(key)
         if spec is None:
             kind = "section" if isinstance(value, dict) else "key"
@@ -694,7 +694,9 @@ def _merge_table(
             for entry, entry_value in value.items():
                 problem = spec.metadata["table"](entry, entry_value)
                 if problem:
-                    problems.append(f"{where((*path, entry))}: {dotted}.{entry}: {problem}")
+                    problems.append(
+                        f"{where((*path, entry))}: {dotted}.{_key_text(entry)}: {problem}"
+                    )
                 else:
                     entries[entry] = entry_value
         elif "section" in spec.metadata:
@@ -710,6 +712,11 @@ def _merge_table(
             else:
                 merged[key] = _coerce(value, spec)
                 origins[path] = where(path)
+
+
+def _key_text(key: str) -> str:
+    """A key as TOML writes it: bare, or quoted with escapes (a problem stays one line)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 def _allowed(spec: dataclasses.Field[Any]) -> str:
@@ -866,5 +873,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, str):
-        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+        # JSON's escapes are TOML's, except that JSON writes characters beyond U+FFFF as a
+        # surrogate pair, which TOML refuses: keep them as they are; TOML wants DEL escaped.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     return repr(value)

@@ -889,7 +889,8 @@ def _find_launcher(args: tuple[str, ...]) -> tuple[int, int, str] | None:
 
 
 def _not_vllm(args: tuple[str, ...]) -> str:
-    shown = " ".join(args)
+    # Escaped where not printable: an argument may hold a newline, the message is one line.
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(args))
     if len(shown) > 120:
         shown = shown[:117] + "..."
     for i, token in enumerate(args):

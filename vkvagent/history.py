@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sqlite3
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -244,6 +245,11 @@ class History:
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         except OSError as exc:
             raise HistoryError(f"{self.path.parent}: cannot create: {exc.strerror}") from None
+        try:
+            # Owner and group only, whatever the umask (the -wal and -shm files follow it).
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640))
+        except OSError as exc:
+            raise HistoryError(f"{self.path}: cannot open: {exc.strerror}") from None
         # The daemon opens it in one thread and writes from its scheduler's, one at a time.
         return sqlite3.connect(
             str(self.path), timeout=busy_timeout, isolation_level=None, check_same_thread=False

@@ -10,6 +10,7 @@ ledger does not.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,6 +84,9 @@ class Ledger:
         self.path = Path(state_dir) / FILE_NAME
         try:
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            # Owner and group only, whatever the umask of whoever creates it (SQLite gives its
+            # -wal and -shm files the database's mode).
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640))
             # Opened by the daemon's main thread, used by its scheduler's, one at a time.
             self._db = sqlite3.connect(
                 str(self.path), timeout=5.0, isolation_level=None, check_same_thread=False
