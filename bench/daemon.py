@@ -17,7 +17,6 @@ size at the end. Run with ``make bench``; ``--ticks`` for a shorter run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
 import socket
@@ -26,13 +25,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vkvagent.daemon import Daemon
-from vkvagent.demo import scaled_clock
+from vkvagent.demo import scaled_clock, simulator
 from vkvagent.events import Events
 from vkvagent.history import FILE_NAME as HISTORY_FILE
 
@@ -77,39 +74,6 @@ def stop(process: subprocess.Popen[str]) -> str:
         process.kill()
         out, _ = process.communicate()
     return out or ""
-
-
-@contextlib.contextmanager
-def simulator(port: int, recording: Path) -> Iterator[float]:
-    """The simulator; yields its start time (Unix seconds) once it answers."""
-    argv = [
-        sys.executable, "-m", "vkvagent", "sim", "serve", MODEL, "--port", str(port),
-        "--host", "127.0.0.1", "--time-scale", str(SCALE), "--cold-start", "0",
-        "--rate", "4", "--seed", "7", "--gpu-recording", str(recording),
-    ]  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise SystemExit(f"the simulator exited {process.returncode}")
-            with (
-                contextlib.suppress(OSError, ValueError),
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as answer,
-            ):
-                for line in answer.read().decode().splitlines():
-                    if line.startswith("process_start_time_seconds") and recording.exists():
-                        started = float(line.split()[-1])
-                        break
-                else:
-                    continue
-                break
-            time.sleep(0.1)
-        else:
-            raise SystemExit("the simulator did not answer within 20 s")
-        yield started
-    finally:
-        stop(process)
 
 
 def config_text(work: Path, sim_port: int, metrics_port: int, recording: Path) -> str:
@@ -170,7 +134,8 @@ def measure(ticks: int) -> Run:
     with tempfile.TemporaryDirectory(prefix="vkvagent-bench-") as tmp:
         work = Path(tmp)
         sim_port, metrics_port, recording = free_port(), free_port(), work / "gpu.json"
-        with simulator(sim_port, recording) as started:
+        options = ("--time-scale", str(SCALE), "--rate", "4")
+        with simulator(sim_port, recording, *options) as started:
             clock = scaled_clock(started, SCALE)
             config_path = work / "config.toml"
             config_path.write_text(config_text(work, sim_port, metrics_port, recording))

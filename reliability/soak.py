@@ -25,16 +25,12 @@ function of what it recorded, and ``vkvagent replay`` reproduces them.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import math
 import os
-import signal
 import socket
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -47,7 +43,7 @@ from typing import Any, cast
 from reliability.report import Row
 from vkvagent import config, replay
 from vkvagent.daemon import Daemon
-from vkvagent.demo import scaled_clock
+from vkvagent.demo import scaled_clock, simulator
 from vkvagent.events import Events
 from vkvagent.history import FILE_NAME as HISTORY_FILE
 from vkvagent.history import History
@@ -101,55 +97,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def simulator(port: int, recording: Path, peak: float, scale: float) -> Iterator[float]:
-    """The simulator serving the ServeGen week; yields its start time once it answers."""
-    argv = [
-        sys.executable,
-        "-c",
-        SIMULATOR,
-        MODEL,
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--time-scale",
-        str(scale),
-        "--cold-start",
-        "0",
-        "--workload",
-        "servegen",
-        "--rate",
-        str(peak),
-        "--seed",
-        "7",
-        "--gpu-recording",
-        str(recording),
-    ]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        started = None
-        while started is None:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the simulator did not start (exit {process.poll()})")
-            with contextlib.suppress(OSError, ValueError):
-                url = f"http://127.0.0.1:{port}/metrics"
-                with urllib.request.urlopen(url, timeout=1) as answer:
-                    for line in answer.read().decode().splitlines():
-                        if line.startswith("process_start_time_seconds") and recording.exists():
-                            started = float(line.split()[-1])
-            time.sleep(0.05)
-        yield started
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def config_text(work: Path, soak: Soak, sim_port: int, metrics_port: int, recording: Path) -> str:
@@ -214,7 +161,8 @@ def archive(daemon: Daemon, into: History, last: float) -> tuple[float, int]:
 def run_soak(soak: Soak, work: Path) -> None:
     sim_port, metrics_port, recording = free_port(), free_port(), work / "gpu.json"
     (work / "archive").mkdir()
-    with simulator(sim_port, recording, soak.peak, soak.scale) as started:
+    options = ("--time-scale", str(soak.scale), "--workload", "servegen", "--rate", str(soak.peak))
+    with simulator(sim_port, recording, *options) as started:
         clock = scaled_clock(started, soak.scale)
         cfg = work / "config.toml"
         cfg.write_text(config_text(work, soak, sim_port, metrics_port, recording))

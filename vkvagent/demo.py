@@ -58,12 +58,15 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def simulator(port: int, scale: float, recording: Path) -> Iterator[float]:
-    """Run the simulator; yields its process start time (Unix seconds) once it answers."""
+def simulator(port: int, recording: Path, *options: str) -> Iterator[float]:
+    """Run ``vkvagent sim serve`` on 127.0.0.1:``port`` with simulator ``options`` (scenario,
+    time scale, workload...), GPU readings kept in ``recording``; yields its process start
+    time (Unix seconds) once it answers. Shared by the demo, the daemon benchmark and the
+    soak, whose clocks all start there."""
     argv = [
         sys.executable, "-m", "vkvagent", "sim", "serve", MODEL, "--port", str(port),
-        "--host", "127.0.0.1", "--scenario", "uptime-decline", "--time-scale", str(scale),
-        "--cold-start", "0", "--rate", "4", "--seed", "7", "--gpu-recording", str(recording),
+        "--host", "127.0.0.1", "--cold-start", "0", "--seed", "7",
+        "--gpu-recording", str(recording), *options,
     ]  # fmt: skip
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -150,7 +153,8 @@ def run(out: TextIO, *, scale: float = 400.0, limit: float = 150.0) -> int:
             "observe mode (it decides, never acts).\n"
         )
         out.flush()
-        with simulator(port, scale, recording) as started:
+        options = ("--scenario", "uptime-decline", "--time-scale", str(scale), "--rate", "4")
+        with simulator(port, recording, *options) as started:
             clock = scaled_clock(started, scale)
             window = datetime.fromtimestamp(started, timezone.utc) + timedelta(hours=2)
             window = window.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
