@@ -566,6 +566,7 @@ def _hang_until_gone(conn: socket.socket, stop: threading.Event) -> None:
 def _behaviour(kind: str, rng: random.Random, limit: int) -> Callable[..., None]:
     interval = rng.uniform(0.005, 0.1)
     size = rng.randrange(limit + 1, 40 * limit)
+    bomb = _gzip_zeros(size) if kind == "gzip-bomb" else b""  # made before the client waits
 
     def handle(conn: socket.socket, stop: threading.Event) -> None:
         read_request(conn)
@@ -592,12 +593,8 @@ def _behaviour(kind: str, rng: random.Random, limit: int) -> Callable[..., None]
                 conn.sendall(BLOCK)
                 sent += len(BLOCK)
         elif kind == "gzip-bomb":
-            packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-            zeros = bytes(1 << 20)
-            body = b"".join(packer.compress(zeros) for _ in range(size // len(zeros) + 1))
-            body += packer.flush()
             conn.sendall(
-                HEAD + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                HEAD + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s" % (len(bomb), bomb)
             )
 
     return handle
@@ -605,6 +602,13 @@ def _behaviour(kind: str, rng: random.Random, limit: int) -> Callable[..., None]
 
 KINDS = ("silent", "stall-mid-body", "trickle-headers", "trickle-body", "huge-declared",
          "huge-streamed", "gzip-bomb")  # fmt: skip
+
+
+def _gzip_zeros(size: int) -> bytes:
+    """``size`` zero bytes (rounded up to MiB), gzip-compressed: about 1/1000 of that."""
+    packer = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = bytes(1 << 20)
+    return b"".join(packer.compress(zeros) for _ in range(size // len(zeros) + 1)) + packer.flush()
 
 
 def _rss_kib() -> int:

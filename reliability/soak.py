@@ -44,6 +44,7 @@ from reliability.report import Row
 from vkvagent import config, replay
 from vkvagent.daemon import Daemon
 from vkvagent.demo import scaled_clock, simulator
+from vkvagent.diagnosis import FIXABLE
 from vkvagent.events import Events
 from vkvagent.history import FILE_NAME as HISTORY_FILE
 from vkvagent.history import History
@@ -51,14 +52,6 @@ from vkvagent.sample import Sample
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DAY = 86400.0
-# The simulator with its render cache off: a page for every scrape.
-SIMULATOR = """\
-import sys
-import vkvagent.sim.server as server
-server.RENDER_INTERVAL = 0.0
-from vkvagent.cli import main
-raise SystemExit(main(["sim", "serve", *sys.argv[1:]]))
-"""
 RSS_GROWTH_MIB = 2.0
 
 
@@ -91,6 +84,7 @@ class Soak:
     mismatches: list[str] = field(default_factory=list)
     compared: int = 0
     changes: int = 0
+    verdicts: dict[str, int] = field(default_factory=dict)  # "action/cause" -> ticks
 
 
 def free_port() -> int:
@@ -161,7 +155,12 @@ def archive(daemon: Daemon, into: History, last: float) -> tuple[float, int]:
 def run_soak(soak: Soak, work: Path) -> None:
     sim_port, metrics_port, recording = free_port(), free_port(), work / "gpu.json"
     (work / "archive").mkdir()
-    options = ("--time-scale", str(soak.scale), "--workload", "servegen", "--rate", str(soak.peak))
+    # A new page for every scrape: at this speed the 50 ms render cache would serve one page
+    # for two simulated minutes, long enough to look like a stalled engine.
+    options = (
+        "--time-scale", str(soak.scale), "--workload", "servegen", "--rate", str(soak.peak),
+        "--render-interval", "0",
+    )  # fmt: skip
     with simulator(sim_port, recording, *options) as started:
         clock = scaled_clock(started, soak.scale)
         cfg = work / "config.toml"
@@ -264,6 +263,8 @@ def compare(soak: Soak, work: Path, cfg: Path, decisions_path: Path) -> None:
         for index, text in enumerate(lines):
             at, action, cause, head, run, ratio = json.loads(text)
             soak.compared += 1
+            verdict = f"{action}/{cause or '-'}: {head}"
+            soak.verdicts[verdict] = soak.verdicts.get(verdict, 0) + 1
             if index >= len(trace.times):
                 soak.mismatches.append(f"tick {index}: the replay has no evaluation")
                 break
@@ -323,6 +324,8 @@ def judge(soak: Soak, row: Row) -> None:
         top = max(p.history_bytes for p in pruned)
         first = pruned[0].history_bytes
         row.check(top <= 1.25 * first + (1 << 20), f"history grew from {first} to {top} bytes")
+    wrong = {v: n for v, n in soak.verdicts.items() if v.split(":")[0].split("/")[1] in FIXABLE}
+    row.check(not wrong, f"a restart-fixable cause on a healthy server: {wrong}")
     if soak.mismatches:
         row.fail(f"replay differs from the daemon: {soak.mismatches[0]}")
         row.failures.extend(soak.mismatches[1:3])
@@ -347,6 +350,10 @@ def judge(soak: Soak, row: Row) -> None:
         f"determinism: {soak.compared} ticks and {soak.changes} decision changes compared with "
         f"replay.replay over the archived samples: {len(soak.mismatches)} differences; events: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(soak.events.items()))
+    )
+    row.notes.append(
+        "ticks by action/cause: reason: "
+        + ", ".join(f"{k} x{v}" for k, v in sorted(soak.verdicts.items(), key=lambda kv: -kv[1]))
     )
 
 

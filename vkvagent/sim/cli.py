@@ -91,6 +91,15 @@ def _options_parser() -> argparse.ArgumentParser:
     )
     add("--leak-cap", type=int, default=default.leak_cap, metavar="BYTES")
     add(
+        "--render-interval",
+        type=float,
+        default=default.render_interval,
+        metavar="SECONDS",
+        help="real seconds /metrics serves the same page before rendering a new one; at a "
+        "high --time-scale a page is that many times staler in simulated time (0: a new page "
+        "for every scrape, as a soak on a fast clock needs)",
+    )
+    add(
         "--world-epoch",
         type=float,
         default=None,
@@ -114,6 +123,9 @@ def serve_main(argv: Sequence[str], out: TextIO | None = None, err: TextIO | Non
     if not (math.isfinite(known.time_scale) and known.time_scale > 0):
         print(f"{parser.prog}: error: --time-scale must be a positive number", file=err)
         return 2
+    if not (math.isfinite(known.render_interval) and known.render_interval >= 0):
+        print(f"{parser.prog}: error: --render-interval must be 0 or more", file=err)
+        return 2
     options = SimOptions(
         flavor=known.metrics_flavor,
         scenario=known.scenario,
@@ -126,6 +138,7 @@ def serve_main(argv: Sequence[str], out: TextIO | None = None, err: TextIO | Non
         leak_per_request=known.leak_per_request,
         leak_cap=known.leak_cap,
         world_epoch=known.world_epoch,
+        render_interval=known.render_interval,
     )
     try:
         args = parse_serve_args(rest, options.flavor)

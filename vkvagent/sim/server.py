@@ -51,6 +51,7 @@ class SimOptions:
     leak_per_request: int = 64 * 1024  # bytes of host memory per request (memory-growth)
     leak_cap: int = 512 * 1024 * 1024
     world_epoch: float | None = None  # Unix time the simulated world began; None: now
+    render_interval: float = RENDER_INTERVAL  # real seconds a /metrics page is served again
 
 
 class Simulation:
@@ -122,12 +123,13 @@ class Simulation:
 
     def metrics_page(self) -> bytes:
         """The current /metrics page: rendered again once the simulated clock has moved and
-        RENDER_INTERVAL has passed, so a page is never more than that stale."""
+        ``render_interval`` (real seconds, RENDER_INTERVAL by default) has passed, so a page
+        is never more than that stale: at a time scale X, X times that in simulated time."""
         self.advance()
         with self.lock:
             step, rendered, page = self._page
             now = self._clock()
-            if step != self.cluster.now and now - rendered >= RENDER_INTERVAL:
+            if step != self.cluster.now and now - rendered >= self.options.render_interval:
                 engines = [engine.stats for engine in self.cluster.engines]
                 page = exposition.render(self.info, engines, time.time())
                 self._page = (self.cluster.now, now, page)
