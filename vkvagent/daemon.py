@@ -156,7 +156,6 @@ class Daemon:
     def run(self) -> int:
         """Until SIGTERM or SIGINT. Returns the exit status."""
         logging.getLogger("apscheduler").setLevel(logging.ERROR)
-        os.umask(0o027)  # the history, ledger and status: the owner and its group only
         self._recover()
         scheduler = BackgroundScheduler(timezone=timezone.utc)
         scheduler.add_job(
