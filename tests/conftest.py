@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,16 @@ def counter(name: str, value: float, labels: str = 'model_name="m"') -> str:
 
 def gauge(name: str, value: float, labels: str = 'model_name="m"') -> str:
     return f"# HELP {name} help\n# TYPE {name} gauge\n{name}{{{labels}}} {value}\n"
+
+
+@pytest.fixture(autouse=True)
+def _umask_kept() -> Iterator[None]:
+    """A test that runs `vkvagent run` in-process tightens the process's umask; the systemd
+    sandboxes of later tests need the usual one for the directories they create."""
+    previous = os.umask(0o022)
+    os.umask(previous)
+    yield
+    os.umask(previous)
 
 
 @pytest.fixture

@@ -338,10 +338,11 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
 def _run(args: argparse.Namespace, _out: TextIO) -> int:
     from vkvagent.daemon import Daemon  # noqa: PLC0415 - apscheduler only for the daemon
 
-    # What the daemon creates is for root and its group only (the unit's UMask= says the
-    # same). Set here, for the daemon's own process: Daemon.run also serves the demo and tests.
+    daemon = Daemon(args.config)
+    # What the daemon creates from now on is for root and its group only (the unit's UMask=
+    # says the same). Set here, for the daemon's own process: Daemon.run also serves the demo.
     os.umask(0o027)
-    return Daemon(args.config).run()
+    return daemon.run()
 
 
 def _status(args: argparse.Namespace, out: TextIO) -> int:
