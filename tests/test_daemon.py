@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -317,7 +318,12 @@ def test_demo_shows_health_degradation_diagnosis_and_decision() -> None:
     assert main(["demo", "--time-scale", "600"], out, io.StringIO()) == 0
     text = out.getvalue()
     summary = text[text.index("summary:") :]
-    assert "healthy   speed/baseline  1.0" in text or "healthy   speed/baseline  0.9" in text
+    # The first judged verdict is healthy, near the baseline (noise on a loaded machine aside).
+    first = re.search(r"healthy   speed/baseline  ([0-9.]+)", text)
+    assert first is not None and 0.8 <= float(first.group(1)) <= 1.3, text
+    healthy = re.search(r"baseline learned and healthy at ([0-9.]+) h", summary)
+    degraded = re.search(r"degradation diagnosed at ([0-9.]+) h", summary)
+    assert healthy and degraded and float(healthy.group(1)) < float(degraded.group(1)), text
     assert "degradation diagnosed at" in summary and "uptime_decline" in summary
     assert "restart decided at" in summary and "would restart now" in summary
     assert "decision.changed" in summary
