@@ -145,6 +145,31 @@ def test_the_closed_loop_restarts_a_stalled_vllm_through_dbus() -> None:
         assert shown["exit_code"] == done.returncode
 
 
+def test_a_refused_restart_backs_off_instead_of_retrying_every_tick() -> None:
+    # StartLimitBurst=1: the start at boot used it up, so the actuator refuses to restart
+    # (it would leave the unit failed). The agent ticks every second; it must not ask again
+    # each tick, but wait a minute after the first refusal.
+    vllm = sim_unit(
+        "--scenario", "stall", "--scenario-onset", "600", "--rate", "4",
+        unit="StartLimitBurst=1\nStartLimitIntervalSec=3600",
+    )  # fmt: skip
+    with boot({"vllm.service": vllm}) as box:
+        box.run("systemctl", "start", AGENT)
+        failed = wait_event(box, "restart.failed", timeout=90)
+        assert "StartLimitBurst=1" in failed["MESSAGE"], failed["MESSAGE"]
+        time.sleep(10)  # ten ticks
+        assert len(events(box, "restart.started")) == 1, log(box)
+        done = box.run(
+            sys.executable, "-m", "vkvagent", "status", "--json", "--config", CONFIG_DIR,
+            check=False,
+        )  # fmt: skip
+        verdict = json.loads(done.stdout)["verdict"]
+        assert verdict["cause"] == "stall" and verdict["action"] == "hold"
+        assert verdict["reason"].startswith("retry back-off: 1 restart attempt(s)"), verdict
+        box.run("systemctl", "stop", AGENT)
+        assert [(a.kind, a.outcome) for a in actions(box)] == [("restart", "aborted")]
+
+
 HANG = (
     "import socket, time\n"
     "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"

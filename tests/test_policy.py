@@ -284,6 +284,39 @@ def test_restarts_that_did_not_help_escalate_until_resumed() -> None:
     assert escalated(ENFORCE, (*failed, restart(3, cause=SCHEDULED)), Controls()) == 2
 
 
+def test_aborted_attempts_back_off_doubling_to_an_hour_and_count_for_nothing_else() -> None:
+    def aborted(minutes_before: float) -> RestartRecord:
+        return restart(minutes_before / 60, aborted=True, cause="uptime_decline")
+
+    v = verdict(history=(aborted(0.5),))
+    assert v.action == "hold"
+    assert v.reason == (
+        "retry back-off: 1 restart attempt(s) in a row aborted, the last 0 min ago; "
+        "next try in 0 min"
+    )
+    assert verdict(history=(aborted(1.5),)).action == "restart"  # 1 min after the first
+    # Each one in a row doubles the wait: 1, 2, 4 min ...
+    three = (aborted(30), aborted(20), aborted(3))
+    assert verdict(history=three).reason.startswith("retry back-off: 3 restart attempt(s)")
+    assert verdict(history=(aborted(30), aborted(20), aborted(5))).action == "restart"
+    # ... up to an hour, however many there were.
+    many = tuple(aborted(600 - 10 * i) for i in range(12))  # the last 490 min ago
+    assert verdict(history=(*many[:-1], aborted(59))).action == "hold"
+    assert verdict(history=(*many[:-1], aborted(61))).action == "restart"
+    # A restart that happened ends the streak; aborted ones never count as restarts.
+    streak_then_restart = (aborted(300), aborted(290), aborted(280), restart(2), aborted(0.5))
+    assert verdict(history=streak_then_restart).reason.startswith("retry back-off: 1 ")
+    assert escalated(ENFORCE, (restart(50, recovered=False), restart(26, recovered=False),
+                               aborted(60)), Controls()) == 2  # fmt: skip
+    v = verdict(history=(aborted(200), aborted(190), aborted(180)), cause="stall")
+    assert v.action == "restart"  # no cooldown, no min interval, no budget spent
+    # `vkvagent resume` starts afresh.
+    resumed = Controls(resumed_at=(IN - timedelta(minutes=1)).timestamp())
+    assert verdict(history=(aborted(30), aborted(20), aborted(3)), controls=resumed).action == (
+        "restart"
+    )
+
+
 def test_a_scheduled_restart_is_opt_in_and_waits_for_the_window() -> None:
     assert verdict(cause=None, uptime=10 * 86400).action == "none"  # not asked for
     daily = PolicySettings(mode="enforce", max_uptime=86400.0)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 from pathlib import Path
 
 from tests.conftest import FIXTURES, read_page
-from tests.httpserver import HttpServer, free_port
+from tests.httpserver import HttpServer, RawServer, free_port, read_request
 from vkvagent.gpu import GpuReader, NvmlUnavailable, RecordedBackend
 from vkvagent.history import History
 from vkvagent.sample import Sampler
@@ -55,6 +57,20 @@ def test_vllm_down_gives_an_invalid_sample_that_is_still_kept(tmp_path: Path) ->
     with History(tmp_path) as history:
         history.append(sample)
         assert history.latest() == sample
+
+
+def test_a_hung_vllm_costs_a_sample_one_request_timeout_not_two() -> None:
+    asked: list[bytes] = []
+
+    def hang(conn: socket.socket, stop: threading.Event) -> None:
+        asked.append(read_request(conn).split(b" ")[1])
+        stop.wait()  # accepts, reads the request, never answers
+
+    with RawServer(hang) as server:
+        sample = Sampler(VllmClient(server.url, connect_timeout=0.2, read_timeout=0.3)).take()
+    assert not sample.valid
+    assert sample.vllm_error == f"{server.url}/metrics: no data for 0.3 s (read timeout)"
+    assert asked == [b"/metrics"]  # /version was not asked to wait as long again
 
 
 def test_the_configured_version_is_a_fallback_for_a_server_without_version() -> None:

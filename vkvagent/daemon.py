@@ -377,9 +377,14 @@ class Daemon:
         except LedgerError:
             return ()
         return tuple(
-            RestartRecord(a.started, a.reason.split(":", 1)[0], self.judged.get(a.id))
+            RestartRecord(
+                a.started,
+                a.reason.split(":", 1)[0],
+                self.judged.get(a.id),
+                aborted=a.outcome == "aborted",
+            )
             for a in reversed(actions)
-            if a.kind in RESTART_KINDS and a.outcome not in ("aborted",)
+            if a.kind in RESTART_KINDS
         )
 
     def _judge(self, decision: Decision) -> None:
@@ -621,7 +626,7 @@ class Daemon:
         )
         unit = sample.unit
         is_open, upcoming = window_state(pol, decision.time)
-        recent_restarts = sum(1 for r in restarts if at - r.time < DAY)
+        recent_restarts = sum(1 for r in restarts if at - r.time < DAY and not r.aborted)
         paused_until = controls.read(p.state_dir).paused_until
         last = self._last_action()
         return {

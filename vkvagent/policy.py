@@ -258,6 +258,9 @@ class RestartRecord:
     time: float  # UTC Unix seconds when it began
     cause: str
     recovered: bool | None = None  # did performance come back; None: not judged (yet)
+    # Refused before anything reached systemd (preflight, drain timeout): no restart happened,
+    # so it counts for the retry back-off only, never for budgets, cooldown or escalation.
+    aborted: bool = False
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,28 @@ def window_state(settings: PolicySettings, now: datetime) -> tuple[bool, datetim
     return is_open, upcoming
 
 
+# After an aborted attempt the next waits this long, doubling with each one in a row up to the
+# cap, so a unit that cannot be restarted (start limit, drain that never empties) is asked a
+# few times an hour, not every tick.
+RETRY_FIRST = 60.0
+RETRY_MAX = 3600.0
+
+
+def retry_wait(history: Sequence[RestartRecord], controls: Controls) -> tuple[int, float, float]:
+    """The aborted attempts in a row since the last restart that happened (or the last
+    resume), when the last of them was, and how long after it the next may be tried."""
+    streak, last = 0, 0.0
+    for record in sorted(history, key=lambda r: r.time, reverse=True):
+        if not record.aborted or (
+            controls.resumed_at is not None and record.time <= controls.resumed_at
+        ):
+            break
+        streak, last = streak + 1, max(last, record.time)
+    if not streak:
+        return 0, 0.0, 0.0
+    return streak, last, min(RETRY_FIRST * 2 ** (streak - 1), RETRY_MAX)
+
+
 def escalated(
     settings: PolicySettings, history: Sequence[RestartRecord], controls: Controls
 ) -> int:
@@ -302,7 +327,9 @@ def escalated(
     judged = [
         r
         for r in sorted(history, key=lambda r: r.time)
-        if r.cause != SCHEDULED and (controls.resumed_at is None or r.time > controls.resumed_at)
+        if r.cause != SCHEDULED
+        and not r.aborted
+        and (controls.resumed_at is None or r.time > controls.resumed_at)
     ]
     streak = 0
     for record in reversed(judged):
@@ -350,7 +377,14 @@ def evaluate(
         )
     if controls.paused_until is not None and at < controls.paused_until:
         return verdict("hold", f"paused until {_iso(controls.paused_until)}")
-    past = sorted((r.time for r in history if r.time <= at), reverse=True)
+    aborted, last_aborted, wait = retry_wait(history, controls)
+    if aborted and at - last_aborted < wait:
+        return verdict(
+            "hold",
+            f"retry back-off: {aborted} restart attempt(s) in a row aborted, the last "
+            f"{_ago(at - last_aborted)} ago; next try in {_ago(wait - (at - last_aborted))}",
+        )
+    past = sorted((r.time for r in history if r.time <= at and not r.aborted), reverse=True)
     if past and at - past[0] < settings.min_interval:
         return verdict(
             "hold",

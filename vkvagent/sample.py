@@ -74,7 +74,8 @@ class Sampler:
 
     vLLM's version (GET /version, else the configured one) is asked once per vLLM process:
     again only after a failed scrape or a new ``process_start_time``, since only a restart can
-    change it."""
+    change it. It is asked after /metrics answered, so against a hung vLLM a sample waits
+    out one request's timeouts, not two."""
 
     def __init__(
         self,
@@ -98,9 +99,10 @@ class Sampler:
         metrics, error = None, None
         self.page_recognised = None
         try:
+            metrics = self.vllm.scrape(self._version)
             if self._version is None:
                 self._version = self.vllm.version() or self._configured_version
-            metrics = self.vllm.scrape(self._version)
+                metrics = dataclasses.replace(metrics, version=self._version)
         except ScrapeError as exc:
             error = str(exc)
             self._version = None
