@@ -30,7 +30,6 @@ from pathlib import Path
 
 from vkvagent.daemon import Daemon
 from vkvagent.demo import scaled_clock, simulator
-from vkvagent.events import Events
 from vkvagent.history import FILE_NAME as HISTORY_FILE
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -141,13 +140,7 @@ def measure(ticks: int) -> Run:
             config_path.write_text(config_text(work, sim_port, metrics_port, recording))
             events_path = work / "events.jsonl"
             with events_path.open("w") as log:
-                daemon = Daemon(
-                    config_path,
-                    clock=clock,
-                    events=Events(stream=log, now=clock.wall),
-                    notify=lambda _message: None,
-                    use_systemd=False,
-                )
+                daemon = Daemon.offline(config_path, log, clock)
                 url = f"http://127.0.0.1:{metrics_port}/metrics"
                 argv = [sys.executable, "-c", SCRAPER, url, str(SCRAPE_EVERY / SCALE)]
                 scraper = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)

@@ -53,7 +53,6 @@ from tests.test_actuator import actions, restarts_requested
 from vkvagent.daemon import Clock, Daemon
 from vkvagent.demo import scaled_clock
 from vkvagent.diagnosis import FIXABLE
-from vkvagent.events import Events
 from vkvagent.history import History
 from vkvagent.vllm import ScrapeError, VllmClient
 
@@ -495,13 +494,7 @@ listen = ""
 {EAGER}""")
             stream = io.StringIO()
             clock = jump.clock()
-            daemon = Daemon(
-                config,
-                clock=clock,
-                events=Events(stream=stream, now=clock.wall),
-                notify=lambda _m: None,
-                use_systemd=False,
-            )
+            daemon = Daemon.offline(config, stream, clock)
             stack.callback(daemon.close)
             decisions: list[tuple[float, str, str | None]] = []
 
@@ -679,9 +672,7 @@ def _daemon_on_trickle(row: Row) -> None:
             "connect_timeout = 0.2\nread_timeout = 0.5\n[gpu]\nenabled = false\n"
             f'[metrics]\nlisten = ""\n{EAGER}'
         )
-        daemon = Daemon(
-            config, events=Events(stream=io.StringIO()), notify=lambda _m: None, use_systemd=False
-        )
+        daemon = Daemon.offline(config, io.StringIO())
         slowest = 0.0
         try:
             for _ in range(3):

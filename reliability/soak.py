@@ -45,7 +45,6 @@ from vkvagent import config, replay
 from vkvagent.daemon import Daemon
 from vkvagent.demo import scaled_clock, simulator
 from vkvagent.diagnosis import FIXABLE
-from vkvagent.events import Events
 from vkvagent.history import FILE_NAME as HISTORY_FILE
 from vkvagent.history import History
 from vkvagent.sample import Sample
@@ -173,13 +172,7 @@ def run_soak(soak: Soak, work: Path) -> None:
             decisions_path.open("w") as decisions,
             History(work / "archive") as kept,
         ):
-            daemon = Daemon(
-                cfg,
-                clock=clock,
-                events=Events(stream=log, now=clock.wall),
-                notify=lambda _message: None,
-                use_systemd=False,
-            )
+            daemon = Daemon.offline(cfg, log, clock)
             try:
                 loop(soak, daemon, kept, decisions, url, work / "state")
             finally:

@@ -147,8 +147,7 @@ def test_ticks_write_status_events_metrics_and_survive_an_agent_restart(
     assert report is not None and report["last_restart"]["recovered"] is True
 
     # A new agent process (same state directory) keeps this run's baseline.
-    again = Daemon(path, clock=clock, events=Events(stream=io.StringIO()), notify=Notes(),
-                   use_systemd=False)  # fmt: skip
+    again = Daemon.offline(path, io.StringIO(), clock)
     try:
         assert again.state.baseline is not None
         assert again.state.baseline == daemon.state.baseline
@@ -162,7 +161,7 @@ def test_a_damaged_state_file_costs_the_baseline_not_the_start(tmp_path: Path) -
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / STATE_FILE).write_text('{"engine": {"version": 99}}')
     stream = io.StringIO()
-    daemon = Daemon(path, events=Events(stream=stream), notify=Notes(), use_systemd=False)
+    daemon = Daemon.offline(path, stream)
     try:
         assert daemon.state.baseline is None
         decision = daemon.tick()  # vLLM unreachable: a decision all the same
@@ -207,7 +206,7 @@ def test_status_command_exit_codes_and_pause_resume(tmp_path: Path) -> None:
     assert main(["status", "--config", str(path)], out, err) == 3  # no daemon has run
     assert "no status yet" in out.getvalue()
 
-    daemon = Daemon(path, events=Events(stream=io.StringIO()), notify=Notes(), use_systemd=False)
+    daemon = Daemon.offline(path, io.StringIO())
     try:
         daemon.tick()
     finally:

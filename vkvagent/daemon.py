@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import sdnotify
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -150,6 +150,18 @@ class Daemon:
         self._saved_at = -math.inf
         self.last: Decision | None = None
         self._pending: dict[str, Any] | None = None  # flag changes not applied yet
+
+    @classmethod
+    def offline(cls, config_path: Path, stream: TextIO, clock: Clock = Clock()) -> Daemon:
+        """A daemon outside systemd (the demo, benchmarks, tests): no D-Bus, no actuator, no
+        sd_notify; its events as JSON lines to ``stream``, stamped with ``clock``."""
+        return cls(
+            config_path,
+            clock=clock,
+            events=Events(stream=stream, now=clock.wall),
+            notify=lambda _message: None,
+            use_systemd=False,
+        )
 
     # -- the loop ---------------------------------------------------------------------------
 

@@ -30,7 +30,6 @@ from typing import TextIO
 from vkvagent import status
 from vkvagent.daemon import Clock, Daemon
 from vkvagent.engine import Decision
-from vkvagent.events import Events
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -162,13 +161,7 @@ def run(out: TextIO, *, scale: float = 400.0, limit: float = 150.0) -> int:
             config_path.write_text(config_text(work / "state", port, recording, window))
             events = work / "events.jsonl"
             with events.open("w") as log:
-                daemon = Daemon(
-                    config_path,
-                    clock=clock,
-                    events=Events(stream=log, now=clock.wall),
-                    notify=lambda _message: None,
-                    use_systemd=False,
-                )
+                daemon = Daemon.offline(config_path, log, clock)
                 seen = Seen()
                 viewer = threading.Thread(
                     target=_view, args=(daemon, seen, out, started, limit), daemon=True
