@@ -128,16 +128,6 @@ def agent_box(vllm: str, config: str, agent: str = "", *, ready: bool = True) ->
         yield box
 
 
-def messages(box: Sandbox, unit: str) -> list[str]:
-    """The unit's journal messages. Not ``Sandbox.messages``: it splits journalctl's JSON with
-    ``str.splitlines()``, which also splits at U+2028 and U+0085, and systemd's _CMDLINE field
-    holds those unescaped when the argv does."""
-    done = box.run("journalctl", "-u", unit, "-o", "json", "--no-pager")
-    return [
-        str(json.loads(line).get("MESSAGE", "")) for line in done.stdout.split("\n") if line.strip()
-    ]
-
-
 def events(box: Sandbox, name: str) -> list[dict[str, Any]]:
     done = box.run("journalctl", "-o", "json", "--no-pager", f"VKV_EVENT={name}")
     return [json.loads(line) for line in done.stdout.split("\n") if line.strip()]
@@ -425,7 +415,7 @@ def state_full(row: Row) -> None:
         box.run("systemctl", "start", "--no-block", AGENT)
         time.sleep(6)
         on_full = prop(box, AGENT, "ActiveState"), prop(box, AGENT, "SubState")
-        said = [m for m in messages(box, AGENT) if m.startswith("vkvagent: ")][-1:]
+        said = [m for m in box.messages(AGENT) if m.startswith("vkvagent: ")][-1:]
         status_answers(box, row, "agent started on a full disk")
         _free(box)
         freed_at = time.time()

@@ -48,7 +48,6 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from reliability.faults import messages
 from reliability.report import Row, need_sandbox
 from tests.sandbox import Sandbox
 from vkvagent import config, flags, replay
@@ -691,7 +690,7 @@ def systemd_round_trip(argvs: Sequence[Sequence[str]], executed: int, row: Row) 
         for name, argv, run in plans:
             if not run:
                 continue
-            printed = [m[4:] for m in messages(box, name) if m.startswith("ARGV")]
+            printed = [m[4:] for m in box.messages(name) if m.startswith("ARGV")]
             received = json.loads(printed[-1]) if printed else None
             row.check(
                 received == list(argv[5:]),

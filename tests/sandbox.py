@@ -382,7 +382,9 @@ class Sandbox:
     def journal(self, unit: str) -> list[dict[str, Any]]:
         """The unit's journal entries, oldest first, each with every field (MESSAGE, ...)."""
         done = self.run("journalctl", "-u", unit, "-o", "json", "--no-pager")
-        return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+        # One entry per "\n": not splitlines(), which also breaks at U+2028 and U+0085, and
+        # systemd's _CMDLINE field holds those unescaped when the argv does.
+        return [json.loads(line) for line in done.stdout.split("\n") if line.strip()]
 
     def messages(self, unit: str) -> list[str]:
         """The MESSAGE of each of the unit's journal entries."""

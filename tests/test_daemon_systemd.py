@@ -86,7 +86,7 @@ def write_config(box: Sandbox, text: str) -> None:
 
 def events(box: Sandbox, name: str) -> list[dict[str, Any]]:
     done = box.run("journalctl", "-o", "json", "--no-pager", f"VKV_EVENT={name}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    return [json.loads(line) for line in done.stdout.split("\n") if line.strip()]
 
 
 def wait_event(box: Sandbox, name: str, timeout: float) -> dict[str, Any]:

@@ -30,7 +30,9 @@ def test_drop_ins_read_back_by_a_real_systemd() -> None:
     require()
     row = fuzz.run_systemd(fuzz.CI, executed=8)
     assert not row.failures, row.failures
-    assert (row.inputs or 0) >= 20
+    # 15 generated argvs and the explicit ones, whatever ran before; rewritten command lines
+    # come on top when the flags target ran first in this process.
+    assert (row.inputs or 0) >= 15
 
 
 # -- what fuzzing found ------------------------------------------------------------------------
