@@ -23,15 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from tests.httpserver import RawServer, free_port, read_request
-from tests.test_daemon import Notes, events_of, write_config
+from tests.test_daemon import events_of, write_config
 from vkvagent import config, status
 from vkvagent.actuator import Outcome
 from vkvagent.config import FleetConfig
 from vkvagent.daemon import Daemon
 from vkvagent.engine import Decision, EngineState
-from vkvagent.events import CATALOGUE, Events
+from vkvagent.events import CATALOGUE
 from vkvagent.fleet import EtcdClient, Fleet, FleetError, Gate
 
 pytestmark = pytest.mark.fleet
@@ -296,7 +297,7 @@ def daemon_with_fleet(tmp_path: Path, endpoint: str, **fleet: object) -> tuple[D
     keys.update(fleet)
     path = write_config(tmp_path, "http://127.0.0.1:9", fleet=keys)
     stream = io.StringIO()
-    return Daemon(path, events=Events(stream=stream), notify=Notes(), use_systemd=False), stream
+    return Daemon.offline(path, stream), stream
 
 
 def fleet_events(stream: io.StringIO) -> list[dict[str, Any]]:
@@ -323,6 +324,11 @@ def test_daemon_takes_and_gives_back_a_slot_around_the_restart(etcd: Etcd, tmp_p
     report = status.read(tmp_path / "state")
     assert report is not None and report["fleet"]["state"] == "idle"
     assert report["fleet"]["holders"] == [] and report["fleet"]["group"] == "daemon"
+    exposed = generate_latest(daemon.metrics.registry).decode()
+    assert 'vkvagent_fleet_state{group="daemon",state="idle"} 1.0' in exposed
+    assert 'vkvagent_fleet_state{group="daemon",state="unreachable"} 0.0' in exposed
+    assert 'vkvagent_fleet_slots_held{group="daemon"} 0.0' in exposed
+    assert 'vkvagent_fleet_max_concurrent{group="daemon"} 1.0' in exposed
     line = status.render(report, time.time())
     assert "  fleet       group daemon, 0 of 1 slots held; this host (gpu-here) idle" in line
 
@@ -413,6 +419,8 @@ def test_etcd_down_then_back_holds_then_resumes(tmp_path: Path) -> None:
         daemon.tick()
         report = status.read(tmp_path / "state")
         assert report is not None and report["fleet"]["state"] == "unreachable"
+        exposed = generate_latest(daemon.metrics.registry).decode()
+        assert 'vkvagent_fleet_state{group="outage",state="unreachable"} 1.0' in exposed
         server.start()
         daemon.tick()  # the status listing notices etcd is back
         report = status.read(tmp_path / "state")

@@ -154,6 +154,38 @@ def _gauges(status: Mapping[str, Any]) -> Iterator[Metric]:
         for reason in gpu.get("clock_event_reasons") or []:
             events.add_metric([str(gpu["index"]), reason], 1)
     yield events
+    if status.get("fleet"):
+        yield from _fleet(status["fleet"])
+
+
+FLEET_STATES = ("idle", "waiting", "holding", "unreachable")
+
+
+def _fleet(fleet: Mapping[str, Any]) -> Iterator[Metric]:
+    group = [fleet["group"]]
+    state = GaugeMetricFamily(
+        "vkvagent_fleet_state",
+        "1 for this host's state in its fleet group (unreachable: etcd does not answer, "
+        "restarts are held), 0 for the others.",
+        labels=["group", "state"],
+    )
+    for name in FLEET_STATES:
+        state.add_metric([*group, name], 1 if fleet["state"] == name else 0)
+    yield state
+    held = GaugeMetricFamily(
+        "vkvagent_fleet_slots_held",
+        "Hosts of the group holding a restart slot, as last listed.",
+        labels=["group"],
+    )
+    held.add_metric(group, len(fleet["holders"]))
+    yield held
+    limit = GaugeMetricFamily(
+        "vkvagent_fleet_max_concurrent",
+        "Hosts of the group allowed to restart at once.",
+        labels=["group"],
+    )
+    limit.add_metric(group, fleet["max_concurrent"])
+    yield limit
 
 
 class Exporter:
