@@ -310,6 +310,8 @@ def test_aborted_attempts_back_off_doubling_to_an_hour_and_count_for_nothing_els
                                aborted(60)), Controls()) == 2  # fmt: skip
     v = verdict(history=(aborted(200), aborted(190), aborted(180)), cause="stall")
     assert v.action == "restart"  # no cooldown, no min interval, no budget spent
+    # One recorded in the future (a clock step back) is not held against now.
+    assert verdict(history=(aborted(-120),)).action == "restart"
     # `vkvagent resume` starts afresh.
     resumed = Controls(resumed_at=(IN - timedelta(minutes=1)).timestamp())
     assert verdict(history=(aborted(30), aborted(20), aborted(3)), controls=resumed).action == (

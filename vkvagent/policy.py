@@ -304,11 +304,14 @@ RETRY_FIRST = 60.0
 RETRY_MAX = 3600.0
 
 
-def retry_wait(history: Sequence[RestartRecord], controls: Controls) -> tuple[int, float, float]:
-    """The aborted attempts in a row since the last restart that happened (or the last
-    resume), when the last of them was, and how long after it the next may be tried."""
+def retry_wait(
+    history: Sequence[RestartRecord], controls: Controls, at: float
+) -> tuple[int, float, float]:
+    """The aborted attempts in a row up to ``at`` since the last restart that happened (or
+    the last resume), when the last of them was, and how long after it the next may be
+    tried. One recorded after ``at`` (a clock step back) is not held against it."""
     streak, last = 0, 0.0
-    for record in sorted(history, key=lambda r: r.time, reverse=True):
+    for record in sorted((r for r in history if r.time <= at), key=lambda r: r.time, reverse=True):
         if not record.aborted or (
             controls.resumed_at is not None and record.time <= controls.resumed_at
         ):
@@ -377,7 +380,7 @@ def evaluate(
         )
     if controls.paused_until is not None and at < controls.paused_until:
         return verdict("hold", f"paused until {_iso(controls.paused_until)}")
-    aborted, last_aborted, wait = retry_wait(history, controls)
+    aborted, last_aborted, wait = retry_wait(history, controls, at)
     if aborted and at - last_aborted < wait:
         return verdict(
             "hold",
