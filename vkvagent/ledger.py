@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 FILE_NAME = "ledger.sqlite3"
+SCHEMA_VERSION = 1
 _SCHEMA = (
     """CREATE TABLE actions (
         id INTEGER PRIMARY KEY,
@@ -91,15 +92,23 @@ class Ledger:
             self._db = sqlite3.connect(
                 str(self.path), timeout=5.0, isolation_level=None, check_same_thread=False
             )
-            self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.execute("PRAGMA synchronous = FULL")  # an action must survive a power cut
-            with self._transaction():
-                if self._db.execute("PRAGMA user_version").fetchone()[0] == 0:
-                    for statement in _SCHEMA:
-                        self._db.execute(statement)
-                    self._db.execute("PRAGMA user_version = 1")
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version <= SCHEMA_VERSION:  # a newer one is refused below, before any write
+                self._db.execute("PRAGMA journal_mode = WAL")
+                self._db.execute("PRAGMA synchronous = FULL")  # an action must survive a power cut
+                with self._transaction():
+                    if self._db.execute("PRAGMA user_version").fetchone()[0] == 0:
+                        for statement in _SCHEMA:
+                            self._db.execute(statement)
+                        self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except (sqlite3.Error, OSError) as exc:
             raise LedgerError(f"{self.path}: cannot open: {exc}") from None
+        if version > SCHEMA_VERSION:  # a downgrade: its actions may mean what this code cannot
+            self._db.close()
+            raise LedgerError(
+                f"{self.path}: ledger schema {version} is newer than this vkvagent supports "
+                f"({SCHEMA_VERSION})"
+            )
 
     def __enter__(self) -> Ledger:
         return self
