@@ -302,6 +302,67 @@ def test_a_slow_server_with_no_baseline_is_never_restarted() -> None:
     assert d.reason.startswith("unknown baseline")
 
 
+def known(**per_regime: tuple[float, float]) -> dict[int, Regime]:
+    """Known regimes (10 windows each) by key ``r<key>``: (mean ITL, tokens/s per request)."""
+    return {
+        int(key[1:]): Regime(10, {"itl": (itl,) * 10, "per_request": (per_request,) * 10})
+        for key, (itl, per_request) in per_regime.items()
+    }
+
+
+def judged_against(previous: Baseline, current: Baseline) -> list[Decision]:
+    """A day-old run at 100 generated tokens/s with 2 running (regime 13, 50 tokens/s per
+    request), decided every minute for 20 minutes, with these baselines."""
+    day_old = [sample(t, start=1.7e9 - 86400) for t in range(0, 1500, 10)]
+    state = decide(ENFORCE, EngineState(), Observation(day_old[:31]), now_of(day_old[30])).state
+    state = replace(state, previous=previous, baseline=replace(current, run=state.run.key))
+    decisions = []
+    for end in range(37, len(day_old), 6):
+        d = decide(ENFORCE, state, Observation(day_old[end - 31 : end]), now_of(day_old[end - 1]))
+        state = d.state
+        decisions.append(d)
+    return decisions
+
+
+def test_a_load_this_run_has_not_learned_is_judged_by_an_earlier_run_it_matches() -> None:
+    # The earlier run learned regimes 11 and 13; this one only 11, where it is as fast.
+    earlier = Baseline(
+        run="start:1699900000.000", regimes=known(r11=(0.02, 90.0), r13=(0.02, 100.0))
+    )
+    same_speed = Baseline(run="", regimes=known(r11=(0.02, 90.0)))
+    decisions = judged_against(earlier, same_speed)
+    assert all(d.ratio == pytest.approx(0.5) for d in decisions)  # 50 of the earlier 100
+    assert all(d.evidence["baseline_run"] == "start:1699900000.000" for d in decisions)
+    assert decisions[-1].cause == "uptime_decline"
+    assert "speed 0.50 of an earlier run's fresh baseline at" in decisions[-1].reason
+    # Slower than the earlier run where both learned (0.02 / 0.0215 = 0.93 < CARRY_SPEED):
+    # its baselines are not this run's to be held to.
+    slower = Baseline(run="", regimes=known(r11=(0.0215, 90.0)))
+    decisions = judged_against(earlier, slower)
+    assert all(d.ratio is None and "baseline_run" not in d.evidence for d in decisions)
+    assert decisions[-1].reason.startswith("unknown baseline: nothing learned at 91-128")
+
+
+def test_a_new_run_carries_the_regimes_its_predecessor_could_carry() -> None:
+    earlier = Baseline(run="start:1.000", regimes=known(r11=(0.02, 90.0), r13=(0.02, 100.0)))
+    ended = known(r11=(0.0201, 90.0), r15=(0.03, 80.0))
+    ended[13] = Regime(3, {"itl": (0.04,) * 3})  # only begun: the earlier run's is kept
+    first = [sample(t, start=1.7e9) for t in range(0, 100, 10)]
+    state = decide(ENFORCE, EngineState(), Observation(first), now_of(first[-1])).state
+    ran = Baseline(run=state.run.key, regimes=ended)
+    state = replace(state, previous=earlier, baseline=ran)
+    restarted = [sample(t, start=1.7e9 + 3600) for t in range(3600, 3700, 10)]
+    d = decide(ENFORCE, state, Observation(restarted), now_of(restarted[-1]))
+    carried = d.state.previous
+    assert carried is not None and carried.run == ran.run
+    assert carried.regimes == {11: ended[11], 13: earlier.regimes[13], 15: ended[15]}
+    # A run slower than its predecessor carries nothing on: it is kept alone.
+    slow = {**ended, 11: known(r11=(0.03, 90.0))[11]}
+    state = replace(state, baseline=replace(ran, regimes=slow))
+    d = decide(ENFORCE, state, Observation(restarted), now_of(restarted[-1]))
+    assert d.state.previous is not None and d.state.previous.regimes == slow
+
+
 def test_state_persisted_as_json_mid_run_gives_the_same_decisions() -> None:
     host = SimHost("uptime-decline", ENFORCE, START, rate=2.0, interval=15.0, decide_every=60.0)
     host.run_until(2.0)

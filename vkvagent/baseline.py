@@ -244,6 +244,15 @@ class Baseline:
         regimes[key] = regime.add(stats.values())
         return replace(self, regimes=regimes, last_added=mono)
 
+    def merged(self, older: Baseline, settings: BaselineSettings) -> Baseline:
+        """This baseline, with ``older``'s known regimes where this one does not know them:
+        what the next run may be judged against at loads neither it nor this run learned."""
+        regimes = dict(self.regimes)
+        for key in older.known_keys(settings):
+            if self.known(key, settings) is None:
+                regimes[key] = older.regimes[key]
+        return replace(self, regimes=regimes)
+
     def capacity(self, settings: BaselineSettings) -> Capacity | None:
         """The heaviest known regime that ran clean (median preemptions 0, median queue under
         half a request), by its median request rate and generation tokens/s."""

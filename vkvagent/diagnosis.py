@@ -244,6 +244,9 @@ class Situation:
     down: str | None = None  # why there is no live engine to judge, if so
     flags: Mapping[str, FlagValue] = field(default_factory=dict)  # the flags in effect
     cache_config: Mapping[str, str] = field(default_factory=dict)
+    # Whose fresh baseline ``comparison`` is against: "this run's", or "an earlier run's" at a
+    # load this run has not learned (engine.CARRY_SPEED).
+    baseline_of: str = "this run's"
 
 
 @dataclass(frozen=True)
@@ -341,7 +344,9 @@ def diagnose(
         return Diagnosis("host_memory_growth", line, evidence, symptom="memory growth"), state
 
     if state.speed.active and stats is not None and cmp is not None and cmp.ratio is not None:
-        symptom = f"speed {cmp.ratio:.2f} of this run's fresh baseline at {situation.regime}"
+        symptom = (
+            f"speed {cmp.ratio:.2f} of {situation.baseline_of} fresh baseline at {situation.regime}"
+        )
         vetoed = _veto(s, stats, cmp, capacity, throttle, evidence, symptom)
         if vetoed:
             return vetoed, state

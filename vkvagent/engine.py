@@ -219,7 +219,7 @@ def decide(
     state = _after_reboot(state, observed.samples)
     fresh = [s for s in observed.samples if state.seen is None or s.mono > state.seen]
     valid = _ordered(observed.samples)
-    state = _read_samples(state, valid)
+    state = _read_samples(settings, state, valid)
     latest = valid[-1] if valid else None
     segment = _segment(valid, b.window)
     stats = _stats(segment, b)
@@ -228,6 +228,11 @@ def decide(
     baseline = state.baseline or Baseline(run=state.run.key or "none")
     key = regime_of(stats, b) if stats else None
     regime = baseline.known(key, b)
+    carried = _carried(settings, state.previous, baseline)
+    if regime is None and carried is not None:
+        regime = carried.known(key, b)  # a load this run has not learned yet
+    else:
+        carried = None
     comparison = compare(stats, key, regime) if stats and regime and key is not None else None
     situation = Situation(
         stats=stats,
@@ -247,6 +252,7 @@ def decide(
         down=_down(observed),
         flags=observed.flags,
         cache_config=latest.vllm.cache_config if latest is not None and latest.vllm else {},
+        baseline_of="this run's" if carried is None else "an earlier run's",
     )
     diagnosis, dstate = diagnose(settings.diagnosis, state.diagnosis, situation, at)
 
@@ -284,6 +290,8 @@ def decide(
     evidence = dict(diagnosis.evidence)
     evidence["uptime_s"] = uptime
     evidence["run"] = state.run.key
+    if carried is not None and comparison is not None:
+        evidence["baseline_run"] = carried.run
     return Decision(
         time=now,
         action=action,
@@ -339,7 +347,7 @@ def _after_reboot(state: EngineState, samples: Sequence[Sample]) -> EngineState:
     return replace(state, seen=None, run=replace(state.run, cursor=None))
 
 
-def _read_samples(state: EngineState, valid: list[Sample]) -> EngineState:
+def _read_samples(settings: Settings, state: EngineState, valid: list[Sample]) -> EngineState:
     """Advance the run tracking and the stall clock over the samples not read before. A new
     process start time or a counter going down starts a new run (and a new baseline)."""
     run, progress = state.run, state.diagnosis.progress
@@ -352,7 +360,9 @@ def _read_samples(state: EngineState, valid: list[Sample]) -> EngineState:
         restarted = is_reset(before, metrics) if before is not None else _differs(run, metrics)
         if run.key is None or restarted:
             state = _new_run(
-                replace(state, diagnosis=replace(state.diagnosis, progress=progress)), sample
+                settings,
+                replace(state, diagnosis=replace(state.diagnosis, progress=progress)),
+                sample,
             )
             run, progress, before = state.run, state.diagnosis.progress, None
         progress = progress.observe(before, metrics, sample.mono)
@@ -379,13 +389,18 @@ def _differs(run: RunState, metrics: VllmMetrics) -> bool:
     )
 
 
-def _new_run(state: EngineState, sample: Sample) -> EngineState:
+def _new_run(settings: Settings, state: EngineState, sample: Sample) -> EngineState:
     metrics = sample.vllm
     assert metrics is not None
     start = metrics.process_start_time
     key = f"start:{start:.3f}" if start is not None else f"mono:{sample.mono:.3f}"
+    # What the next run is judged against: the run that ended, with what it could carry.
     old = state.baseline
-    keep = old if old is not None and old.regimes else state.previous
+    carried = _carried(settings, state.previous, old) if old is not None else None
+    if old is not None and carried is not None:
+        keep: Baseline | None = old.merged(carried, settings.baseline)
+    else:
+        keep = old if old is not None and old.regimes else state.previous
     return EngineState(
         run=RunState(key=key, started=start, first_mono=sample.mono),
         baseline=Baseline(run=key),
@@ -456,9 +471,9 @@ def _learning(settings: BaselineSettings, baseline: Baseline, uptime: float | No
     return ""
 
 
-def _recovered(settings: Settings, previous: Baseline, current: Baseline) -> bool | None:
-    """Whether this run's fresh speed matches the previous run's, where both know the same
-    regime: the judgement of the restart in between. None until it can be told."""
+def _fresh_speed(settings: Settings, previous: Baseline, current: Baseline) -> float | None:
+    """This run's fresh speed over the previous run's (mean ITL, median over the regimes both
+    know); None while they share none."""
     b = settings.baseline
     ratios = []
     for key in set(previous.known_keys(b)) & set(current.known_keys(b)):
@@ -467,12 +482,37 @@ def _recovered(settings: Settings, previous: Baseline, current: Baseline) -> boo
             ratios.append(old / new)
     if not ratios:
         return None
-    ratio = sorted(ratios)[len(ratios) // 2]
+    return sorted(ratios)[len(ratios) // 2]
+
+
+def _carried(settings: Settings, previous: Baseline | None, current: Baseline) -> Baseline | None:
+    """The previous run's fresh baselines, for the loads this run has not learned, once this
+    run's own fresh speed has been seen to be at least theirs (within CARRY_SPEED); else None.
+    A restart that did not restore the speed, an upgrade or a flag change that made vLLM
+    slower, carry nothing: only a baseline this run is known to match is held against it."""
+    if previous is None or not previous.regimes:
+        return None
+    speed = _fresh_speed(settings, previous, current)
+    return previous if speed is not None and speed >= CARRY_SPEED else None
+
+
+def _recovered(settings: Settings, previous: Baseline, current: Baseline) -> bool | None:
+    """Whether this run's fresh speed matches the previous run's, where both know the same
+    regime: the judgement of the restart in between. None until it can be told."""
+    ratio = _fresh_speed(settings, previous, current)
+    if ratio is None:
+        return None
     if ratio >= settings.diagnosis.leave_ratio:
         return True
     if ratio < settings.diagnosis.enter_ratio:
         return False
     return None
+
+
+# A run whose fresh speed is at least this fraction of the previous run's is judged, at loads it
+# has not learned, against the previous run's baselines (the noise between two fresh runs of
+# one server is a few percent; a slower run would be held to a speed it never had).
+CARRY_SPEED = 0.95
 
 
 # -- what callers keep between calls -----------------------------------------------------------
