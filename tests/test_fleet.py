@@ -29,6 +29,7 @@ from tests.httpserver import RawServer, free_port, read_request
 from tests.test_daemon import events_of, write_config
 from vkvagent import config, status
 from vkvagent.actuator import Outcome
+from vkvagent.cli import main
 from vkvagent.config import FleetConfig
 from vkvagent.daemon import Daemon
 from vkvagent.engine import Decision, EngineState
@@ -331,6 +332,36 @@ def test_daemon_takes_and_gives_back_a_slot_around_the_restart(etcd: Etcd, tmp_p
     assert 'vkvagent_fleet_max_concurrent{group="daemon"} 1.0' in exposed
     line = status.render(report, time.time())
     assert "  fleet       group daemon, 0 of 1 slots held; this host (gpu-here) idle" in line
+
+
+def test_an_operators_restart_takes_a_slot_too_unless_told_not_to(
+    etcd: Etcd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = {"endpoints": [etcd.url], "group": "manual", "name": "gpu-here", "timeout": 0.5}
+    path = write_config(tmp_path, "http://127.0.0.1:9", fleet=keys)
+    # No system bus here: once admitted, the restart fails at D-Bus, after the slot is taken.
+    monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", "unix:path=/run/no-such-bus/system_bus_socket")
+    other = fleet_of(etcd.url, "manual", name="gpu-other")
+    held, _holders = other.acquire("stall", "stall: restart: emergency")
+    assert held is not None
+
+    def said(*argv: str) -> list[str]:
+        """What the command printed to stderr (its progress, then its error), exit 1."""
+        err = io.StringIO()
+        assert main([*argv, "--config", str(path)], io.StringIO(), err) == 1
+        return (capsys.readouterr().err + err.getvalue()).splitlines()
+
+    refused = "all 1 slots of group manual are held: by gpu-other (slot 0)"
+    assert said("restart")[-1] == f"vkvagent: {refused}; --ignore-fleet restarts anyway"
+    lines = said("restart", "--ignore-fleet")
+    assert not any("slot" in line for line in lines) and "bus" in lines[-1]  # on to systemd
+    assert held.release() is None
+    took, gave_back, error = said("rollback")
+    assert took == "vkvagent: took slot 0 of 1 in group manual (lease 60 s) to restart"
+    assert gave_back.startswith("vkvagent: gave back slot 0 of group manual after ")
+    assert gave_back.endswith(" s (error)")
+    assert error == "vkvagent: nothing to roll back: vkvagent has not changed this unit"
+    assert other.holders() == []
 
 
 def test_daemon_waits_for_a_slot_and_says_so_once(etcd: Etcd, tmp_path: Path) -> None:

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from enum import IntEnum
 from pathlib import Path
 from typing import Callable, TextIO
 
-from vkvagent import __version__, config, controls, replay, status
+from vkvagent import __version__, config, controls, fleet, replay, status
 from vkvagent.actuator import Actuator, ActuatorError, Outcome, Plan
 from vkvagent.flags import FlagError
 from vkvagent.gpu import (
@@ -80,6 +81,7 @@ def main(
         LedgerError,
         HistoryError,
         FlagError,
+        fleet.FleetError,
         replay.ReplayError,
     ) as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
@@ -164,6 +166,7 @@ def _parser() -> argparse.ArgumentParser:
         "rollback", help="put back the drop-in vkvagent replaced last, and restart"
     )
     rollback.add_argument("--reason", default="manual rollback")
+    _fleet_option(rollback)
     _config_option(rollback)
     rollback.set_defaults(command=_rollback)
 
@@ -309,7 +312,16 @@ def _action_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-drain", action="store_true", help="do not wait for requests in flight to finish"
     )
+    _fleet_option(parser)
     _config_option(parser)
+
+
+def _fleet_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ignore-fleet",
+        action="store_true",
+        help="with [fleet]: restart without taking a slot of the group (even if all are held)",
+    )
 
 
 def _config_option(parser: argparse.ArgumentParser) -> None:
@@ -600,7 +612,7 @@ def _apply(args: argparse.Namespace, out: TextIO) -> int:
     actuator = _actuator(settings, sys.stderr)
     if args.at_next_window:
         wait_for_window(settings.policy.settings(settings.restart.drain_max_in_flight), out)
-    with actuator.exclusive():
+    with _fleet_slot(settings, args, sys.stderr), actuator.exclusive():
         _recovered(actuator, out)
         plan = _plan_for(actuator, settings)
         if not plan.changed:
@@ -631,17 +643,46 @@ def wait_for_window(
 
 
 def _restart(args: argparse.Namespace, out: TextIO) -> int:
-    actuator = _actuator(config.load(args.config), sys.stderr)
-    with actuator.exclusive():
-        _recovered(actuator, out)
-        return _report(actuator.restart(args.reason, drain=not args.no_drain), out)
+    settings = config.load(args.config)
+    with _fleet_slot(settings, args, sys.stderr):
+        actuator = _actuator(settings, sys.stderr)
+        with actuator.exclusive():
+            _recovered(actuator, out)
+            return _report(actuator.restart(args.reason, drain=not args.no_drain), out)
 
 
 def _rollback(args: argparse.Namespace, out: TextIO) -> int:
-    actuator = _actuator(config.load(args.config), sys.stderr)
-    with actuator.exclusive():
-        _recovered(actuator, out)
-        return _report(actuator.rollback(args.reason), out)
+    settings = config.load(args.config)
+    with _fleet_slot(settings, args, sys.stderr):
+        actuator = _actuator(settings, sys.stderr)
+        with actuator.exclusive():
+            _recovered(actuator, out)
+            return _report(actuator.rollback(args.reason), out)
+
+
+@contextlib.contextmanager
+def _fleet_slot(settings: config.Config, args: argparse.Namespace, err: TextIO) -> Iterator[None]:
+    """An operator's restart takes a slot of the fleet's group, as the daemon's does, so that
+    no more than max_concurrent hosts are down at once; given back however it ends. Refused
+    (FleetError) while every slot is held or etcd does not answer, unless --ignore-fleet."""
+    if not settings.fleet.endpoints or args.ignore_fleet:
+        yield
+        return
+
+    def say(_event: str, message: str, **_fields: object) -> None:
+        print(f"vkvagent: {message}", file=err, flush=True)
+
+    gate = fleet.Gate(settings.fleet, say)
+    admitted = gate.enter(cause="manual", reason=f"manual: {args.reason}", emergency=False)
+    if not admitted.allowed:
+        raise fleet.FleetError(f"{admitted.why}; --ignore-fleet restarts anyway")
+    result = "error"
+    try:
+        yield
+        result = "manual"
+    finally:
+        if admitted.slot is not None:
+            gate.leave(admitted.slot, result)
 
 
 def _adopt(args: argparse.Namespace, out: TextIO) -> int:
