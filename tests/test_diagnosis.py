@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import metrics
+from tests.conftest import FIXTURES, metrics
 from tests.conftest import window_stats as window
 from vkvagent import flags
 from vkvagent.baseline import Capacity, Regime, WindowStats, compare
@@ -29,7 +29,7 @@ from vkvagent.diagnosis import (
     kv_suggestion,
     memory_growth,
 )
-from vkvagent.gpu import GpuReading
+from vkvagent.gpu import GpuReader, GpuReading, RecordedBackend
 
 S = DiagnosisSettings()
 HOLD = S.hold
@@ -195,6 +195,33 @@ def test_a_throttled_gpu_vetoes_the_restart_and_says_so() -> None:
     capped = gpu(clock_event_reasons=("sw_power_cap",), sm_clock_mhz=1920.0)
     result, _ = run(held(situation(window(**SLOW), gpus=[(capped,)])))
     assert result.cause == "uptime_decline"
+
+
+def test_a_power_cap_the_fresh_server_ran_at_too_does_not_explain_a_slowdown() -> None:
+    # A real H200 under a full bf16 load (recorded with `vkvagent gpu --record`): at its
+    # 700 W cap, SM clock 1425 of 1980 MHz, sw_power_cap, all day long.
+    recording = json.loads((FIXTURES / "gpu" / "h200-power-capped.json").read_text())
+    [capped], problem = GpuReader(open=lambda: RecordedBackend(recording)).read()
+    assert problem is None and capped.throttled_by == ("sw_power_cap",)
+    assert capped.sm_clock_mhz == 1425.0 and capped.power_w == pytest.approx(691.916)
+    # Without the fresh server's clock, the power cap alone is how a busy GPU runs.
+    result, _ = run(held(situation(window(**SLOW), gpus=[(capped,)])))
+    assert result.cause == "uptime_decline"
+    # The fresh server ran capped at this load too (1440 MHz): the cap is not the cause.
+    at_cap = Regime(10, {**BASE.values, "sm_clock_ratio": (1440 / 1980,) * 10})
+    slow = window(**SLOW, sm_clock_ratio=1425 / 1980)
+    steps = [situation(comparison=compare(window(), 19, at_cap))] + [
+        situation(slow, comparison=compare(slow, 19, at_cap), gpus=[(capped,)])
+    ] * int(HOLD / 30 + 2)
+    result, _ = run(steps)
+    assert result.cause == "uptime_decline", result.summary
+    assert result.evidence["baseline_sm_clock_ratio"] == pytest.approx(1440 / 1980)
+    # Slowed well below the fresh clock, by heat or by a power limit lowered since, it vetoes.
+    lowered = replace(capped, sm_clock_mhz=1110.0)
+    for slowed in (HOT, lowered):
+        steps[-1] = situation(slow, comparison=compare(slow, 19, at_cap), gpus=[(slowed,)])
+        result, _ = run(steps)
+        assert result.cause == "gpu_throttle" and result.vetoed, slowed
 
 
 def test_throttling_seen_within_the_hold_still_explains_the_slowdown() -> None:

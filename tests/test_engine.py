@@ -18,7 +18,7 @@ import pytest
 
 from tests.cases import corpus
 from tests.cases.simhost import SimHost, cluster_metrics, hours_after, new_cluster
-from tests.conftest import metrics
+from tests.conftest import FIXTURES, metrics
 from vkvagent.baseline import Baseline, Regime
 from vkvagent.diagnosis import CAUSES
 from vkvagent.engine import (
@@ -29,6 +29,7 @@ from vkvagent.engine import (
     Settings,
     decide,
 )
+from vkvagent.gpu import GpuReader, RecordedBackend
 from vkvagent.metrics import Normaliser
 from vkvagent.policy import PolicySettings, TrafficProfile, rate_bin
 from vkvagent.sample import Sample
@@ -361,6 +362,19 @@ def test_a_new_run_carries_the_regimes_its_predecessor_could_carry() -> None:
     state = replace(state, baseline=replace(ran, regimes=slow))
     d = decide(ENFORCE, state, Observation(restarted), now_of(restarted[-1]))
     assert d.state.previous is not None and d.state.previous.regimes == slow
+
+
+def test_the_window_keeps_the_slowest_gpus_clock_and_the_baseline_learns_it() -> None:
+    recording = json.loads((FIXTURES / "gpu" / "h200-power-capped.json").read_text())
+    [capped], _problem = GpuReader(open=lambda: RecordedBackend(recording)).read()
+    full = replace(capped, index=1, sm_clock_mhz=1980.0)
+    fresh = [replace(sample(t, start=1.7e9 - 700), gpus=(full, capped)) for t in range(0, 3000, 15)]
+    state = EngineState()
+    for end in range(21, len(fresh), 4):
+        d = decide(ENFORCE, state, Observation(fresh[end - 21 : end]), now_of(fresh[end - 1]))
+        state = d.state
+    assert d.evidence["sm_clock_ratio"] == pytest.approx(1425 / 1980)  # GPU 0, the slowest
+    assert d.evidence["baseline_sm_clock_ratio"] == pytest.approx(1425 / 1980), d.reason
 
 
 def test_state_persisted_as_json_mid_run_gives_the_same_decisions() -> None:

@@ -46,6 +46,7 @@ METRICS = (
     "waiting",
     "kv_usage",
     "prompt_share",
+    "sm_clock_ratio",
 )
 
 
@@ -89,6 +90,9 @@ class WindowStats:
     ttft_p50: float | None
     prompt_share: float | None  # prompt tokens / all tokens: the request mix
     per_request: float | None  # generation tokens/s per running request
+    # Mean over the window's samples of the slowest GPU's SM clock / its maximum: a busy GPU
+    # at its power cap runs well below the maximum, fresh or not (None: no GPU readings).
+    sm_clock_ratio: float | None = None
 
     def values(self) -> dict[str, float]:
         """The METRICS this window has, by name."""

@@ -312,8 +312,9 @@ class DiagnosisConfig:
     )  # fmt: skip
     throttle_clock_drop: float = setting(
         _D.throttle_clock_drop,
-        "A GPU with a throttle reason counts as throttled when its SM clock is below its "
-        "maximum x (1 - this).",
+        "A GPU with a throttle reason counts as throttled when its SM clock is below "
+        "(1 - this) x the clock the fresh server ran at this load, or x its maximum while "
+        "that is unknown (then the power cap alone, how a busy GPU runs, does not count).",
         min=0, max=0.95,
     )  # fmt: skip
     fault_memory: float = setting(

@@ -277,7 +277,10 @@ def diagnose(
     Order: engine_down, gpu_fault, stall, then the held symptoms (KV pressure, stranded KV,
     memory growth, speed), each checked against what would explain it instead."""
     s = settings
-    state = _remember_gpus(s, state, situation.gpus, now)
+    fresh_clock = (
+        situation.comparison.baseline.get("sm_clock_ratio") if situation.comparison else None
+    )
+    state = _remember_gpus(s, state, situation.gpus, fresh_clock, now)
     if situation.down is not None:
         return Diagnosis(
             "engine_down",
@@ -544,6 +547,7 @@ def _remember_gpus(
     s: DiagnosisSettings,
     state: DiagnosisState,
     gpus: Sequence[tuple[GpuReading, ...]],
+    fresh_clock: float | None,
     now: float,
 ) -> DiagnosisState:
     """Throttling and faults are seen in some samples only (an XID is reported once); keep
@@ -551,7 +555,7 @@ def _remember_gpus(
     throttled, faults = [], []
     for readings in gpus:
         for gpu in readings:
-            if _throttled(s, gpu):
+            if _throttled(s, gpu, fresh_clock):
                 throttled.append(
                     f"GPU {gpu.index} {'+'.join(gpu.throttled_by)}, SM clock "
                     f"{gpu.sm_clock_mhz:.0f}/{gpu.sm_clock_max_mhz:.0f} MHz"
@@ -569,11 +573,22 @@ def _remember_gpus(
     return state
 
 
-def _throttled(s: DiagnosisSettings, gpu: GpuReading) -> bool:
+def _throttled(s: DiagnosisSettings, gpu: GpuReading, fresh_clock: float | None) -> bool:
+    """Slowed against the workload's will, and by more than the fresh server was at this
+    load (``fresh_clock``: its SM clock / maximum, when known).
+
+    A busy GPU at its power cap runs far below its maximum clock all day (an H200 under a
+    full load: 1425 of 1980 MHz at 700 W, recorded in tests/fixtures/gpu), so the power cap
+    counts only against the fresh server's clock: alone, it neither explains a slowdown nor
+    stops a baseline from being learned. Heat and hardware slowdowns count against the
+    maximum clock until the fresh one is known."""
     clock, top = gpu.sm_clock_mhz, gpu.sm_clock_max_mhz
-    return bool(
-        gpu.throttled_by and clock is not None and top and clock < top * (1 - s.throttle_clock_drop)
-    )
+    if not gpu.throttled_by or clock is None or not top:
+        return False
+    if fresh_clock is None and gpu.throttled_by == ("sw_power_cap",):
+        return False
+    reference = 1.0 if fresh_clock is None else min(1.0, fresh_clock)
+    return clock / top < reference * (1 - s.throttle_clock_drop)
 
 
 def _throttle(s: DiagnosisSettings, state: DiagnosisState, now: float) -> str:
@@ -711,7 +726,9 @@ def _window_evidence(
         out["per_request_ratio"] = cmp.per_request
         out["throughput_ratio"] = cmp.throughput
         out["ttft_ratio"] = cmp.ttft
-        for name in ("itl", "per_request", "running", "requests_per_s", "prompt_share"):
+        for name in (
+            "itl", "per_request", "running", "requests_per_s", "prompt_share", "sm_clock_ratio"
+        ):  # fmt: skip
             if name in cmp.baseline:
                 out["baseline_" + name] = cmp.baseline[name]
     return out

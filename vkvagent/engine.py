@@ -39,6 +39,7 @@ from vkvagent.diagnosis import (
     optional_float,
 )
 from vkvagent.flags import FlagValue
+from vkvagent.gpu import GpuReading
 from vkvagent.metrics import VllmMetrics
 from vkvagent.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
 from vkvagent.rates import counters, is_reset
@@ -432,7 +433,21 @@ def _stats(segment: list[Sample], settings: BaselineSettings) -> WindowStats | N
     if len(segment) < 2 or segment[-1].mono - segment[0].mono < settings.window / 2:
         return None
     points = [(s.mono, s.vllm) for s in segment if s.vllm is not None]
-    return window_stats(points, settings.min_running)
+    stats = window_stats(points, settings.min_running)
+    clocks = [c for c in (_slowest_clock(s.gpus) for s in segment) if c is not None]
+    if stats is None or not clocks:
+        return stats
+    return replace(stats, sm_clock_ratio=sum(clocks) / len(clocks))
+
+
+def _slowest_clock(gpus: Sequence[GpuReading]) -> float | None:
+    """The lowest SM clock / maximum among the GPUs (the slowest bounds the engine)."""
+    ratios = [
+        g.sm_clock_mhz / g.sm_clock_max_mhz
+        for g in gpus
+        if g.sm_clock_mhz is not None and g.sm_clock_max_mhz
+    ]
+    return min(ratios) if ratios else None
 
 
 def _uptime(run: RunState, latest: Sample | None, unit_started: float | None) -> float | None:
