@@ -160,10 +160,13 @@ def test_baselines_survive_a_json_round_trip_and_reject_garbage_in_one_line() ->
     again = Baseline.from_json(json.loads(json.dumps(b.to_json())))
     assert again == b
     assert again.regimes[19].medians == b.regimes[19].medians
+    # A metric a later vkvagent keeps is left out, not fatal: a downgrade keeps the rest.
+    later = {"run": "r", "regimes": {"19": {"count": 1, "values": {"itl": [0.02], "new": [1.0]}}}}
+    assert Baseline.from_json(later).regimes[19].values == {"itl": (0.02,)}
     for bad in (
         None,
         {"run": 3, "regimes": {}},
-        {"run": "r", "regimes": {"19": {"count": 1, "values": {"nope": [1.0]}}}},
+        {"run": "r", "server": 7, "regimes": {}},
         {"run": "r", "regimes": {"19": {"count": 1, "values": {"itl": ["x"]}}}},
         {"run": "r", "regimes": {"19": {"count": -1, "values": {}}}},
         {"run": "r", "regimes": {"x": {"count": 1, "values": {}}}},

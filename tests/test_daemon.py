@@ -176,6 +176,26 @@ def test_a_damaged_state_file_costs_the_baseline_not_the_start(tmp_path: Path) -
     assert status.exit_code(report, time.time()) == status.StatusCode.CRITICAL
 
 
+def test_the_ledger_gives_the_policy_restarts_and_aborted_attempts(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "http://127.0.0.1:9")
+    now = time.time()
+    with Ledger(tmp_path / "state") as ledger:
+        for kind, reason, outcome, hours_ago in (
+            ("restart", "uptime_decline: restart: in window", "done", 30),
+            ("apply", "manual", "rolled-back", 20),
+            ("restart", "stall: restart: emergency", "aborted", 0.2),
+            ("restart", "long ago: restart", "done", 9 * 24),  # past the 8 days looked at
+        ):
+            action = ledger.begin(kind, reason, now - hours_ago * 3600, {})
+            ledger.end(action, outcome, now - hours_ago * 3600 + 10)
+    daemon = Daemon.offline(path, io.StringIO())
+    try:
+        found = [(r.cause, r.aborted) for r in daemon._restarts(now)]
+    finally:
+        daemon.close()
+    assert found == [("uptime_decline", False), ("manual", False), ("stall", True)]
+
+
 def test_reload_keeps_the_old_config_when_the_new_one_is_invalid(tmp_path: Path) -> None:
     path = write_config(tmp_path, "http://127.0.0.1:9")
     stream, notes = io.StringIO(), Notes()

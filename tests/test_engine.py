@@ -28,6 +28,7 @@ from vkvagent.engine import (
     Observation,
     Settings,
     decide,
+    server_identity,
 )
 from vkvagent.gpu import GpuReader, RecordedBackend
 from vkvagent.metrics import Normaliser
@@ -232,6 +233,10 @@ def now_of(s: Sample) -> datetime:
     return datetime.fromtimestamp(s.time, timezone.utc)
 
 
+DAY_OLD = [sample(t, start=1.7e9 - 86400) for t in range(0, 1500, 10)]
+SERVER = server_identity(metrics(), {})  # what the pages of sample() say of the server
+
+
 def test_a_counter_reset_starts_a_new_run_with_a_new_baseline() -> None:
     settings = Settings()
     first = [sample(t) for t in range(0, 400, 10)]
@@ -243,7 +248,7 @@ def test_a_counter_reset_starts_a_new_run_with_a_new_baseline() -> None:
     second = first[-5:] + [sample(t, mono=1400.0 + t) for t in range(0, 60, 10)]
     decision = decide(settings, state, Observation(second), now_of(second[-1]))
     assert decision.state.run.key == "mono:1400.000"
-    assert decision.state.baseline == Baseline(run="mono:1400.000")
+    assert decision.state.baseline == Baseline(run="mono:1400.000", server=SERVER)
     assert decision.state.previous is learned
     assert decision.uptime == pytest.approx(50.0)  # counted from the new run's first sample
 
@@ -314,12 +319,11 @@ def known(**per_regime: tuple[float, float]) -> dict[int, Regime]:
 def judged_against(previous: Baseline, current: Baseline) -> list[Decision]:
     """A day-old run at 100 generated tokens/s with 2 running (regime 13, 50 tokens/s per
     request), decided every minute for 20 minutes, with these baselines."""
-    day_old = [sample(t, start=1.7e9 - 86400) for t in range(0, 1500, 10)]
-    state = decide(ENFORCE, EngineState(), Observation(day_old[:31]), now_of(day_old[30])).state
+    state = decide(ENFORCE, EngineState(), Observation(DAY_OLD[:31]), now_of(DAY_OLD[30])).state
     state = replace(state, previous=previous, baseline=replace(current, run=state.run.key))
     decisions = []
-    for end in range(37, len(day_old), 6):
-        d = decide(ENFORCE, state, Observation(day_old[end - 31 : end]), now_of(day_old[end - 1]))
+    for end in range(37, len(DAY_OLD), 6):
+        d = decide(ENFORCE, state, Observation(DAY_OLD[end - 31 : end]), now_of(DAY_OLD[end - 1]))
         state = d.state
         decisions.append(d)
     return decisions
@@ -328,40 +332,35 @@ def judged_against(previous: Baseline, current: Baseline) -> list[Decision]:
 def test_a_load_this_run_has_not_learned_is_judged_by_an_earlier_run_it_matches() -> None:
     # The earlier run learned regimes 11 and 13; this one only 11, where it is as fast.
     earlier = Baseline(
-        run="start:1699900000.000", regimes=known(r11=(0.02, 90.0), r13=(0.02, 100.0))
-    )
+        run="start:1699900000.000", regimes=known(r11=(0.02, 90.0), r13=(0.02, 100.0)),
+        server=SERVER,
+    )  # fmt: skip
     same_speed = Baseline(run="", regimes=known(r11=(0.02, 90.0)))
     decisions = judged_against(earlier, same_speed)
     assert all(d.ratio == pytest.approx(0.5) for d in decisions)  # 50 of the earlier 100
     assert all(d.evidence["baseline_run"] == "start:1699900000.000" for d in decisions)
     assert decisions[-1].cause == "uptime_decline"
     assert "speed 0.50 of an earlier run's fresh baseline at" in decisions[-1].reason
-    # Slower than the earlier run where both learned (0.02 / 0.0215 = 0.93 < CARRY_SPEED):
-    # its baselines are not this run's to be held to.
+    # Slower than the earlier run where both learned (0.02 / 0.0215 = 0.93 < CARRY_SPEED),
+    # or another server (another vLLM version, model, cache config or flags): its baselines
+    # are not this run's to be held to.
     slower = Baseline(run="", regimes=known(r11=(0.0215, 90.0)))
-    decisions = judged_against(earlier, slower)
-    assert all(d.ratio is None and "baseline_run" not in d.evidence for d in decisions)
-    assert decisions[-1].reason.startswith("unknown baseline: nothing learned at 91-128")
+    other = replace(earlier, server="another")
+    for previous, current in ((earlier, slower), (other, same_speed)):
+        decisions = judged_against(previous, current)
+        assert all(d.ratio is None and "baseline_run" not in d.evidence for d in decisions)
+        assert decisions[-1].reason.startswith("unknown baseline: nothing learned at 91-128")
 
 
-def test_a_new_run_carries_the_regimes_its_predecessor_could_carry() -> None:
+def test_only_the_run_that_ended_is_kept_for_the_next_never_what_it_borrowed() -> None:
     earlier = Baseline(run="start:1.000", regimes=known(r11=(0.02, 90.0), r13=(0.02, 100.0)))
-    ended = known(r11=(0.0201, 90.0), r15=(0.03, 80.0))
-    ended[13] = Regime(3, {"itl": (0.04,) * 3})  # only begun: the earlier run's is kept
     first = [sample(t, start=1.7e9) for t in range(0, 100, 10)]
     state = decide(ENFORCE, EngineState(), Observation(first), now_of(first[-1])).state
-    ran = Baseline(run=state.run.key, regimes=ended)
-    state = replace(state, previous=earlier, baseline=ran)
+    ran = Baseline(run=state.run.key, regimes=known(r11=(0.0201, 90.0)), server="s")
+    state = replace(state, previous=replace(earlier, server="s"), baseline=ran)
     restarted = [sample(t, start=1.7e9 + 3600) for t in range(3600, 3700, 10)]
     d = decide(ENFORCE, state, Observation(restarted), now_of(restarted[-1]))
-    carried = d.state.previous
-    assert carried is not None and carried.run == ran.run
-    assert carried.regimes == {11: ended[11], 13: earlier.regimes[13], 15: ended[15]}
-    # A run slower than its predecessor carries nothing on: it is kept alone.
-    slow = {**ended, 11: known(r11=(0.03, 90.0))[11]}
-    state = replace(state, baseline=replace(ran, regimes=slow))
-    d = decide(ENFORCE, state, Observation(restarted), now_of(restarted[-1]))
-    assert d.state.previous is not None and d.state.previous.regimes == slow
+    assert d.state.previous == ran  # so differences between runs cannot add up
 
 
 def test_the_window_keeps_the_slowest_gpus_clock_and_the_baseline_learns_it() -> None:

@@ -310,6 +310,10 @@ def test_aborted_attempts_back_off_doubling_to_an_hour_and_count_for_nothing_els
                                aborted(60)), Controls()) == 2  # fmt: skip
     v = verdict(history=(aborted(200), aborted(190), aborted(180)), cause="stall")
     assert v.action == "restart"  # no cooldown, no min interval, no budget spent
+    # An emergency is tried again every minute, however many attempts failed before.
+    assert verdict(history=many, cause="stall").action == "restart"  # the last 490 min ago
+    assert verdict(history=(*many, aborted(0.5)), cause="stall").action == "hold"
+    assert verdict(history=(*many, aborted(1.5)), cause="stall").action == "restart"
     # One recorded in the future (a clock step back) is not held against now.
     assert verdict(history=(aborted(-120),)).action == "restart"
     # `vkvagent resume` starts afresh.

@@ -240,14 +240,18 @@ class Actuator:
             ready_at - requested,
         )
 
-    def rollback(self, reason: str) -> Outcome:
-        """Undo vkvagent's last change to the drop-in (one level; again goes one further),
-        and restart with it."""
+    def check_rollback(self) -> None:
+        """Raise ActuatorError when there is nothing ``rollback`` may undo."""
         if not self.dropin.has_previous():
             raise ActuatorError("nothing to roll back: vkvagent has not changed this unit")
         text = self.dropin.read()
         if text is not None and is_foreign_edit(text):  # someone's edit is not for us to drop
             raise ActuatorError(_foreign(self.dropin.path))
+
+    def rollback(self, reason: str) -> Outcome:
+        """Undo vkvagent's last change to the drop-in (one level; again goes one further),
+        and restart with it."""
+        self.check_rollback()
         previous = self.dropin.previous()
         started = self._clock()
         action = self.ledger.begin("rollback", reason, self._wall(), {"restored": previous})

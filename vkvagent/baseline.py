@@ -216,6 +216,7 @@ class Baseline:
     run: str
     regimes: Mapping[int, Regime] = field(default_factory=dict)
     last_added: float | None = None  # monotonic time of the last window kept
+    server: str = ""  # engine.server_identity of the run: another run's stands in only if equal
 
     def known(self, key: int | None, settings: BaselineSettings) -> Regime | None:
         """The regime's values if there are enough of them, else None (unknown)."""
@@ -249,8 +250,7 @@ class Baseline:
         return replace(self, regimes=regimes, last_added=mono)
 
     def merged(self, older: Baseline, settings: BaselineSettings) -> Baseline:
-        """This baseline, with ``older``'s known regimes where this one does not know them:
-        what the next run may be judged against at loads neither it nor this run learned."""
+        """This baseline, with ``older``'s known regimes where this one does not know them."""
         regimes = dict(self.regimes)
         for key in older.known_keys(settings):
             if self.known(key, settings) is None:
@@ -278,6 +278,7 @@ class Baseline:
     def to_json(self) -> dict[str, Any]:
         return {
             "run": self.run,
+            "server": self.server,
             "last_added": self.last_added,
             "regimes": {
                 str(key): {"count": r.count, "values": {n: list(v) for n, v in r.values.items()}}
@@ -289,17 +290,20 @@ class Baseline:
     def from_json(cls, data: Any) -> Baseline:
         """The inverse of ``to_json``; ValueError (one line) for anything malformed."""
         try:
-            run = data["run"]
+            run, server = data["run"], data.get("server", "")
             last = data.get("last_added")
             if not isinstance(run, str) or not (last is None or _is_number(last)):
                 raise ValueError("run must be a string and last_added a number or null")
+            if not isinstance(server, str):
+                raise ValueError("server must be a string")
             regimes = {}
             for key, entry in data["regimes"].items():
                 values = {}
                 for name, seq in entry["values"].items():
-                    if name not in METRICS or not all(_is_number(v) for v in seq):
+                    if not all(_is_number(v) for v in seq):
                         raise ValueError(f"regime {key}: bad values for {name!r}")
-                    values[name] = tuple(float(v) for v in seq)
+                    if name in METRICS:  # one a later version added is left out, not fatal
+                        values[name] = tuple(float(v) for v in seq)
                 count = entry["count"]
                 if not isinstance(count, int) or count < 0:
                     raise ValueError(f"regime {key}: bad count {count!r}")
@@ -308,7 +312,7 @@ class Baseline:
             raise ValueError(f"baseline: malformed ({type(exc).__name__}: {exc})") from None
         except ValueError as exc:
             raise ValueError(f"baseline: {exc}") from None
-        return cls(run, regimes, None if last is None else float(last))
+        return cls(run, regimes, None if last is None else float(last), server)
 
 
 def _is_number(value: Any) -> bool:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from enum import IntEnum
 from pathlib import Path
@@ -612,13 +611,16 @@ def _apply(args: argparse.Namespace, out: TextIO) -> int:
     actuator = _actuator(settings, sys.stderr)
     if args.at_next_window:
         wait_for_window(settings.policy.settings(settings.restart.drain_max_in_flight), out)
-    with _fleet_slot(settings, args, sys.stderr), actuator.exclusive():
+    with actuator.exclusive():
         _recovered(actuator, out)
         plan = _plan_for(actuator, settings)
         if not plan.changed:
             print("nothing to apply: the unit already runs with these flags", file=out)
             return ExitCode.OK
-        return _report(actuator.restart(args.reason, plan=plan, drain=not args.no_drain), out)
+        drain = not args.no_drain
+        return _in_slot(
+            settings, args, lambda: actuator.restart(args.reason, plan=plan, drain=drain), out
+        )
 
 
 def wait_for_window(
@@ -644,33 +646,34 @@ def wait_for_window(
 
 def _restart(args: argparse.Namespace, out: TextIO) -> int:
     settings = config.load(args.config)
-    with _fleet_slot(settings, args, sys.stderr):
-        actuator = _actuator(settings, sys.stderr)
-        with actuator.exclusive():
-            _recovered(actuator, out)
-            return _report(actuator.restart(args.reason, drain=not args.no_drain), out)
+    actuator = _actuator(settings, sys.stderr)
+    with actuator.exclusive():
+        _recovered(actuator, out)
+        drain = not args.no_drain
+        return _in_slot(settings, args, lambda: actuator.restart(args.reason, drain=drain), out)
 
 
 def _rollback(args: argparse.Namespace, out: TextIO) -> int:
     settings = config.load(args.config)
-    with _fleet_slot(settings, args, sys.stderr):
-        actuator = _actuator(settings, sys.stderr)
-        with actuator.exclusive():
-            _recovered(actuator, out)
-            return _report(actuator.rollback(args.reason), out)
+    actuator = _actuator(settings, sys.stderr)
+    with actuator.exclusive():
+        _recovered(actuator, out)
+        actuator.check_rollback()  # nothing to undo: say so before asking the fleet for a slot
+        return _in_slot(settings, args, lambda: actuator.rollback(args.reason), out)
 
 
-@contextlib.contextmanager
-def _fleet_slot(settings: config.Config, args: argparse.Namespace, err: TextIO) -> Iterator[None]:
-    """An operator's restart takes a slot of the fleet's group, as the daemon's does, so that
-    no more than max_concurrent hosts are down at once; given back however it ends. Refused
-    (FleetError) while every slot is held or etcd does not answer, unless --ignore-fleet."""
+def _in_slot(
+    settings: config.Config, args: argparse.Namespace, act: Callable[[], Outcome], out: TextIO
+) -> int:
+    """Run ``act`` (a restart) holding a slot of the fleet's group, as the daemon's restarts
+    do, so that no more than max_concurrent hosts are down at once; the slot is given back
+    however it ends. Refused (FleetError) while every slot is held or etcd does not answer,
+    unless --ignore-fleet."""
     if not settings.fleet.endpoints or args.ignore_fleet:
-        yield
-        return
+        return _report(act(), out)
 
     def say(_event: str, message: str, **_fields: object) -> None:
-        print(f"vkvagent: {message}", file=err, flush=True)
+        print(f"vkvagent: {message}", file=sys.stderr, flush=True)
 
     gate = fleet.Gate(settings.fleet, say)
     admitted = gate.enter(cause="manual", reason=f"manual: {args.reason}", emergency=False)
@@ -678,11 +681,12 @@ def _fleet_slot(settings: config.Config, args: argparse.Namespace, err: TextIO) 
         raise fleet.FleetError(f"{admitted.why}; --ignore-fleet restarts anyway")
     result = "error"
     try:
-        yield
-        result = "manual"
+        outcome = act()
+        result = outcome.result
     finally:
         if admitted.slot is not None:
             gate.leave(admitted.slot, result)
+    return _report(outcome, out)
 
 
 def _adopt(args: argparse.Namespace, out: TextIO) -> int:

@@ -383,7 +383,7 @@ class Daemon:
 
     def _restarts(self, now: float) -> tuple[RestartRecord, ...]:
         """Restarts in the ledger (the daemon's and manual ones) for the policy's budgets,
-        each with its judged outcome."""
+        each with its judged outcome, and the aborted attempts for its retry back-off."""
         try:
             actions = self.parts.ledger.since(now - 8 * DAY)
         except LedgerError:

@@ -49,7 +49,7 @@ class DiagnosisSettings:
     load_tolerance: float = 0.1  # load above fresh capacity x (1 + this) is more load
     mix_tolerance: float = 0.15  # prompt-token share moved more than this: another mix
     stall_after: float = 120.0  # requests pending and no token or step for this long
-    throttle_clock_drop: float = 0.1  # SM clock below max x (1 - this) while throttled
+    throttle_clock_drop: float = 0.1  # throttled: SM clock below the fresh one x (1 - this)
     fault_memory: float = 3600.0  # an XID keeps vetoing restarts this long
     memory_min_span: float = 3600.0  # this run's memory series must cover this long
     memory_min_growth: float = 2.0 * GIB  # bytes grown in this run, along with requests

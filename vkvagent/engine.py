@@ -10,6 +10,8 @@ and keeps nothing between calls; ``EngineState.to_json`` is what a caller persis
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -113,7 +115,9 @@ class EngineState:
 
     run: RunState = field(default_factory=RunState)
     baseline: Baseline | None = None  # this run's
-    previous: Baseline | None = None  # the last run's, to judge whether a restart helped
+    # The last run's: to judge whether a restart helped, and to stand in at loads this run
+    # has not learned (_carried).
+    previous: Baseline | None = None
     diagnosis: DiagnosisState = field(default_factory=DiagnosisState)
     recovered: bool | None = None  # did this run's fresh speed match the previous run's
     seen: float | None = None  # monotonic time of the newest sample read, valid or not
@@ -171,7 +175,8 @@ class Decision:
     cause: str | None
     reason: str
     evidence: Evidence
-    ratio: float | None  # current speed / this run's fresh baseline at the same regime
+    ratio: float | None  # current speed / the fresh baseline at the same regime (this run's,
+    # or the previous run's at a load this run has not learned: evidence baseline_run)
     window_open: bool
     next_window: datetime | None
     uptime: float | None
@@ -220,20 +225,22 @@ def decide(
     state = _after_reboot(state, observed.samples)
     fresh = [s for s in observed.samples if state.seen is None or s.mono > state.seen]
     valid = _ordered(observed.samples)
-    state = _read_samples(settings, state, valid)
+    state = _read_samples(state, valid)
     latest = valid[-1] if valid else None
     segment = _segment(valid, b.window)
     stats = _stats(segment, b)
     uptime = _uptime(state.run, latest, observed.unit_started)
 
     baseline = state.baseline or Baseline(run=state.run.key or "none")
+    if not baseline.server and latest is not None and latest.vllm is not None:
+        baseline = replace(baseline, server=server_identity(latest.vllm, observed.flags))
     key = regime_of(stats, b) if stats else None
-    regime = baseline.known(key, b)
+    # What this server does when fresh: this run's baselines, and at the loads it has not
+    # learned, the previous run's where they may stand in (_carried).
     carried = _carried(settings, state.previous, baseline)
-    if regime is None and carried is not None:
-        regime = carried.known(key, b)  # a load this run has not learned yet
-    else:
-        carried = None
+    reference = baseline if carried is None else baseline.merged(carried, b)
+    regime = reference.known(key, b)
+    borrowed = carried.run if carried and regime and not baseline.known(key, b) else None
     comparison = compare(stats, key, regime) if stats and regime and key is not None else None
     situation = Situation(
         stats=stats,
@@ -241,7 +248,7 @@ def decide(
         regime="idle" if key is None else regime_label(key, b),
         known=", ".join(regime_label(k, b) for k in baseline.known_keys(b)),
         learning=_learning(b, baseline, uptime),
-        capacity=baseline.capacity(b),
+        capacity=reference.capacity(b),
         gpus=[s.gpus for s in fresh],
         stalled_for=(
             state.diagnosis.progress.stalled_for(latest.vllm, latest.mono)
@@ -253,7 +260,7 @@ def decide(
         down=_down(observed),
         flags=observed.flags,
         cache_config=latest.vllm.cache_config if latest is not None and latest.vllm else {},
-        baseline_of="this run's" if carried is None else "an earlier run's",
+        baseline_of="this run's" if borrowed is None else "an earlier run's",
     )
     diagnosis, dstate = diagnose(settings.diagnosis, state.diagnosis, situation, at)
 
@@ -291,8 +298,8 @@ def decide(
     evidence = dict(diagnosis.evidence)
     evidence["uptime_s"] = uptime
     evidence["run"] = state.run.key
-    if carried is not None and comparison is not None:
-        evidence["baseline_run"] = carried.run
+    if borrowed is not None and comparison is not None:
+        evidence["baseline_run"] = borrowed
     return Decision(
         time=now,
         action=action,
@@ -348,7 +355,7 @@ def _after_reboot(state: EngineState, samples: Sequence[Sample]) -> EngineState:
     return replace(state, seen=None, run=replace(state.run, cursor=None))
 
 
-def _read_samples(settings: Settings, state: EngineState, valid: list[Sample]) -> EngineState:
+def _read_samples(state: EngineState, valid: list[Sample]) -> EngineState:
     """Advance the run tracking and the stall clock over the samples not read before. A new
     process start time or a counter going down starts a new run (and a new baseline)."""
     run, progress = state.run, state.diagnosis.progress
@@ -361,9 +368,7 @@ def _read_samples(settings: Settings, state: EngineState, valid: list[Sample]) -
         restarted = is_reset(before, metrics) if before is not None else _differs(run, metrics)
         if run.key is None or restarted:
             state = _new_run(
-                settings,
-                replace(state, diagnosis=replace(state.diagnosis, progress=progress)),
-                sample,
+                replace(state, diagnosis=replace(state.diagnosis, progress=progress)), sample
             )
             run, progress, before = state.run, state.diagnosis.progress, None
         progress = progress.observe(before, metrics, sample.mono)
@@ -390,18 +395,13 @@ def _differs(run: RunState, metrics: VllmMetrics) -> bool:
     )
 
 
-def _new_run(settings: Settings, state: EngineState, sample: Sample) -> EngineState:
+def _new_run(state: EngineState, sample: Sample) -> EngineState:
     metrics = sample.vllm
     assert metrics is not None
     start = metrics.process_start_time
     key = f"start:{start:.3f}" if start is not None else f"mono:{sample.mono:.3f}"
-    # What the next run is judged against: the run that ended, with what it could carry.
     old = state.baseline
-    carried = _carried(settings, state.previous, old) if old is not None else None
-    if old is not None and carried is not None:
-        keep: Baseline | None = old.merged(carried, settings.baseline)
-    else:
-        keep = old if old is not None and old.regimes else state.previous
+    keep = old if old is not None and old.regimes else state.previous
     return EngineState(
         run=RunState(key=key, started=start, first_mono=sample.mono),
         baseline=Baseline(run=key),
@@ -486,37 +486,38 @@ def _learning(settings: BaselineSettings, baseline: Baseline, uptime: float | No
     return ""
 
 
-def _fresh_speed(settings: Settings, previous: Baseline, current: Baseline) -> float | None:
-    """This run's fresh speed over the previous run's (mean ITL, median over the regimes both
-    know); None while they share none."""
+def _fresh_speeds(settings: Settings, previous: Baseline, current: Baseline) -> list[float]:
+    """This run's fresh speed over the previous run's (mean ITL), at each regime both know."""
     b = settings.baseline
     ratios = []
-    for key in set(previous.known_keys(b)) & set(current.known_keys(b)):
+    for key in sorted(set(previous.known_keys(b)) & set(current.known_keys(b))):
         old, new = previous.regimes[key].median("itl"), current.regimes[key].median("itl")
         if old is not None and new:
             ratios.append(old / new)
-    if not ratios:
-        return None
-    return sorted(ratios)[len(ratios) // 2]
+    return ratios
 
 
 def _carried(settings: Settings, previous: Baseline | None, current: Baseline) -> Baseline | None:
-    """The previous run's fresh baselines, for the loads this run has not learned, once this
-    run's own fresh speed has been seen to be at least theirs (within CARRY_SPEED); else None.
-    A restart that did not restore the speed, an upgrade or a flag change that made vLLM
-    slower, carry nothing: only a baseline this run is known to match is held against it."""
-    if previous is None or not previous.regimes:
+    """The previous run's own fresh baselines, to stand in at loads this run has not learned:
+    only from the same server (vLLM version, model, cache config and configured flags), and
+    once this run has been at least CARRY_SPEED as fast at every load both learned. A
+    restart that did not restore the speed, an upgrade or a flag change carries nothing; an
+    older run's baselines are never passed on, so small differences cannot add up."""
+    if previous is None or not previous.regimes or not current.server:
         return None
-    speed = _fresh_speed(settings, previous, current)
-    return previous if speed is not None and speed >= CARRY_SPEED else None
+    if previous.server != current.server:
+        return None
+    speeds = _fresh_speeds(settings, previous, current)
+    return previous if speeds and min(speeds) >= CARRY_SPEED else None
 
 
 def _recovered(settings: Settings, previous: Baseline, current: Baseline) -> bool | None:
     """Whether this run's fresh speed matches the previous run's, where both know the same
     regime: the judgement of the restart in between. None until it can be told."""
-    ratio = _fresh_speed(settings, previous, current)
-    if ratio is None:
+    ratios = _fresh_speeds(settings, previous, current)
+    if not ratios:
         return None
+    ratio = sorted(ratios)[len(ratios) // 2]
     if ratio >= settings.diagnosis.leave_ratio:
         return True
     if ratio < settings.diagnosis.enter_ratio:
@@ -528,6 +529,14 @@ def _recovered(settings: Settings, previous: Baseline, current: Baseline) -> boo
 # has not learned, against the previous run's baselines (the noise between two fresh runs of
 # one server is a few percent; a slower run would be held to a speed it never had).
 CARRY_SPEED = 0.95
+
+
+def server_identity(metrics: VllmMetrics, flags: Mapping[str, FlagValue]) -> str:
+    """What must not change for one run's baselines to stand for another's: vLLM's version,
+    the model, the cache config it reports and the flags configured for it."""
+    facts = [metrics.version, list(metrics.models), sorted(metrics.cache_config.items())]
+    text = json.dumps([*facts, sorted(flags.items())], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # -- what callers keep between calls -----------------------------------------------------------

@@ -253,7 +253,8 @@ class TrafficProfile:
 
 @dataclass(frozen=True)
 class RestartRecord:
-    """A restart that happened (any cause), as the ledger records it."""
+    """A restart (any cause) as the ledger records it: one that happened, or an attempt
+    aborted before it reached systemd."""
 
     time: float  # UTC Unix seconds when it began
     cause: str
@@ -299,13 +300,15 @@ def window_state(settings: PolicySettings, now: datetime) -> tuple[bool, datetim
 
 # After an aborted attempt the next waits this long, doubling with each one in a row up to the
 # cap, so a unit that cannot be restarted (start limit, drain that never empties) is asked a
-# few times an hour, not every tick.
+# few times an hour, not every tick. An emergency (an engine that serves nothing) is tried
+# again every RETRY_FIRST whatever came before: its attempts skip the drain that may be what
+# failed.
 RETRY_FIRST = 60.0
 RETRY_MAX = 3600.0
 
 
 def retry_wait(
-    history: Sequence[RestartRecord], controls: Controls, at: float
+    history: Sequence[RestartRecord], controls: Controls, at: float, *, emergency: bool = False
 ) -> tuple[int, float, float]:
     """The aborted attempts in a row up to ``at`` since the last restart that happened (or
     the last resume), when the last of them was, and how long after it the next may be
@@ -319,7 +322,11 @@ def retry_wait(
         streak, last = streak + 1, max(last, record.time)
     if not streak:
         return 0, 0.0, 0.0
-    return streak, last, min(RETRY_FIRST * 2 ** (streak - 1), RETRY_MAX)
+    return (
+        streak,
+        last,
+        min(RETRY_FIRST * 2 ** (streak - 1), RETRY_FIRST if emergency else RETRY_MAX),
+    )
 
 
 def escalated(
@@ -380,7 +387,8 @@ def evaluate(
         )
     if controls.paused_until is not None and at < controls.paused_until:
         return verdict("hold", f"paused until {_iso(controls.paused_until)}")
-    aborted, last_aborted, wait = retry_wait(history, controls, at)
+    emergency = cause in settings.emergency
+    aborted, last_aborted, wait = retry_wait(history, controls, at, emergency=emergency)
     if aborted and at - last_aborted < wait:
         return verdict(
             "hold",
@@ -400,7 +408,6 @@ def evaluate(
             "hold",
             f"budget: {len(recent)} restarts in the last 24 h (at most {settings.max_per_day})",
         )
-    emergency = cause in settings.emergency
     if not emergency:
         if past and at - past[0] < settings.cooldown:
             return verdict(
