@@ -240,7 +240,8 @@ def decide(
     carried = _carried(settings, state.previous, baseline)
     reference = baseline if carried is None else baseline.merged(carried, b)
     regime = reference.known(key, b)
-    borrowed = carried.run if carried and regime and not baseline.known(key, b) else None
+    own = baseline.known(key, b)
+    borrowed = carried.run if carried is not None and regime is not None and own is None else None
     comparison = compare(stats, key, regime) if stats and regime and key is not None else None
     situation = Situation(
         stats=stats,
