@@ -3,7 +3,6 @@ profile, and the bugs they found, each pinned by a plain example."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -38,18 +37,6 @@ def test_drop_ins_read_back_by_a_real_systemd() -> None:
 # -- what fuzzing found ------------------------------------------------------------------------
 
 
-def query_range(points: list[list[object]]) -> str:
-    return json.dumps(
-        {
-            "status": "success",
-            "data": {
-                "resultType": "matrix",
-                "result": [{"metric": {"__name__": "vllm:num_requests_running"}, "values": points}],
-            },
-        }
-    )
-
-
 @pytest.mark.parametrize(
     ("points", "message"),
     [
@@ -64,7 +51,7 @@ def test_replay_refuses_times_it_cannot_replay_in_one_line(
     tmp_path: Path, points: list[list[object]], message: str
 ) -> None:
     path = tmp_path / "range.json"
-    path.write_text(query_range(points))
+    path.write_text(fuzz.query_range(points))
     with pytest.raises(replay.ReplayError) as raised:
         replay.run(replay.engine_settings(Config()), replay.load_files([path]))
     assert message in str(raised.value) and "\n" not in str(raised.value)
