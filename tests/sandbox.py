@@ -192,6 +192,10 @@ def sim_unit(
         "Type=simple\n"
         f"ExecStart={exec_line(sim_argv(*flags, port=port, model=model))}\n"
         "Environment=PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1\n"
+        # The simulator exits within 0.2 s of SIGTERM. Once, in CI, a restart job stayed
+        # unfinished for over 60 s (the stop, under systemd's default 90 s): bound it well
+        # inside the tests' 30 s job timeout.
+        "TimeoutStopSec=10\n"
         f"{service}\n"
         "[Install]\n"
         "WantedBy=multi-user.target\n"
