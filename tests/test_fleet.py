@@ -517,15 +517,26 @@ def make_certificates(directory: Path) -> dict[str, Path]:
         pytest.skip("openssl not found")
     files = {name: directory / f"{name}.pem" for name in ("ca", "ca-key", "server", "server-key",
                                                           "client", "client-key")}  # fmt: skip
+    # The extensions a real CA and its leaves carry: Python 3.13 verifies strictly
+    # (VERIFY_X509_STRICT), and refuses a CA without keyUsage or a leaf without its AKI.
     ext = directory / "ext.cnf"
-    ext.write_text("subjectAltName = IP:127.0.0.1\nextendedKeyUsage = serverAuth, clientAuth\n")
+    ext.write_text(
+        "basicConstraints = critical, CA:FALSE\n"
+        "keyUsage = critical, digitalSignature\n"
+        "extendedKeyUsage = serverAuth, clientAuth\n"
+        "subjectAltName = IP:127.0.0.1\n"
+        "subjectKeyIdentifier = hash\n"
+        "authorityKeyIdentifier = keyid\n"
+    )
 
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=directory)
 
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     openssl("req", "-x509", *ec, "-keyout", str(files["ca-key"]), "-out", str(files["ca"]),
-            "-days", "1", "-subj", "/CN=vkvagent test CA")  # fmt: skip
+            "-days", "1", "-subj", "/CN=vkvagent test CA",
+            "-addext", "basicConstraints = critical, CA:TRUE",
+            "-addext", "keyUsage = critical, keyCertSign, cRLSign")  # fmt: skip
     for name in ("server", "client"):
         csr = directory / f"{name}.csr"
         openssl("req", *ec, "-keyout", str(files[f"{name}-key"]), "-out", str(csr),
