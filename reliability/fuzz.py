@@ -394,7 +394,8 @@ def _spelled(name: str) -> st.SearchStrategy[str]:
 FLAG_NAMES = st.one_of(st.sampled_from(list(CATALOGUE)).flatmap(_spelled), TEXT)
 
 
-def _valid_value(name: str) -> st.SearchStrategy[Any]:
+def valid_value(name: str) -> st.SearchStrategy[Any]:
+    """Values the catalogue accepts for flag ``name`` (tests/test_flags.py draws from it too)."""
     spec = CATALOGUE[name]
     if spec.kind == "bool":
         return st.booleans()
@@ -408,7 +409,7 @@ def _valid_value(name: str) -> st.SearchStrategy[Any]:
 
 # Flag sets validate() accepts on some release: what reaches the rewriter and systemd.
 VALID_FLAGS = st.sets(st.sampled_from(list(CATALOGUE)), max_size=6).flatmap(
-    lambda names: st.fixed_dictionaries({n: _valid_value(n) for n in sorted(names)})
+    lambda names: st.fixed_dictionaries({n: valid_value(n) for n in sorted(names)})
 )
 FLAG_VALUES = st.one_of(
     ANY_VALUE,

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reliability.fuzz import valid_value
 from vkvagent.flags import (
     CATALOGUE,
     FOREIGN,
@@ -595,20 +596,8 @@ def test_apply_flags_refuses() -> None:
         apply_flags(["/bin/sh", "-c", "vllm serve m"], {"max-num-seqs": 1})
 
 
-def _value_strategy(name: str) -> st.SearchStrategy[FlagValue]:
-    flag = CATALOGUE[name]
-    if flag.kind == "bool":
-        return st.booleans()
-    if flag.choices:
-        return st.sampled_from(flag.choices)
-    assert flag.minimum is not None and flag.maximum is not None
-    if flag.kind == "int":
-        return st.integers(int(flag.minimum), int(flag.maximum))
-    return st.floats(flag.minimum, flag.maximum)
-
-
 FLAG_SETS = st.sets(st.sampled_from(list(CATALOGUE))).flatmap(
-    lambda names: st.fixed_dictionaries({n: _value_strategy(n) for n in sorted(names)})
+    lambda names: st.fixed_dictionaries({n: valid_value(n) for n in sorted(names)})
 )
 
 WRAPPERS = [[], ["/usr/bin/env", "A=1", "B=x y"], ["/usr/bin/nice", "-n", "5"]]

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vkvagent import __version__
+from vkvagent.fleet import STATES as FLEET_STATES
 from vkvagent.status import STATES
 
 
@@ -156,9 +157,6 @@ def _gauges(status: Mapping[str, Any]) -> Iterator[Metric]:
     yield events
     if status.get("fleet"):
         yield from _fleet(status["fleet"])
-
-
-FLEET_STATES = ("idle", "waiting", "holding", "unreachable")
 
 
 def _fleet(fleet: Mapping[str, Any]) -> Iterator[Metric]:

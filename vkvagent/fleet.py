@@ -561,6 +561,10 @@ class Admission:
 Emit = Callable[..., None]  # Events.emit(name, message, **fields)
 
 
+# What a host is doing in its group (Gate.state, vkvagent_fleet_state).
+STATES = ("idle", "waiting", "holding", "unreachable")
+
+
 class Gate:
     """What the daemon asks before and after a restart. Emits the ``fleet.*`` events: each
     on a change, never once per tick."""
@@ -578,7 +582,7 @@ class Gate:
         self.emit = emit
         self.fleet = fleet or Fleet.from_config(cfg, mono=mono, wall=wall)
         self._mono, self._wall = mono, wall
-        self.state = "idle"  # idle | waiting | holding | unreachable
+        self.state = "idle"  # one of STATES
         self.error: str | None = None
         self.holders: list[Holder] = []
         self._listed_at: float | None = None  # UTC time of the holders shown
