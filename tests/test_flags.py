@@ -167,7 +167,7 @@ def refused(flags: Mapping[str, object], version: str | None = LATEST) -> list[s
         ({"max-num-seqs": "12 --x"}, "--max-num-seqs: expected an integer, got string '12 --x'"),
         (
             {"gpu-memory-utilization": 0.99},
-            "--gpu-memory-utilization: 0.99 is out of range (allowed: 0.5 to 0.98)",
+            "--gpu-memory-utilization: 0.99 is out of range (allowed: 0.1 to 0.98)",
         ),
         ({"gpu-memory-utilization": math.nan}, "--gpu-memory-utilization: must be finite"),
         ({"gpu-memory-utilization": "inf"}, "--gpu-memory-utilization: expected a number"),

@@ -53,6 +53,27 @@ def test_real_v1_08_fragment() -> None:
     assert m.generation_tokens_total is None
 
 
+def test_real_v1_032_page_under_load() -> None:
+    """The real vLLM 0.32 (CPU build) with six completions running (SOURCES.md)."""
+    m = normalise(read_page("v1-0.32-cpu.prom"))
+    assert (m.flavor, m.models, m.engines) == ("v1-latest", ("tiny-llama",), 1)
+    assert (m.num_requests_running, m.num_requests_waiting) == (6.0, 0.0)
+    assert m.kv_cache_usage == pytest.approx(0.0006813536225300787)
+    assert (m.prompt_tokens_total, m.generation_tokens_total) == (756.0, 5167.0)
+    assert m.request_success_total == 78.0
+    assert (m.prefix_cache_queries_total, m.prefix_cache_hits_total) == (756.0, 0.0)
+    assert m.prefix_cache_unit == "tokens"
+    assert m.num_preemptions_total == 0.0
+    assert m.engine_steps_total == 898.0
+    assert m.time_to_first_token is not None and m.time_to_first_token.count == 84.0
+    assert m.inter_token_latency is not None and m.inter_token_latency.count == 5083.0
+    assert m.process_start_time == pytest.approx(1.79614014406e9)
+    assert m.warnings == ()
+    assert m.cache_config["block_size"] == "128"  # the CPU platform's default
+    assert m.cache_config["gpu_memory_utilization"] == "0.2"
+    assert "cpu_offload_gb" not in m.cache_config  # moved to the offload config by 0.32
+
+
 EXPECTED = sorted(METRIC_PAGES.glob("*.expected.json"))
 
 

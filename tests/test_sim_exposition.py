@@ -24,6 +24,7 @@ from vkvagent.sim.stats import EngineStats, Observations, ServerInfo
 
 V0_07 = "v0-0.7-aibrix-doc-qwen2.5-coder-1.5b.prom"
 V1_08 = "v1-0.8-production-stack-318-qwen2.5-coder-32b.prom"
+REAL_032 = "v1-0.32-cpu.prom"  # the real vLLM 0.32 under load (SOURCES.md)
 # Families whose values the simulator derives rather than copies from EngineStats (no swap, no
 # CPU cache, a lifetime-average throughput, no deferred waiting): their lines are compared
 # without the value.
@@ -52,20 +53,24 @@ PAGES = (
     FixturePage(V0_07, "v0", 32768, cut=True, derived=V0_DERIVED),
     FixturePage(V1_08, "v1-0.8", 32768, cut=True),
     FixturePage("v1-0.10.prom", "v1-0.10", 40960),
-    # v1-latest prints the 2026 family set. Every family of the 0.13 page is in it (none was
-    # removed by 2026), but 2026 adds families (num_requests_waiting_by_reason,
-    # prompt_tokens_by_source, prompt_tokens_cached, request_prefill_kv_computed_tokens,
-    # request_num_preemptions) and a fifth pre-created finished_reason, "repetition", after
-    # 0.13's four: the 0.13 blocks are compared as prefixes.
+    # v1-latest prints vLLM 0.32's family set, calibrated against a real 0.32 page (the last
+    # one here). The older pages' families are all in it, but later releases added families
+    # (0.13 to 2026: num_requests_waiting_by_reason, prompt_tokens_by_source,
+    # prompt_tokens_cached, request_prefill_kv_computed_tokens, request_num_preemptions and a
+    # fifth finished_reason, "repetition"; by 0.32: estimated_*_per_gpu,
+    # prompt_tokens_cached_by_source, admission_rejections): theirs are compared as prefixes.
     FixturePage("v1-0.13.prom", "v1-latest", 65536, same_families=False),
     FixturePage(
         "v1-2026.prom",
         "v1-latest",
         40960,
+        same_families=False,
         derived=frozenset({"vllm:num_requests_waiting_by_reason"}),
     ),
+    FixturePage(REAL_032, "v1-latest", 512),
 )
 PAGE_IDS = ["-".join(p.name.replace(".prom", "").split("-")[:2]) for p in PAGES]
+assert len(set(PAGE_IDS)) == len(PAGE_IDS)
 START = 1_755_012_345.67
 
 
@@ -490,7 +495,7 @@ def test_v1_keeps_finish_reasons_it_does_not_pre_create() -> None:
 
 def test_family_lists() -> None:
     counts = {flavor: len(families(flavor)) for flavor in FLAVORS}
-    assert counts == {"v0": 28, "v1-0.8": 23, "v1-0.10": 26, "v1-latest": 34}
+    assert counts == {"v0": 28, "v1-0.8": 23, "v1-0.10": 26, "v1-latest": 39}
     for flavor in FLAVORS:
         assert len(set(families(flavor))) == counts[flavor]
         assert all(name.startswith("vllm:") for name in families(flavor))

@@ -61,7 +61,7 @@ def test_each_flavour_names_the_vllm_release_it_imitates() -> None:
         "v0": "0.6.6",
         "v1-0.8": "0.8.5",
         "v1-0.10": "0.10.1",
-        "v1-latest": "0.30.0",
+        "v1-latest": "0.32.0",
     }
 
 
@@ -529,7 +529,7 @@ def test_flags_that_arrived_or_left() -> None:
         ("--api-server-count", "2"): ("v1-0.10", "v1-latest"),
         ("--prefix-caching-hash-algo", "sha256"): V1,
         ("--kv-cache-memory-bytes", "8G"): ("v1-latest",),
-        ("--calculate-kv-scales",): V1,
+        ("--calculate-kv-scales",): ("v1-0.8", "v1-0.10"),  # gone by 0.32
         ("--enable-log-requests",): ("v1-0.10", "v1-latest"),
         ("--disable-log-requests",): ("v0", "v1-0.8", "v1-0.10"),  # removed in 0.12
     }

@@ -29,7 +29,7 @@ def test_the_port_refuses_connections_until_the_model_has_loaded() -> None:
         assert status == 200
         model = json.loads(body)["data"][0]
         assert model["id"] == MODEL and model["max_model_len"] == 32768
-        assert json.loads(get(sim.url + "/version")[1]) == {"version": "0.30.0"}
+        assert json.loads(get(sim.url + "/version")[1]) == {"version": "0.32.0"}
 
 
 def test_a_bad_flag_fails_the_start_like_vllm() -> None:

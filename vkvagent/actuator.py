@@ -21,11 +21,12 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vkvagent import flags as vflags
+from vkvagent import unitlog
 from vkvagent.config import Config
 from vkvagent.dropin import (
     DropinFile,
@@ -80,6 +81,7 @@ class Plan:
     flags: dict[str, vflags.FlagValue]
     attestable: tuple[str, ...]  # flags cache_config_info shows
     changed: bool
+    changes: dict[str, vflags.FlagValue]  # the flags whose value the unit does not run yet
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,34 @@ class Outcome:
     message: str
     seconds: float  # decision to ready (or to the end)
     service_seconds: float | None  # restart job requested to service ready: vLLM's own start
+    flags: Mapping[str, vflags.FlagValue] = field(default_factory=dict)  # the flags it changed
+    vllm_error: str | None = None  # vLLM's own reason for not starting, from its journal
+
+    def event(self, unit: str, cause: str) -> tuple[str, str, dict[str, Any]]:
+        """The event that reports this outcome: (name, message, fields), for the daemon's
+        restarts and the operator's alike."""
+        fields: dict[str, Any] = {
+            "cause": cause,
+            "action": self.action_id,
+            "result": self.result,
+            "seconds": round(self.seconds, 3),
+            "service_seconds": self.service_seconds,
+        }
+        if self.flags:
+            fields["flags"] = [
+                " ".join(vflags.render_flag(name, value)) for name, value in self.flags.items()
+            ]
+        if self.vllm_error is not None:
+            fields["vllm_error"] = self.vllm_error
+        if self.result == "done":
+            return (
+                "restart.completed",
+                f"restarted {unit} ({cause}) in {self.seconds:.1f} s",
+                fields,
+            )
+        if self.result == "rolled-back":
+            return "restart.rolled_back", self.message, fields
+        return "restart.failed", self.message, {**fields, "error": self.message}
 
 
 SYSTEMD_UNIT_DIR = Path("/etc/systemd/system")  # where the drop-in goes: /etc overrides /lib
@@ -114,10 +144,12 @@ class Actuator:
         sleep: Callable[[float], None] = time.sleep,
         progress: Callable[[str], None] = lambda _message: None,
         gpus: GpuReader | None = None,
+        why_it_failed: Callable[[str, float], str | None] = unitlog.why_it_failed,
     ) -> None:
         self.unit, self.systemd, self.ledger, self.dropin = unit, systemd, ledger, dropin
         self.probe, self.settings, self.proc = probe, settings, proc
         self._gpus = gpus
+        self._why_it_failed = why_it_failed
         self._state_dir = state_dir
         self._base_file = state_dir / f"base-{unit}.json"
         self._clock, self._wall, self._sleep, self._progress = clock, wall, sleep, progress
@@ -163,7 +195,12 @@ class Actuator:
         except ValueError as exc:  # CommandError: not a vllm serve command line
             raise ActuatorError(f"{self.unit}: {exc}") from None
         attestable = tuple(n for n in values if vflags.CATALOGUE[n].attest_label)
-        return Plan(self.unit, current, after, values, attestable, after != current)
+        try:
+            running = vflags.parse_command(current)
+            changes = {n: v for n, v in values.items() if running.value(n) != v}
+        except vflags.CommandError:
+            changes = dict(values)
+        return Plan(self.unit, current, after, values, attestable, after != current, changes)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -203,7 +240,7 @@ class Actuator:
         change = plan is not None and plan.changed
         detail: dict[str, Any] = {"previous_dropin": self.dropin.read()}
         if change and plan is not None:
-            detail.update(intended=list(plan.after), flags=plan.flags)
+            detail.update(intended=list(plan.after), flags=plan.flags, changes=plan.changes)
         action = self.ledger.begin("apply" if change else "restart", reason, self._wall(), detail)
         try:
             with self._step(action, "preflight"):
@@ -238,6 +275,7 @@ class Actuator:
             "restarted" + (" with the new flags" if change else ""),
             ready_at - started,
             ready_at - requested,
+            flags=plan.changes if change and plan is not None else {},
         )
 
     def check_rollback(self) -> None:
@@ -373,7 +411,7 @@ class Actuator:
             except OSError as exc:
                 raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
             self._reload()
-        return Plan(self.unit, current, current, {}, (), False)
+        return Plan(self.unit, current, current, {}, (), False, {})
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -641,6 +679,13 @@ class Actuator:
         progress = self.ledger.action(action)
         previous = progress.detail.get("previous_dropin")
         restarted = progress.reached("restart") and not isinstance(error, _JobRefused)
+        flags = progress.detail.get("changes") or {}
+        vllm_error = None
+        if restarted:  # vLLM's own words say why better than the unit's state
+            begun = [s.at for s in progress.steps if (s.step, s.state) == ("restart", "begin")]
+            vllm_error = self._why_it_failed(self.unit, begun[0]) if begun else None
+            if vllm_error is not None:
+                message = f"{message}; vLLM: {vllm_error}"
         # A write that failed before changing the file leaves nothing to undo.
         wrote = progress.reached("write") and (
             progress.reached("reload") or self.dropin.read() != previous
@@ -656,6 +701,8 @@ class Actuator:
                     f"{message}; the rollback failed too: {exc}",
                     self._clock() - started,
                     None,
+                    flags,
+                    vllm_error,
                 )
             self.ledger.end(action, "rolled-back", self._wall())
             return Outcome(
@@ -664,10 +711,12 @@ class Actuator:
                 f"{message}; previous command line restored",
                 self._clock() - started,
                 None,
+                flags,
+                vllm_error,
             )
         result = "failed" if restarted else "aborted"
         self.ledger.end(action, result, self._wall())
-        return Outcome(action, result, message, self._clock() - started, None)
+        return Outcome(action, result, message, self._clock() - started, None, flags, vllm_error)
 
     # -- helpers ----------------------------------------------------------------------------
 

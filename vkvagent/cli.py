@@ -17,6 +17,7 @@ from typing import Callable, TextIO
 
 from vkvagent import __version__, config, controls, fleet, replay, status
 from vkvagent.actuator import Actuator, ActuatorError, Outcome, Plan
+from vkvagent.events import Events
 from vkvagent.flags import FlagError
 from vkvagent.gpu import (
     GpuReader,
@@ -567,7 +568,11 @@ def _recovered(actuator: Actuator, out: TextIO) -> None:
         )
 
 
-def _report(outcome: Outcome, out: TextIO) -> int:
+def _report(unit: str, outcome: Outcome, out: TextIO) -> int:
+    events = Events.for_command()
+    if events is not None:
+        name, message, fields = outcome.event(unit, "manual")
+        events.emit(name, message, **fields)
     timing = f"{outcome.seconds:.1f} s"
     if outcome.service_seconds is not None:
         overhead = outcome.seconds - outcome.service_seconds
@@ -670,7 +675,7 @@ def _in_slot(
     however it ends. Refused (FleetError) while every slot is held or etcd does not answer,
     unless --ignore-fleet."""
     if not settings.fleet.endpoints or args.ignore_fleet:
-        return _report(act(), out)
+        return _report(settings.vllm.unit, act(), out)
 
     def say(_event: str, message: str, **_fields: object) -> None:
         print(f"vkvagent: {message}", file=sys.stderr, flush=True)
@@ -686,7 +691,7 @@ def _in_slot(
     finally:
         if admitted.slot is not None:
             gate.leave(admitted.slot, result)
-    return _report(outcome, out)
+    return _report(settings.vllm.unit, outcome, out)
 
 
 def _adopt(args: argparse.Namespace, out: TextIO) -> int:

@@ -42,7 +42,7 @@ from vkvagent.jsonsafe import finite
 from vkvagent.ledger import Ledger, LedgerError
 from vkvagent.policy import DAY, RestartRecord, window_state
 from vkvagent.rates import window_rates
-from vkvagent.sample import Sample, Sampler
+from vkvagent.sample import Sample, Sampler, UnitFacts
 from vkvagent.systemd import Systemd, SystemdError
 from vkvagent.vllm import VllmClient
 
@@ -149,6 +149,7 @@ class Daemon:
         self._pruned = -math.inf
         self._saved_at = -math.inf
         self.last: Decision | None = None
+        self._unit_seen: UnitFacts | None = None  # the unit as the last sample saw it
         self._pending: dict[str, Any] | None = None  # flag changes not applied yet
 
     @classmethod
@@ -296,6 +297,7 @@ class Daemon:
             p = self.parts
             sample = p.sampler.take()
             self._note_sources(sample)
+            self._note_unit(sample)
             self._write_state("history", lambda: p.history.append(sample))
             self.recent.add(sample, sample.unit.memory_bytes if sample.unit else None)
             now = datetime.fromtimestamp(sample.time, timezone.utc)
@@ -360,6 +362,40 @@ class Daemon:
                 self.events.emit(
                     "source.recovered", f"{source} answers again", source=source, error=before
                 )
+
+    def _note_unit(self, sample: Sample) -> None:
+        """Report vLLM's process ending without vkvagent asking (a crash, the OOM killer, an
+        engine that died and took the API server with it). systemd's Restart= brings it back, or
+        nothing does; either way the engine sees vLLM down meanwhile, a cause no restart of
+        vkvagent's own is made for."""
+        before, now = self._unit_seen, sample.unit
+        if now is not None:
+            self._unit_seen = now
+        if before is None or now is None:
+            return
+        unit = self.parts.config.vllm.unit
+        if now.n_restarts > before.n_restarts:
+            self.events.emit(
+                "unit.exited",
+                f"{unit} exited and systemd's Restart= started it again (automatic restart "
+                f"{now.n_restarts} since the last requested start); vkvagent adds none",
+                unit=unit,
+                n_restarts=now.n_restarts,
+                restarted_by_systemd=True,
+                active_state=now.active_state,
+            )
+        elif now.active_state in ("failed", "inactive") and before.active_state == "active":
+            # vLLM 0.32 exits 0 when its engine dies: Restart=on-failure leaves it stopped.
+            self.events.emit(
+                "unit.exited",
+                f"{unit} is {now.active_state} ({now.sub_state}) and systemd will not start it "
+                "again: stopped by someone, or vLLM exited (it exits 0 when its engine dies, "
+                "which only Restart=always brings back)",
+                unit=unit,
+                n_restarts=now.n_restarts,
+                restarted_by_systemd=False,
+                active_state=now.active_state,
+            )
 
     def _write_state(self, what: str, write: Callable[[], object]) -> None:
         """Run a write to the state directory; a failure is an event (once until it works
@@ -515,23 +551,8 @@ class Daemon:
                 self.notify(f"WATCHDOG_USEC={watchdog}")
             self.notify("WATCHDOG=1")
         self.metrics.count_restart(cause, outcome.result)
-        fields = {
-            "cause": cause,
-            "action": outcome.action_id,
-            "result": outcome.result,
-            "seconds": round(outcome.seconds, 3),
-            "service_seconds": outcome.service_seconds,
-        }
-        if outcome.result == "done":
-            self.events.emit(
-                "restart.completed",
-                f"restarted {actuator.unit} ({cause}) in {outcome.seconds:.1f} s",
-                **fields,
-            )
-        elif outcome.result == "rolled-back":
-            self.events.emit("restart.rolled_back", outcome.message, **fields)
-        else:
-            self.events.emit("restart.failed", outcome.message, error=outcome.message, **fields)
+        name, message, fields = outcome.event(actuator.unit, cause)
+        self.events.emit(name, message, **fields)
         return outcome
 
     def _progress(self, message: str) -> None:

@@ -65,6 +65,9 @@ CATALOGUE: Mapping[str, EventType] = {
     "policy.escalated": EventType(
         CRIT, "restarts in a row did not help: no more until `vkvagent resume`"
     ),
+    "unit.exited": EventType(
+        WARNING, "vLLM's process ended without vkvagent asking (a crash); reported, not restarted"
+    ),
     "source.failed": EventType(WARNING, "a source (vLLM, GPU, systemd) stopped answering"),
     "source.recovered": EventType(INFO, "a source answers again"),
     "state.write_failed": EventType(ERR, "the state directory could not be written"),
@@ -200,6 +203,13 @@ class Events:
     def for_environment(cls, now: Callable[[], float] = time.time) -> Events:
         """Native journald under systemd, JSON lines on stderr otherwise."""
         return cls(journal=JournalWriter() if under_journald() else None, now=now)
+
+    @classmethod
+    def for_command(cls) -> Events | None:
+        """An operator's command (``apply``, ``restart``, ``rollback``): its outcome goes to
+        journald, where the daemon's go, so the SIEM sees every restart whoever asked for it.
+        None without journald: the terminal already has the outcome in words."""
+        return cls(journal=JournalWriter()) if os.path.exists(JOURNAL_SOCKET) else None
 
     def emit(self, name: str, message: str, **fields: Any) -> None:
         if name not in CATALOGUE:

@@ -21,13 +21,15 @@ or one of a fixed set of words, and ``render_value`` refuses anything but ``[A-Z
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
-from typing import Union
+from typing import Any, Union
 
 FlagValue = Union[bool, int, float, str]
 """A flag's value once validated: bool, int, float or one of the flag's choices."""
@@ -174,8 +176,9 @@ _FLAGS = (
         "float",
         "Fraction of GPU memory vLLM may use (weights, activations, then KV cache from the "
         "rest): the main knob for KV capacity. vLLM accepts 0 < x <= 1; the agent keeps "
-        "0.5-0.98 to leave the driver and other processes room.",
-        minimum=0.5,
+        "0.1-0.98: the top leaves the driver room, the bottom admits servers that share a GPU "
+        "(and vLLM's CPU build, where it is the share of host memory).",
+        minimum=0.1,
         maximum=0.98,
         attest_label="gpu_memory_utilization",
     ),
@@ -590,41 +593,53 @@ _SHELLS = ("sh", "bash", "dash", "zsh")
 # Python options that take a separate argument (python -W ignore -X dev -m ...).
 _PYTHON_VALUE_OPTIONS = ("-W", "-X", "--check-hash-based-pycs")
 
-# vLLM flags that never take a value: without this list the token after them would read as
-# their value and a positional model after them would go unseen. Flags outside it that are
-# followed by a plain word are read as taking that word; that only affects which positional is
-# reported as the model, never which tokens apply_flags touches.
-_NO_VALUE = frozenset(
+# What vLLM's own argument parser says of every option, per release (tools/vllm_flag_facts.py
+# writes a file from an installed vLLM; a new release is a new file). The reader needs two
+# things from it: which options take no value (else the token after them reads as their value
+# and a positional model after them goes unseen) and which take several. Options outside every
+# file that are followed by a plain word are read as taking that word; that only affects which
+# positional is reported as the model, never which tokens apply_flags touches.
+FACTS_DIR = Path(__file__).parent / "data"
+FACTS_PREFIX = "vllm-options-"
+
+
+def parser_facts() -> dict[Version, Mapping[str, Any]]:
+    """Each release's parser facts (``{"options": {name: facts}}``), by release number."""
+    out: dict[Version, Mapping[str, Any]] = {}
+    for path in sorted(FACTS_DIR.glob(f"{FACTS_PREFIX}*.json")):
+        out[parse_version(path.stem[len(FACTS_PREFIX) :])] = json.loads(path.read_text())
+    return out
+
+
+def _option_shapes() -> dict[str, str]:
+    """How the newest release that has each option parses it: ``none`` (no value), ``many``
+    (nargs +) or ``one``."""
+    shapes: dict[str, str] = {}
+    for _release, facts in sorted(parser_facts().items()):  # a newer release overwrites
+        for name, option in facts["options"].items():
+            many = option["nargs"] in ("+", "*")
+            shapes[name] = "none" if not option["takes_value"] else "many" if many else "one"
+    return shapes
+
+
+_SHAPES = _option_shapes()
+# Options of releases before the first facts file: no value, and several values.
+_OLDER_NO_VALUE = frozenset(
     {
-        "trust-remote-code",
         "disable-log-requests",
-        "enable-log-requests",
-        "disable-log-stats",
         "disable-frontend-multiprocessing",
-        "enable-auto-tool-choice",
-        "disable-custom-all-reduce",
-        "disable-sliding-window",
         "disable-async-output-proc",
-        "enable-lora",
-        "enable-prompt-tokens-details",
-        "enable-server-load-tracking",
-        "enable-force-include-usage",
-        "enable-request-id-headers",
-        "enable-sleep-mode",
-        "enable-expert-parallel",
         "enable-reasoning",
-        "headless",
         "calculate-kv-scales",
-        "skip-tokenizer-init",
-        "disable-fastapi-docs",
-        "disable-uvicorn-access-log",
-        "return-tokens-as-token-ids",
-        "enable-log-outputs",
-        "async-scheduling",
     }
 )
-# vLLM flags that take one or more values (nargs='+').
-_MANY_VALUES = frozenset({"served-model-name", "lora-modules", "prompt-adapters", "middleware"})
+_OLDER_MANY_VALUES = frozenset({"prompt-adapters"})
+_NO_VALUE = frozenset(n for n, shape in _SHAPES.items() if shape == "none") | (
+    _OLDER_NO_VALUE - _SHAPES.keys()
+)
+_MANY_VALUES = frozenset(n for n, shape in _SHAPES.items() if shape == "many") | (
+    _OLDER_MANY_VALUES - _SHAPES.keys()
+)
 # vLLM's multi-letter short options (argparse aliases); any other "-Xyz" is "-X" with "yz".
 _SHORT_WITH_VALUE = frozenset({"-tp", "-pp", "-dp", "-dpn", "-dpr", "-dpa", "-dpl", "-asc", "-dcp"})
 

@@ -187,6 +187,7 @@ class _Family:
     label: str = ""  # an extra label, e.g. "reason"
     label_values: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None  # histograms; None: 1-2-5 up to max_model_len
+    per_server: bool = False  # one series for the server (the API server's), no engine label
 
 
 def _gauge(name: str, help_: str, value: Value, label: str = "", *values: str) -> _Family:
@@ -393,8 +394,27 @@ _V1_010 = (
     _Family("cache_config_info", _CACHE_CONFIG, _CACHE_CONFIG_HELP),
 )
 
-# V1 as of 2026 (0.12+ names, no TPOT, no gpu_*), a superset of 0.12/0.13's families.
+
+def _cached_by_source(_c: _Context, e: EngineStats, source: str) -> float:
+    # Every simulated hit comes from the GPU's own cache; the tiers sum to prefix_cache_hits.
+    return float(e.prefix_hits) if source == "device" else 0.0
+
+
+def _mfu_counter(name: str, what: str) -> _Family:
+    # Zero on a page that does not estimate utilisation (the CPU build's, and the simulator's).
+    return _counter(
+        f"estimated_{name}_per_gpu",
+        f"Estimated number of {what} per GPU (for Model Flops Utilization calculations).",
+        _zero,
+    )
+
+
+# V1 as of vLLM 0.32 (0.12+ names, no TPOT, no gpu_*), a superset of 0.12/0.13's families,
+# calibrated family by family against a real 0.32 page (tests/fixtures/metrics/v1-0.32-cpu.prom).
 _V1_LATEST = (
+    _mfu_counter("flops", "floating point operations"),
+    _mfu_counter("read_bytes", "bytes read from memory"),
+    _mfu_counter("write_bytes", "bytes written to memory"),
     _RUNNING_V1,
     _WAITING,
     _gauge(
@@ -456,8 +476,31 @@ _V1_LATEST = (
         "Number of cached prompt tokens (local + external).",
         _cached_prompt_tokens,
     ),
+    _counter(
+        "prompt_tokens_cached_by_source",
+        "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
+        "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+        "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+        "vllm:external_prefix_cache_hits.",
+        _cached_by_source,
+        "source",
+        "device",
+        "host",
+        "p2p",
+        "disk",
+        "external_unspecified",
+    ),
     _GENERATION,
     _Family("request_success", _SUCCESS, _SUCCESS_HELP),
+    _Family(
+        "admission_rejections",
+        COUNTER,
+        "Number of admission attempts rejected by a queue limit, by reason.",
+        _zero,
+        "reason",
+        ("max_num_queued_reqs", "max_num_queued_tokens"),
+        per_server=True,
+    ),
     *_v1_histograms(
         ITERATION_V1,
         (
@@ -474,13 +517,13 @@ _V1_LATEST = (
         ),
     ),
     _histogram(
-        "request_prefill_kv_computed_tokens",
-        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-    ),
-    _histogram(
         "request_num_preemptions",
         "Histogram of the number of times a request was preempted.",
         REQUEST_NUM_PREEMPTIONS,
+    ),
+    _histogram(
+        "request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
     ),
     _Family("cache_config_info", _CACHE_CONFIG, _CACHE_CONFIG_HELP),
 )
@@ -594,19 +637,19 @@ class _Page(Collector):
             metric.samples.append(Sample(name, labels, self.context.now))
             return metric
         metric = Metric(name, f.help, COUNTER if f.kind == _SUCCESS else f.kind)
+        owners = list(zip(self.labels, self.engines))
+        if f.per_server:
+            owners = [({"model_name": self.info.model}, self.engines[0])]
         if f.kind == _SUCCESS:
             series = self._success_series()
         elif f.label:
             series = [
                 ({**labels, f.label: value}, f.value(self.context, engine, value))
                 for value in f.label_values
-                for labels, engine in zip(self.labels, self.engines)
+                for labels, engine in owners
             ]
         else:
-            series = [
-                (labels, f.value(self.context, engine, ""))
-                for labels, engine in zip(self.labels, self.engines)
-            ]
+            series = [(labels, f.value(self.context, engine, "")) for labels, engine in owners]
         samples = metric.samples
         if metric.type == GAUGE:
             samples.extend(Sample(name, labels, value) for labels, value in series)

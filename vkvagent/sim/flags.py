@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-FLAVOR_VERSIONS = {"v0": "0.6.6", "v1-0.8": "0.8.5", "v1-0.10": "0.10.1", "v1-latest": "0.30.0"}
+FLAVOR_VERSIONS = {"v0": "0.6.6", "v1-0.8": "0.8.5", "v1-0.10": "0.10.1", "v1-latest": "0.32.0"}
 """The vLLM release each metrics flavour imitates (what ``GET /version`` answers)."""
 
 GIB_BYTES = 1 << 30
@@ -302,6 +302,7 @@ def _build_table(flavor: str) -> dict[str, _Flag]:
     add("enable_prefix_caching", "--enable-prefix-caching", kind="bool")
     if not v0:
         add("prefix_caching_hash_algo", "--prefix-caching-hash-algo", choices=_HASH_ALGOS[flavor])
+    if not (v0 or latest):  # gone by 0.32 (its parser)
         add("calculate_kv_scales", "--calculate-kv-scales", kind="bool")
     add("max_num_seqs", "--max-num-seqs", **integer)
     if latest:

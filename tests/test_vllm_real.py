@@ -1,0 +1,266 @@
+"""vkvagent against the real vLLM 0.32 (CPU build, tests/realvllm.py) as vllm.service under a
+real systemd 252 (tests/sandbox.py): flags applied and proven, a breaking change rolled back
+with vLLM's own words in the journal, a restart under client traffic with vkvagent's share of
+it measured, and a crashed engine left to systemd's Restart=.
+
+One container for the module (every vLLM start costs 40 to 70 s); the tests run in file order
+and each leaves vLLM serving. About 6 minutes in all."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from typing import Any
+
+import pytest
+
+from tests.realvllm import (
+    MODEL,
+    PYTHON,
+    SERVED,
+    START_TIMEOUT,
+    VERSION,
+    Traffic,
+    complete,
+    processes,
+    vllm_argv,
+    vllm_box_fixture,  # noqa: F401 - the `vllm_box` fixture
+    wait_until,
+)
+from tests.sandbox import Sandbox
+from tests.test_actuator import (
+    TIMING,
+    VLLM,
+    actions,
+    cache_config,
+    output,
+    running_argv,
+    starts,
+    unit,
+    vkvagent,
+    write_config,
+)
+from tests.test_daemon_systemd import AGENT, agent_unit, events, wait_event
+
+pytestmark = [pytest.mark.vllm, pytest.mark.systemd]
+
+TIMEOUT = START_TIMEOUT  # restart job and readiness: vLLM's start is a minute, not a second
+COMMAND_TIMEOUT = 2 * START_TIMEOUT + 60  # an apply that fails, then rolls back
+# The unit's command line without the flags vkvagent manages.
+UNMANAGED = (
+    str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
+    "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", "8000",
+)  # fmt: skip
+FLAGS: dict[str, object] = {
+    "gpu-memory-utilization": 0.25,
+    "block-size": 64,
+    "enable-prefix-caching": False,
+    "max-num-seqs": 4,
+    "max-model-len": 1024,
+}
+# As vkvagent writes them: after the last option, in its catalogue's order.
+RENDERED = (
+    "--gpu-memory-utilization", "0.25", "--block-size", "64", "--no-enable-prefix-caching",
+    "--max-num-seqs", "4", "--max-model-len", "1024",
+)  # fmt: skip
+
+
+def apply(box: Sandbox, flags: dict[str, object]) -> Any:
+    write_config(box, flags, timeout=TIMEOUT)
+    return vkvagent(box, "apply", "--now", timeout=COMMAND_TIMEOUT)
+
+
+def models(box: Sandbox) -> dict[str, Any]:
+    status, body = box.http_get(8000, "/v1/models")
+    assert status == 200
+    (model,) = json.loads(body)["data"]
+    assert model["id"] == SERVED
+    return dict(model)
+
+
+def test_the_real_vllm_serves_as_vllm_service(vllm_box: Sandbox) -> None:
+    write_config(vllm_box, {})
+    assert running_argv(vllm_box) == tuple(vllm_argv())
+    status, body = vllm_box.http_get(8000, "/version")
+    assert (status, json.loads(body)["version"]) == (200, VERSION)
+    status, answer = complete(vllm_box, max_tokens=8)
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == 8  # type: ignore[index]
+    scraped = vkvagent(vllm_box, "scrape", "--json", "--url", "http://127.0.0.1:8000")
+    assert scraped.returncode == 0, output(scraped)
+    metrics = json.loads(scraped.stdout)
+    assert (metrics["flavor"], metrics["version"], metrics["model_name"]) == (
+        "v1-latest",
+        VERSION,
+        SERVED,
+    )
+    assert metrics["generation_tokens_total"] >= 8
+    assert metrics["cache_config"]["gpu_memory_utilization"] == "0.2"
+
+
+# -- 1. flags applied and proven ---------------------------------------------------------------
+
+
+def test_apply_puts_the_flags_into_the_real_vllm_and_proves_them(vllm_box: Sandbox) -> None:
+    before = unit(vllm_box)
+    applied = apply(vllm_box, FLAGS)
+    assert applied.returncode == 0, output(applied)
+    assert "done: restarted with the new flags" in applied.stdout
+    assert unit(vllm_box).invocation_id != before.invocation_id
+    # What runs: systemd's ExecStart and /proc/<MainPID>/cmdline, the same argv.
+    assert running_argv(vllm_box) == (*UNMANAGED, *RENDERED)
+    # What vLLM itself says it runs with.
+    shown = cache_config(vllm_box)
+    assert shown["gpu_memory_utilization"] == "0.25"
+    assert (shown["block_size"], shown["user_specified_block_size"]) == ("64", "True")
+    assert shown["enable_prefix_caching"] == "False"
+    assert models(vllm_box)["max_model_len"] == 1024
+    assert complete(vllm_box, max_tokens=4)[0] == 200
+
+    # And back the other way: --enable-prefix-caching.
+    applied = apply(vllm_box, {**FLAGS, "enable-prefix-caching": True})
+    assert applied.returncode == 0, output(applied)
+    argv = running_argv(vllm_box)
+    assert "--enable-prefix-caching" in argv and "--no-enable-prefix-caching" not in argv
+    assert cache_config(vllm_box)["enable_prefix_caching"] == "True"
+    assert [a.outcome for a in actions(vllm_box)] == ["done", "done"]
+
+
+# -- 2. a change that breaks vLLM's start is rolled back ---------------------------------------
+
+
+def test_a_flag_the_model_cannot_take_is_rolled_back_with_vllms_own_words(
+    vllm_box: Sandbox,
+) -> None:
+    """The tiny model has 2048 positions: vLLM refuses --max-model-len 100000 about 10 s into
+    its start and exits 1 (Restart=on-failure would start it again and again)."""
+    before = running_argv(vllm_box)
+    broken = apply(vllm_box, {**FLAGS, "enable-prefix-caching": True, "max-model-len": 100000})
+    assert broken.returncode == 1, output(broken)
+    assert "rolled-back: " in broken.stderr
+    assert "previous command line restored" in broken.stderr
+    assert "User-specified max_model_len (100000) is greater than the derived" in broken.stderr
+    assert running_argv(vllm_box) == before
+    assert models(vllm_box)["max_model_len"] == 1024
+    assert actions(vllm_box)[-1].outcome == "rolled-back"
+
+    (event,) = events(vllm_box, "restart.rolled_back")
+    assert event["VKV_FLAGS"] == "--max-model-len 100000"  # the flag that changed, alone
+    assert event["VKV_VLLM_ERROR"].startswith("Value error, User-specified max_model_len (100000)")
+    assert "User-specified max_model_len (100000)" in event["MESSAGE"]
+    assert (event["VKV_RESULT"], event["VKV_CAUSE"]) == ("rolled-back", "manual")
+    assert event["PRIORITY"] == "4"
+
+
+# -- 3. a restart under traffic, and the time vkvagent adds ------------------------------------
+
+
+def test_restart_under_client_traffic_and_the_time_vkvagent_adds(vllm_box: Sandbox) -> None:
+    """vkvagent's share of a restart (everything before systemd's job) against vLLM's own
+    start (the job to ready), in the same run; how late vkvagent notices ready (the journal's
+    "Application startup complete." to the ledger's ready step)."""
+    write_config(vllm_box, {**FLAGS, "enable-prefix-caching": True}, timeout=TIMEOUT)
+    with Traffic(vllm_box, clients=2) as traffic:
+        wait_until(lambda: traffic.count("ok") >= 5, 60, "completions before the restart")
+        restarted = vkvagent(vllm_box, "restart", "--reason", "test", timeout=COMMAND_TIMEOUT)
+        served_before = traffic.count("ok")
+        wait_until(
+            lambda: traffic.count("ok") >= served_before + 5, 60, "completions after the restart"
+        )
+    assert restarted.returncode == 0, output(restarted)
+    timing = TIMING.search(restarted.stdout)
+    assert timing, restarted.stdout
+    service, own = float(timing.group(1)), float(timing.group(2))
+    after = unit(vllm_box)
+    action = actions(vllm_box)[-1]
+    assert (action.kind, action.outcome) == ("restart", "done")
+    ready = next(s.at for s in action.steps if (s.step, s.state) == ("ready", "done"))
+    (complete_at,) = [
+        int(entry["__REALTIME_TIMESTAMP"]) / 1e6
+        for entry in vllm_box.journal(VLLM)
+        if str(entry.get("MESSAGE")).endswith("Application startup complete.")
+        and entry.get("_SYSTEMD_INVOCATION_ID") == after.invocation_id
+    ]
+    noticed = ready - complete_at
+    print(
+        f"\nreal vLLM {VERSION} restart under traffic: vLLM's own start {service:.1f} s, "
+        f"vkvagent's own {own:.2f} s, ready noticed {noticed:.2f} s after vLLM said so; "
+        f"clients: {dict(sorted(traffic.outcomes.items()))}"
+    )
+    assert own < 1.0
+    assert 0 <= noticed < 1.0
+    assert traffic.count("ok") >= 10
+
+
+# -- 4. a crashed engine: systemd's Restart= brings vLLM back, vkvagent only reports -----------
+
+DAEMON_CONFIG = """\
+[agent]
+sample_interval = 2.0
+[vllm]
+url = "http://127.0.0.1:8000"
+[gpu]
+enabled = false
+[restart]
+ready_timeout = {timeout:g}
+job_timeout = {timeout:g}
+drain_max_in_flight = 100000
+[diagnosis]
+stall_after = 20
+[policy]
+mode = "enforce"
+windows = ["daily 00:00-24:00"]
+"""
+
+
+def test_a_killed_engine_core_is_restarted_by_systemd_and_reported_by_vkvagent(
+    vllm_box: Sandbox,
+) -> None:
+    directory = vllm_box.root / "etc/vkvagent"
+    (directory / "config.toml").write_text(DAEMON_CONFIG.format(timeout=TIMEOUT))
+    for name in (directory / "conf.d",):  # the CLI tests' flags are not the daemon's business
+        name.mkdir(exist_ok=True)
+    vllm_box.write_unit(AGENT, agent_unit(watchdog=30))
+    vllm_box.run("systemctl", "daemon-reload")
+    vllm_box.run("systemctl", "start", AGENT)
+    wait_event(vllm_box, "agent.started", timeout=30)
+    before = unit(vllm_box)
+    starts_before, actions_before = starts(vllm_box), len(actions(vllm_box))
+    assert before.n_restarts == 0
+
+    (engine,) = processes(vllm_box, "VLLM::EngineCore")
+    vllm_box.run("kill", "-9", str(engine))
+    wait_until(lambda: unit(vllm_box).n_restarts == 1, 60, "systemd's automatic restart")
+    vllm_box.wait_http(timeout=START_TIMEOUT)
+    exited = wait_event(vllm_box, "unit.exited", timeout=30)
+    assert exited["VKV_RESTARTED_BY_SYSTEMD"] == "true"
+    assert "Restart= started it again" in exited["MESSAGE"]
+    # The daemon sees the new vLLM serve a while, and adds nothing to what systemd did.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        assert complete(vllm_box, max_tokens=8)[0] == 200
+        time.sleep(1)
+    vllm_box.run("systemctl", "stop", AGENT)
+    assert events(vllm_box, "restart.started") == []
+    assert len(actions(vllm_box)) == actions_before
+    assert starts(vllm_box) == starts_before + 1
+    assert len(events(vllm_box, "unit.exited")) == 1
+    decisions = [e["MESSAGE"] for e in events(vllm_box, "decision.changed")]
+    assert any("engine down" in d for d in decisions), decisions
+    assert unit(vllm_box).active_state == "active"
+
+
+def test_plan_reads_the_real_units_command_line(vllm_box: Sandbox) -> None:
+    write_config(vllm_box, {**FLAGS, "enable-prefix-caching": True, "max-num-seqs": 2})
+    invocation = unit(vllm_box).invocation_id
+    planned = vkvagent(vllm_box, "plan")
+    assert planned.returncode == 0, output(planned)
+    running = running_argv(vllm_box)
+    assert f"before: {shlex.join(running)}\n" in planned.stdout
+    changed = (
+        "--gpu-memory-utilization", "0.25", "--block-size", "64", "--enable-prefix-caching",
+        "--max-num-seqs", "2", "--max-model-len", "1024",
+    )  # fmt: skip
+    assert f"after:  {shlex.join((*UNMANAGED, *changed))}\n" in planned.stdout
+    assert unit(vllm_box).invocation_id == invocation  # a plan changes nothing
