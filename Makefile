@@ -7,7 +7,7 @@ PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
 # pyenv prefix printing nothing would leave /bin/python3: refuse rather than test another Python.
 check-python = $(if $(filter /bin/python3,$(1)),$(error $(2) not found: install it with pyenv))
 
-.PHONY: dev deps vllm-real vllm-flag-facts demo test lint typecheck unit test-pythons test-pythons-run bench bench-policy reliability config-example package clean
+.PHONY: dev deps vllm-real vllm-flag-facts demo test lint typecheck unit test-pythons test-pythons-run bench bench-policy bench-restart reliability config-example package clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -111,6 +111,10 @@ bench: dev
 # Decision quality: every restart policy against the oracle over simulated weeks (bench/README.md).
 bench-policy: dev
 	$(BIN)/python -m bench.policy
+
+# What vkvagent adds to a restart of the real vLLM 0.32 (bench/README.md). Root, ~6 minutes.
+bench-restart: dev vllm-real
+	$(BIN)/python -m bench.restart
 
 # Fuzzing, kill -9 and other faults against a real systemd, a simulated week's soak: the table
 # in docs/RELIABILITY.md. Root (the systemd sandbox), about 13 minutes; not part of `make test`.

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox import VLLM_PORT, Sandbox, exec_line
+from tests.sandbox import VLLM_PORT, Sandbox, SandboxError, exec_line
 from tests.sandbox import require as require_sandbox
 
 VERSION = "0.32.0"
@@ -52,14 +52,18 @@ ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 BASE_FLAGS = ("--gpu-memory-utilization", "0.2", "--max-model-len", "512", "--max-num-seqs", "8")
 
 
-def missing() -> str | None:
+def missing(home: Path = HOME) -> str | None:
     """Why the real vLLM cannot run here, or None."""
-    for made, what in (
-        (HOME / "venv" / ".installed", "vLLM's venv"),
-        (MODEL / ".made", "the tiny model"),
+    python = home / "venv" / "bin" / "python"
+    for needed, what in (
+        (home / "venv" / ".installed", "vLLM's venv"),
+        (home / "model" / ".made", "the tiny model"),
+        (home / "model" / "config.json", "the tiny model's config.json"),
     ):
-        if not made.exists():
-            return f"{what} is missing under {HOME}"
+        if not needed.exists():
+            return f"{what} is missing under {home}"
+    if not os.access(python, os.X_OK):
+        return f"{python} does not run"
     return None
 
 
@@ -70,9 +74,9 @@ def require() -> None:
     require_installed()
 
 
-def require_installed() -> None:
+def require_installed(home: Path = HOME) -> None:
     """Skip the calling test without the real vLLM, except under CI=true, where it fails."""
-    reason = missing()
+    reason = missing(home)
     if reason is not None:
         message = f"the real vLLM is not set up ({reason}): run `make vllm-real`"
         if os.environ.get("CI") == "true":
@@ -118,7 +122,14 @@ def vllm_box_fixture() -> Iterator[Sandbox]:
     costs about a minute): its tests run in file order and each leaves vLLM serving."""
     require()
     with Sandbox(units={"vllm.service": vllm_unit()}) as box:
-        box.wait_http(timeout=START_TIMEOUT)
+        try:
+            box.wait_http(timeout=START_TIMEOUT)
+        except SandboxError as exc:
+            said = "\n".join(box.messages("vllm.service")[-15:])
+            pytest.fail(
+                f"the real vLLM did not start ({exc}); if its venv is broken, remove {HOME} "
+                f"and run `make vllm-real`. vllm.service said:\n{said}"
+            )
         yield box
 
 

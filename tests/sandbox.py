@@ -91,6 +91,9 @@ MASKED = (
     "getty.target",
     # Debian's etcd-server (tests/test_fleet.py) enables it: in a sandbox it holds up the boot.
     "etcd.service",
+    # Debian's prometheus (tests/test_replay.py runs its own) enables it: in a sandbox it only
+    # takes memory and CPU from the vLLM under test.
+    "prometheus.service",
 )
 
 _PR_SET_PDEATHSIG = 1

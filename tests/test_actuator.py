@@ -190,6 +190,18 @@ def restarts_requested(action: Action) -> int:
     return sum(1 for step in action.steps if (step.step, step.state) == ("restart", "begin"))
 
 
+def startup_complete(box: Sandbox, invocation: str) -> float:
+    """When vLLM (or the simulator, which says the same) of ``invocation`` logged that it
+    serves: the journal's "Application startup complete." (Unix seconds)."""
+    (at,) = [
+        int(entry["__REALTIME_TIMESTAMP"]) / 1e6
+        for entry in box.journal(VLLM)
+        if str(entry.get("MESSAGE")).endswith("Application startup complete.")
+        and entry.get("_SYSTEMD_INVOCATION_ID") == invocation
+    ]
+    return at
+
+
 def starts(box: Sandbox) -> int:
     """How often systemd started vllm.service, the boot's start included (its journal)."""
     return sum(1 for m in box.messages(VLLM) if m.startswith("Started vllm.service"))
@@ -292,14 +304,7 @@ def test_restart_and_the_time_vkvagent_adds(sandbox: Sandbox) -> None:
             for state in ("begin", "done")
         ]  # fmt: skip
         ready = next(s.at for s in action.steps if (s.step, s.state) == ("ready", "done"))
-        complete = [
-            int(entry["__REALTIME_TIMESTAMP"]) / 1e6
-            for entry in sandbox.journal(VLLM)
-            if str(entry.get("MESSAGE")).endswith("Application startup complete.")
-            and entry.get("_SYSTEMD_INVOCATION_ID") == after.invocation_id
-        ]
-        assert len(complete) == 1
-        noticed.append(ready - complete[0])
+        noticed.append(ready - startup_complete(sandbox, after.invocation_id))
     print(
         f"\nrestart timings over {len(own)} restarts (median): vkvagent's own "
         f"{statistics.median(own):.2f} s {own}, vLLM's start as measured "

@@ -23,11 +23,13 @@ import pytest
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get
 from vkvagent import controls, status
+from vkvagent.actuator import Outcome
 from vkvagent.cli import main
 from vkvagent.daemon import STATE_FILE, Daemon
 from vkvagent.demo import scaled_clock
 from vkvagent.events import Events
 from vkvagent.ledger import Ledger
+from vkvagent.sample import Sample, UnitFacts
 
 SCALE = 400.0
 
@@ -194,6 +196,51 @@ def test_the_ledger_gives_the_policy_restarts_and_aborted_attempts(tmp_path: Pat
     finally:
         daemon.close()
     assert found == [("uptime_decline", False), ("manual", False), ("stall", True)]
+
+
+def test_vllm_ending_without_vkvagent_asking_is_reported(tmp_path: Path) -> None:
+    """Told once per exit: brought back by Restart= (NRestarts counts up), or left stopped
+    (vLLM 0.32 exits 0 when its engine dies: Restart=on-failure does nothing). vkvagent's own
+    restart (a requested start sets NRestarts back to 0) is no such exit."""
+    stream = io.StringIO()
+    daemon = Daemon.offline(write_config(tmp_path, "http://127.0.0.1:9"), stream)
+
+    def seen(state: str, sub: str, restarts: int, invocation: str = "a") -> None:
+        unit = UnitFacts(state, sub, invocation, 100, None, restarts)
+        daemon._note_unit(Sample(time=time.time(), mono=time.monotonic(), vllm=None, unit=unit))
+
+    try:
+        for state, sub, restarts, invocation in (
+            ("active", "running", 0, "a"),
+            ("activating", "auto-restart", 1, "a"),  # the engine died; Restart= acts
+            ("active", "running", 1, "b"),
+            ("active", "running", 0, "c"),  # vkvagent's restart
+            ("inactive", "dead", 0, "c"),  # exited 0 under Restart=on-failure
+            ("inactive", "dead", 0, "c"),
+        ):
+            seen(state, sub, restarts, invocation)
+    finally:
+        daemon.close()
+    exits = [e for e in events_of(stream) if e["event"] == "unit.exited"]
+    assert [(e["restarted_by_systemd"], e["n_restarts"]) for e in exits] == [(True, 1), (False, 0)]
+    assert "Restart= started it again" in str(exits[0]["message"])
+    assert "only Restart=always brings back" in str(exits[1]["message"])
+
+
+def test_an_outcome_is_reported_with_the_flags_it_changed_and_vllms_words() -> None:
+    done = Outcome(7, "done", "restarted with the new flags", 41.5, 41.2, {"max-num-seqs": 64})
+    name, message, fields = done.event("vllm.service", "manual")
+    assert (name, message) == ("restart.completed", "restarted vllm.service (manual) in 41.5 s")
+    assert fields["flags"] == ["--max-num-seqs 64"] and "vllm_error" not in fields
+    refused = "Value error, User-specified max_model_len (100000) is greater than ..."
+    back = Outcome(8, "rolled-back", "... previous command line restored", 50.0, None,
+                   {"max-model-len": 100000, "enable-prefix-caching": False}, refused)  # fmt: skip
+    name, _message, fields = back.event("vllm.service", "kv_pressure")
+    assert name == "restart.rolled_back"
+    assert fields["flags"] == ["--max-model-len 100000", "--no-enable-prefix-caching"]
+    assert (fields["vllm_error"], fields["cause"], fields["action"]) == (refused, "kv_pressure", 8)
+    name, message, fields = Outcome(9, "failed", "job timed out", 120.0, None).event("u", "stall")
+    assert (name, fields["error"], message) == ("restart.failed", "job timed out", "job timed out")
 
 
 def test_reload_keeps_the_old_config_when_the_new_one_is_invalid(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -138,3 +139,17 @@ def test_the_facts_are_what_the_installed_vllm_says() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     committed = flags.FACTS_DIR / f"{flags.FACTS_PREFIX}{realvllm.VERSION}.json"
     assert done.stdout == committed.read_text()
+
+
+def test_a_missing_real_vllm_names_the_make_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert realvllm.missing(tmp_path) == f"vLLM's venv is missing under {tmp_path}"
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(
+        pytest.fail.Exception, match=r"run `make vllm-real` \(CI=true: not skipped\)"
+    ):
+        realvllm.require_installed(tmp_path)
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="run `make vllm-real`"):
+        realvllm.require_installed(tmp_path)

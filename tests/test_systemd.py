@@ -18,6 +18,7 @@ import pytest
 
 from tests.sandbox import (
     MODEL,
+    PROJECT,
     Sandbox,
     exec_line,
     reach_python,
@@ -392,3 +393,35 @@ def test_samples_carry_the_units_state_from_the_real_systemd(shared_systemd: Sys
     assert sample.unit.active_state == "active" and len(sample.unit.invocation_id) == 32
     assert sample.unit.memory_bytes is not None and sample.unit.memory_bytes > 5 * 2**20
     assert sample.unit.main_pid == shared_systemd.unit(VLLM).main_pid
+
+
+def test_the_units_own_output_is_read_back_from_the_real_journal(sandbox: Sandbox) -> None:
+    """vkvagent.unitlog reads journald through libsystemd inside the container: only the
+    unit's own lines, only those since the moment asked for and not of the invocation it is
+    told to skip, in order."""
+    script = "echo before; sleep 1.2; echo one; echo 'ValueError: two'; echo three"
+    sandbox.write_unit(
+        "talker.service", f"[Service]\nType=oneshot\nExecStart=/bin/sh -c {json.dumps(script)}\n"
+    )
+    sandbox.run("systemctl", "daemon-reload")
+    for _run in range(2):
+        sandbox.run("systemctl", "start", "talker.service", timeout=30)
+    befores = [e for e in sandbox.journal("talker.service") if e.get("MESSAGE") == "before"]
+    first, second = (entry["_SYSTEMD_INVOCATION_ID"] for entry in befores)
+    since = int(befores[0]["__REALTIME_TIMESTAMP"]) / 1e6 + 0.6  # after the first "before"
+    read = (
+        "import sys, json; from vkvagent import unitlog; since = float(sys.argv[1]); "
+        "print(json.dumps([unitlog.read('talker.service', since), "
+        "unitlog.read('talker.service', since, skip=sys.argv[2]), "
+        "unitlog.why_it_failed('talker.service', since, sys.argv[2]), "
+        "unitlog.read('vllm.service', since)]))"
+    )
+    done = sandbox.run(
+        sys.executable, "-c", read, str(since), first, env={"PYTHONPATH": str(PROJECT)}
+    )
+    every, past_first, reason, other = json.loads(done.stdout)
+    lines = ["one", "ValueError: two", "three"]
+    assert every == [*lines, "before", *lines]
+    assert past_first == ["before", *lines] and first != second
+    assert reason == "ValueError: two"
+    assert all(line not in other for line in lines)  # another unit's lines are not its

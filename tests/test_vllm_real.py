@@ -31,12 +31,12 @@ from tests.realvllm import (
 from tests.sandbox import Sandbox
 from tests.test_actuator import (
     TIMING,
-    VLLM,
     actions,
     cache_config,
     output,
     running_argv,
     starts,
+    startup_complete,
     unit,
     vkvagent,
     write_config,
@@ -176,13 +176,7 @@ def test_restart_under_client_traffic_and_the_time_vkvagent_adds(vllm_box: Sandb
     action = actions(vllm_box)[-1]
     assert (action.kind, action.outcome) == ("restart", "done")
     ready = next(s.at for s in action.steps if (s.step, s.state) == ("ready", "done"))
-    (complete_at,) = [
-        int(entry["__REALTIME_TIMESTAMP"]) / 1e6
-        for entry in vllm_box.journal(VLLM)
-        if str(entry.get("MESSAGE")).endswith("Application startup complete.")
-        and entry.get("_SYSTEMD_INVOCATION_ID") == after.invocation_id
-    ]
-    noticed = ready - complete_at
+    noticed = ready - startup_complete(vllm_box, after.invocation_id)
     print(
         f"\nreal vLLM {VERSION} restart under traffic: vLLM's own start {service:.1f} s, "
         f"vkvagent's own {own:.2f} s, ready noticed {noticed:.2f} s after vLLM said so; "

@@ -144,7 +144,7 @@ class Actuator:
         sleep: Callable[[float], None] = time.sleep,
         progress: Callable[[str], None] = lambda _message: None,
         gpus: GpuReader | None = None,
-        why_it_failed: Callable[[str, float], str | None] = unitlog.why_it_failed,
+        why_it_failed: Callable[[str, float, str], str | None] = unitlog.why_it_failed,
     ) -> None:
         self.unit, self.systemd, self.ledger, self.dropin = unit, systemd, ledger, dropin
         self.probe, self.settings, self.proc = probe, settings, proc
@@ -682,8 +682,9 @@ class Actuator:
         flags = progress.detail.get("changes") or {}
         vllm_error = None
         if restarted:  # vLLM's own words say why better than the unit's state
-            begun = [s.at for s in progress.steps if (s.step, s.state) == ("restart", "begin")]
-            vllm_error = self._why_it_failed(self.unit, begun[0]) if begun else None
+            begun = [s for s in progress.steps if (s.step, s.state) == ("restart", "begin")]
+            if begun:  # the restart's note is the invocation it replaced
+                vllm_error = self._why_it_failed(self.unit, begun[0].at, begun[0].note)
             if vllm_error is not None:
                 message = f"{message}; vLLM: {vllm_error}"
         # A write that failed before changing the file leaves nothing to undo.
