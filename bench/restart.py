@@ -12,11 +12,15 @@ the container, as an operator would. For each action, in the same run:
   invocation to the ledger's ready step (it also waits to see tokens advance under traffic);
 - what the clients saw: completions served, connections refused while vLLM was down (the
   clients retry every 0.1 s, so this counts attempts, not users), HTTP errors.
+
+A last apply runs with no traffic: under traffic vLLM's CPU build keeps both of this
+machine's cores busy, and systemd's daemon-reload (its generators) waits for them.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -44,19 +48,22 @@ class Row:
     clients: dict[str, int]
 
 
-def measure(box: Sandbox, kind: str, flags: dict[str, object]) -> Row:
+def measure(box: Sandbox, kind: str, flags: dict[str, object], clients: int = 2) -> Row:
     write_config(box, flags, timeout=START_TIMEOUT)
-    args = ("apply", "--now") if kind == "apply" else ("restart", "--reason", "bench")
-    with Traffic(box, clients=2) as traffic:
-        wait_until(lambda: traffic.count("ok") >= 3, 60, "completions before the action")
+    args = ("apply", "--now") if kind.startswith("apply") else ("restart", "--reason", "bench")
+    with Traffic(box, clients=clients) as traffic:
+        wait_until(lambda: traffic.count("ok") >= 3 * clients, 60, "completions before it")
         done = vkvagent(box, *args, timeout=2 * START_TIMEOUT)
         served = traffic.count("ok")
-        wait_until(lambda: traffic.count("ok") >= served + 3, 60, "completions after it")
+        wait_until(lambda: traffic.count("ok") >= served + 3 * clients, 60, "completions after")
     timing = TIMING.search(done.stdout)
     if done.returncode != 0 or timing is None:
         raise SystemExit(f"vkvagent {' '.join(args)} failed: {done.stdout}{done.stderr}")
-    action = actions(box)[-1]
-    at = {(s.step, s.state): s.at for s in action.steps}
+    number = re.search(r"\(action (\d+), ", done.stdout)
+    found = [a for a in actions(box) if number and a.id == int(number.group(1))]
+    if not found or found[0].kind != ("apply" if kind.startswith("apply") else "restart"):
+        raise SystemExit(f"no ledger action for: {done.stdout}")
+    at = {(s.step, s.state): s.at for s in found[0].steps}
     ready = at["ready", "done"]
     steps = {
         step: at[step, "done"] - at[step, "begin"]
@@ -84,6 +91,8 @@ def main() -> None:
             rows.append(measure(box, "restart", {}))
         for number in range(args.applies):
             rows.append(measure(box, "apply", {"max-num-seqs": 4 if number % 2 == 0 else 8}))
+        # systemd's reload competes with vLLM for the CPUs: once more with no traffic.
+        rows.append(measure(box, "apply, idle", {"max-num-seqs": 6}, clients=0))
     print("| action | vLLM's own start (s) | vkvagent's own (s) | of which, by step (s) "
           "| ready noticed after (s) | clients: ok / refused / other |")  # fmt: skip
     print("|---|---|---|---|---|---|")
@@ -94,7 +103,7 @@ def main() -> None:
             f"| {row.kind} | {row.service:.1f} | {row.own:.2f} | {steps} | {row.noticed:.2f} | "
             f"{row.clients.get('ok', 0)} / {row.clients.get('refused', 0)} / {other or '-'} |"
         )
-    for kind in ("restart", "apply"):
+    for kind in ("restart", "apply", "apply, idle"):
         some = [row for row in rows if row.kind == kind]
         if some:
             print(
