@@ -365,9 +365,9 @@ class Daemon:
 
     def _note_unit(self, sample: Sample) -> None:
         """Report vLLM's process ending without vkvagent asking (a crash, the OOM killer, an
-        engine that died and took the API server with it). systemd's Restart= brings it back, or
-        nothing does; either way the engine sees vLLM down meanwhile, a cause no restart of
-        vkvagent's own is made for."""
+        engine that died and took the API server with it). systemd's Restart= brings it back,
+        or nothing does; vkvagent adds no restart: meanwhile the engine sees vLLM down
+        (engine_down), a cause it only reports."""
         before, now = self._unit_seen, sample.unit
         if now is not None:
             self._unit_seen = now

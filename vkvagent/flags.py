@@ -623,7 +623,7 @@ def _option_shapes() -> dict[str, str]:
 
 
 _SHAPES = _option_shapes()
-# Options of releases before the first facts file: no value, and several values.
+# Options of releases before the first facts file that take no value, and several values.
 _OLDER_NO_VALUE = frozenset(
     {
         "disable-log-requests",

@@ -23,6 +23,7 @@ _ERROR = re.compile(
     r"|\S+: error: .+)"  # argparse: "api_server.py: error: unrecognized arguments: --x"
 )
 _WRAPPERS = ("See root cause above", "See stack trace for root cause", "validation error for")
+_LOCAL_ONLY = 1  # SD_JOURNAL_LOCAL_ONLY: this machine's journal, not others' merged in
 
 
 def error_line(lines: Iterable[str]) -> str | None:
@@ -86,9 +87,6 @@ class _Journal:
             return out
         finally:
             lib.sd_journal_close(handle)
-
-
-_LOCAL_ONLY = 1  # SD_JOURNAL_LOCAL_ONLY: this machine's journal, not others' merged in
 
 
 def read(unit: str, since: float, *, skip: str = "", limit: int = 5000) -> list[str]:
