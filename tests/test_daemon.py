@@ -215,6 +215,9 @@ def test_vllm_ending_without_vkvagent_asking_is_reported(tmp_path: Path) -> None
             ("activating", "auto-restart", 1, "a"),  # the engine died; Restart= acts
             ("active", "running", 1, "b"),
             ("active", "running", 0, "c"),  # vkvagent's restart
+            ("activating", "auto-restart", 1, "c"),  # a crash after it: 1 again, but new
+            ("active", "running", 1, "d"),
+            ("active", "running", 0, "e"),  # an operator's restart
             ("inactive", "dead", 0, "c"),  # exited 0 under Restart=on-failure
             ("inactive", "dead", 0, "c"),
         ):
@@ -222,9 +225,13 @@ def test_vllm_ending_without_vkvagent_asking_is_reported(tmp_path: Path) -> None
     finally:
         daemon.close()
     exits = [e for e in events_of(stream) if e["event"] == "unit.exited"]
-    assert [(e["restarted_by_systemd"], e["n_restarts"]) for e in exits] == [(True, 1), (False, 0)]
+    assert [(e["restarted_by_systemd"], e["n_restarts"]) for e in exits] == [
+        (True, 1),
+        (True, 1),
+        (False, 0),
+    ]
     assert "Restart= started it again" in str(exits[0]["message"])
-    assert "only Restart=always brings back" in str(exits[1]["message"])
+    assert "only Restart=always brings back" in str(exits[2]["message"])
 
 
 def test_an_outcome_is_reported_with_the_flags_it_changed_and_vllms_words() -> None:

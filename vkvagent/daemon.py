@@ -374,7 +374,8 @@ class Daemon:
         if before is None or now is None:
             return
         unit = self.parts.config.vllm.unit
-        if now.n_restarts > before.n_restarts:
+        # NRestarts counts Restart='s starts since the last requested one, which sets it to 0.
+        if now.n_restarts > 0 and now.n_restarts != before.n_restarts:
             self.events.emit(
                 "unit.exited",
                 f"{unit} exited and systemd's Restart= started it again (automatic restart "

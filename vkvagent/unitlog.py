@@ -96,7 +96,7 @@ def read(unit: str, since: float, *, skip: str = "", limit: int = 5000) -> list[
     read (no libsystemd, no permission): the caller loses a detail, nothing more."""
     try:
         return _Journal().messages(unit, since, limit, skip)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, ValueError, OverflowError):  # no library, a bad time
         return []
 
 
