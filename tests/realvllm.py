@@ -28,7 +28,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,9 +205,8 @@ class Traffic:
             return self.outcomes.get(outcome, 0)
 
 
-def wait_until(check: object, timeout: float, what: str, every: float = 1.0) -> None:
-    """Poll ``check()`` until it is true."""
-    assert callable(check)
+def wait_until(check: Callable[[], object], timeout: float, what: str, every: float = 1.0) -> None:
+    """Poll ``check()`` until it is true; an AssertionError naming ``what`` when it never is."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 import time
 from typing import Any
 
@@ -45,7 +46,6 @@ from tests.test_daemon_systemd import AGENT, agent_unit, events, wait_event
 
 pytestmark = [pytest.mark.vllm, pytest.mark.systemd]
 
-TIMEOUT = START_TIMEOUT  # restart job and readiness: vLLM's start is a minute, not a second
 COMMAND_TIMEOUT = 2 * START_TIMEOUT + 60  # an apply that fails, then rolls back
 # The unit's command line without the flags vkvagent manages.
 UNMANAGED = (
@@ -66,8 +66,8 @@ RENDERED = (
 )  # fmt: skip
 
 
-def apply(box: Sandbox, flags: dict[str, object]) -> Any:
-    write_config(box, flags, timeout=TIMEOUT)
+def apply(box: Sandbox, flags: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    write_config(box, flags, timeout=START_TIMEOUT)
     return vkvagent(box, "apply", "--now", timeout=COMMAND_TIMEOUT)
 
 
@@ -160,7 +160,7 @@ def test_restart_under_client_traffic_and_the_time_vkvagent_adds(vllm_box: Sandb
     """vkvagent's share of a restart (everything before systemd's job) against vLLM's own
     start (the job to ready), in the same run; how late vkvagent notices ready (the journal's
     "Application startup complete." to the ledger's ready step)."""
-    write_config(vllm_box, {**FLAGS, "enable-prefix-caching": True}, timeout=TIMEOUT)
+    write_config(vllm_box, {**FLAGS, "enable-prefix-caching": True}, timeout=START_TIMEOUT)
     with Traffic(vllm_box, clients=2) as traffic:
         wait_until(lambda: traffic.count("ok") >= 5, 60, "completions before the restart")
         restarted = vkvagent(vllm_box, "restart", "--reason", "test", timeout=COMMAND_TIMEOUT)
@@ -214,7 +214,9 @@ def test_a_killed_engine_core_is_restarted_by_systemd_and_reported_by_vkvagent(
     vllm_box: Sandbox,
 ) -> None:
     # The daemon's own config, in place of the CLI tests' (no [vllm.flags]).
-    (vllm_box.root / "etc/vkvagent/config.toml").write_text(DAEMON_CONFIG.format(timeout=TIMEOUT))
+    (vllm_box.root / "etc/vkvagent/config.toml").write_text(
+        DAEMON_CONFIG.format(timeout=START_TIMEOUT)
+    )
     vllm_box.write_unit(AGENT, agent_unit(watchdog=30))
     vllm_box.run("systemctl", "daemon-reload")
     vllm_box.run("systemctl", "start", AGENT)
