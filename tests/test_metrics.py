@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import METRIC_PAGES, counter, gauge, page, read_page
 from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
+from vkvagent.sim.stats import EngineStats
 
 V0_07 = "v0-0.7-aibrix-doc-qwen2.5-coder-1.5b.prom"
 V1_08 = "v1-0.8-production-stack-318-qwen2.5-coder-32b.prom"
@@ -375,3 +377,206 @@ def test_counters_sum_and_kv_combines_over_any_number_of_engines(data: st.DataOb
     if cut is not None:
         partial = normalise("\n".join([*lines[: 1 + cut], *lines[1 + engines :]]) + "\n")
         assert partial.generation_tokens_total is None and partial.warnings
+
+
+# -- per-engine signals ----------------------------------------------------------------------
+
+
+def _sim_page(flavor: str, engines: list[EngineStats]) -> str:
+    from vkvagent.sim.exposition import histogram_bounds, render
+    from vkvagent.sim.stats import Observations, ServerInfo
+
+    info = ServerInfo("m", flavor, "0.0.0", 4096, {"block_size": "16"}, 1.7e9)
+    for stats in engines:
+        stats.histograms = {
+            name: Observations(b) for name, b in histogram_bounds(flavor, 4096).items()
+        }
+    for steps, stats in enumerate(engines, start=1):
+        stats.histograms["iteration_tokens_total"].observe(8, times=100 * steps)
+    return render(info, engines, now=1.7e9 + 60).decode()
+
+
+def test_each_engine_of_a_four_engine_page_keeps_its_own_signals() -> None:
+    m = normalise(read_page("v1-2026.prom"))
+    assert [e.engine for e in m.per_engine] == ["0", "1", "2", "3"]
+    assert [e.kv_cache_usage for e in m.per_engine] == [0.75, 0.625, 0.875, 0.5]
+    assert [e.num_requests_running for e in m.per_engine] == [40, 38, 44, 30]
+    assert [e.num_requests_waiting for e in m.per_engine] == [6, 0, 3, 2]
+    assert [e.generation_tokens_total for e in m.per_engine] == [1e6, 8e5, 1.2e6, 6e5]
+    assert [e.prompt_tokens_total for e in m.per_engine] == [5e6, 4e6, 6e6, 3e6]
+    assert [e.engine_steps_total for e in m.per_engine] == [26000, 22000, 31000, 17000]
+    # every finished_reason: stop + length + abort + error + repetition
+    assert [e.request_success_total for e in m.per_engine] == [4400, 3500, 5200, 2700]
+    assert [e.num_preemptions_total for e in m.per_engine] == [40, 10, 70, 0]
+    # the totals are as before (v1-2026.expected.json)
+    assert (m.kv_cache_usage, m.kv_cache_usage_max) == (0.6875, 0.875)
+    assert (m.num_requests_running, m.num_requests_waiting) == (152, 11)
+    assert (m.generation_tokens_total, m.engine_steps_total) == (3.6e6, 96000)
+    assert (m.request_success_total, m.num_preemptions_total) == (15800, 120)
+    got = m.to_json()["per_engine"]
+    assert len(got) == 4 and got[2]["engine"] == "2" and got[2]["kv_cache_usage"] == 0.875
+    assert json.loads(json.dumps(m.to_json())) == m.to_json()
+    # not compared: the history keeps the totals only, and a value read back equals the original
+    assert replace(m, per_engine=()) == m
+
+
+@pytest.mark.parametrize("flavor", ["v1-0.10", "v1-latest"])
+def test_each_engine_of_a_simulated_data_parallel_page(flavor: str) -> None:
+    first = EngineStats(running=3, waiting=2, kv_usage=0.25, prompt_tokens=1000.0,
+                        generation_tokens=100.0, preemptions=1.0,
+                        finished={"stop": 7.0, "length": 2.0, "abort": 1.0})  # fmt: skip
+    second = EngineStats(running=1, waiting=0, kv_usage=0.75, prompt_tokens=500.0,
+                         generation_tokens=50.0, finished={"stop": 4.0})  # fmt: skip
+    m = normalise(_sim_page(flavor, [first, second]))
+    assert m.engines == 2 and m.flavor == flavor
+    zero, one = m.per_engine
+    assert (zero.engine, one.engine) == ("0", "1")
+    assert (zero.kv_cache_usage, one.kv_cache_usage) == (0.25, 0.75)
+    assert (zero.num_requests_running, one.num_requests_running) == (3, 1)
+    assert (zero.num_requests_waiting, one.num_requests_waiting) == (2, 0)
+    assert (zero.prompt_tokens_total, one.prompt_tokens_total) == (1000, 500)
+    assert (zero.generation_tokens_total, one.generation_tokens_total) == (100, 50)
+    assert (zero.num_preemptions_total, one.num_preemptions_total) == (1, 0)
+    assert (zero.request_success_total, one.request_success_total) == (10, 4)
+    assert (zero.engine_steps_total, one.engine_steps_total) == (100, 200)
+    assert (m.kv_cache_usage, m.num_requests_running, m.generation_tokens_total) == (0.5, 4, 150)
+    assert (m.request_success_total, m.engine_steps_total) == (14, 300)
+
+
+def test_engines_are_in_numeric_order() -> None:
+    m = normalise(_sim_page("v1-latest", [EngineStats(running=i) for i in range(12)]))
+    assert [e.engine for e in m.per_engine] == [str(i) for i in range(12)]
+    assert [e.num_requests_running for e in m.per_engine] == list(range(12))
+
+
+@pytest.mark.parametrize("name", [V0_07, V1_08, "v0-0.6.prom"])
+def test_a_page_without_an_engine_label_has_no_per_engine_signals(name: str) -> None:
+    m = normalise(read_page(name))
+    assert m.per_engine == ()
+    assert "per_engine" not in m.to_json()
+
+
+def test_a_single_engine_with_the_label_has_one_entry() -> None:
+    m = normalise(read_page("v1-0.32-cpu.prom"))  # engine="0" on every vllm: family
+    (engine,) = m.per_engine
+    assert (engine.engine, engine.num_requests_running, engine.engine_steps_total) == (
+        "0", 6.0, 898.0,
+    )  # fmt: skip
+    assert engine.kv_cache_usage == m.kv_cache_usage
+
+
+def test_a_multiprocess_gauge_per_engine_is_its_live_copy() -> None:
+    m = normalise(read_page("v1-0.10-multiproc.prom"))  # kv usage printed per pid: 0.625, 0
+    (engine,) = m.per_engine
+    assert engine.engine == "0" and engine.kv_cache_usage == 0.625 == m.kv_cache_usage
+    assert engine.num_requests_running == 22 and engine.request_success_total == 1700
+
+
+def test_a_family_cut_short_is_none_for_every_engine() -> None:
+    text = read_page("v1-2026.prom")
+    cut = text.index("\n", text.index('vllm:generation_tokens_total{engine="0"')) + 1
+    m = normalise(text[:cut])
+    assert [e.engine for e in m.per_engine] == ["0", "1", "2", "3"]
+    assert all(e.generation_tokens_total is None for e in m.per_engine)
+    assert any("generation_tokens_total ignored" in w for w in m.warnings)
+    assert [e.num_requests_running for e in m.per_engine] == [40, 38, 44, 30]
+    assert all(e.engine_steps_total is None for e in m.per_engine)  # after the cut
+
+    two = page(
+        counter("vllm:prompt_tokens_total", 5, 'engine="0",model_name="m"'),
+        gauge("vllm:kv_cache_usage_perc", 0.5, 'engine="0",model_name="m"'),
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25\n',
+    )
+    m = normalise(two)
+    assert m.prompt_tokens_total is None and [w.split()[0] for w in m.warnings] == [
+        "vllm:prompt_tokens_total"
+    ]
+    assert [(e.prompt_tokens_total, e.kv_cache_usage) for e in m.per_engine] == [
+        (None, 0.5), (None, 0.25),
+    ]  # fmt: skip
+
+
+def test_a_series_without_an_engine_label_is_not_given_to_any_engine() -> None:
+    m = normalise(
+        page(
+            gauge("vllm:kv_cache_usage_perc", 0.5, 'engine="0",model_name="m"'),
+            counter("vllm:prompt_tokens_total", 7, 'model_name="m"'),
+        )
+    )
+    assert m.prompt_tokens_total == 7
+    assert [(e.engine, e.kv_cache_usage, e.prompt_tokens_total) for e in m.per_engine] == [
+        ("0", 0.5, None)
+    ]
+
+
+def test_the_model_filter_applies_per_engine() -> None:
+    def four(name: str, values: tuple[float, float, float, float], kind: str) -> str:
+        lines = [f"# TYPE {name} {kind}"]
+        for (model, engine), value in zip((("a", "0"), ("a", "1"), ("b", "0"), ("b", "1")), values):
+            lines.append(f'{name}{{engine="{engine}",model_name="{model}"}} {value}')
+        return "\n".join(lines)
+
+    text = page(
+        four("vllm:kv_cache_usage_perc", (0.1, 0.2, 0.5, 0.9), "gauge"),
+        four("vllm:num_requests_running", (1, 2, 30, 40), "gauge"),
+        four("vllm:generation_tokens_total", (10, 20, 300, 400), "counter"),
+    )
+    b = normalise(text, model="b")
+    assert [(e.engine, e.kv_cache_usage, e.num_requests_running, e.generation_tokens_total)
+            for e in b.per_engine] == [("0", 0.5, 30, 300), ("1", 0.9, 40, 400)]  # fmt: skip
+    both = normalise(text)  # no model chosen: models combined per engine, as in the totals
+    assert [(e.num_requests_running, e.generation_tokens_total) for e in both.per_engine] == [
+        (31, 310), (42, 420),
+    ]  # fmt: skip
+    assert [e.kv_cache_usage for e in both.per_engine] == pytest.approx([0.3, 0.55])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_per_engine_values_add_up_to_the_totals(data: st.DataObject) -> None:
+    engines = data.draw(st.integers(1, 12))
+    names = ("generation_tokens_total", "prompt_tokens_total", "request_success_total",
+             "num_preemptions_total", "iteration_tokens_total_count")  # fmt: skip
+    counters = {
+        name: data.draw(st.lists(st.integers(0, 10**12), min_size=engines, max_size=engines))
+        for name in names
+    }
+    running = data.draw(st.lists(st.integers(0, 500), min_size=engines, max_size=engines))
+    kv = data.draw(st.lists(st.floats(0, 1), min_size=engines, max_size=engines))
+    order = data.draw(st.permutations(range(engines)))
+    lines = []
+    for name, values in counters.items():
+        lines.append(f"# TYPE vllm:{name} counter")
+        for engine in order:
+            if name == "request_success_total":  # split over two finished_reasons
+                half = values[engine] // 2
+                for reason, part in (("stop", half), ("length", values[engine] - half)):
+                    lines.append(
+                        f'vllm:{name}{{engine="{engine}",finished_reason="{reason}",'
+                        f'model_name="m"}} {part}'
+                    )
+            else:
+                lines.append(f'vllm:{name}{{engine="{engine}",model_name="m"}} {values[engine]}')
+    lines.append("# TYPE vllm:num_requests_running gauge")
+    lines += [
+        f'vllm:num_requests_running{{engine="{e}",model_name="m"}} {running[e]}' for e in order
+    ]
+    lines.append("# TYPE vllm:kv_cache_usage_perc gauge")
+    lines += [f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="m"}} {kv[e]!r}' for e in order]
+    m = normalise("\n".join(lines) + "\n")
+    assert [e.engine for e in m.per_engine] == [str(i) for i in range(engines)]
+    for field, total in (
+        ("generation_tokens_total", m.generation_tokens_total),
+        ("prompt_tokens_total", m.prompt_tokens_total),
+        ("request_success_total", m.request_success_total),
+        ("num_preemptions_total", m.num_preemptions_total),
+        ("engine_steps_total", m.engine_steps_total),
+        ("num_requests_running", m.num_requests_running),
+    ):
+        assert sum(getattr(e, field) for e in m.per_engine) == total, field
+    assert [e.generation_tokens_total for e in m.per_engine] == counters[names[0]]
+    assert [e.engine_steps_total for e in m.per_engine] == counters[names[-1]]
+    assert [e.kv_cache_usage for e in m.per_engine] == kv
+    assert max(kv) == m.kv_cache_usage_max
+    assert m.kv_cache_usage == pytest.approx(sum(kv) / len(kv))
+    assert all(e.num_requests_waiting is None for e in m.per_engine)  # not on the page

@@ -3,7 +3,9 @@
 vLLM renamed, split and removed metrics between V0 (0.6-0.10), early V1 (0.8), V1 0.9.2-0.11
 (old and new names side by side) and V1 0.12+; see docs/metrics.md for the table this module
 implements. Counters are summed and gauges combined across the ``engine`` label (data-parallel
-ranks); ``_created`` series are never read.
+ranks), and each engine's own values are kept beside the totals (``VllmMetrics.per_engine``), so
+one saturated or stalled engine does not hide behind the others; ``_created`` series are never
+read.
 
 Speed: a page of several engines with full histograms is 100-300 KB, of which the agent needs
 about one line in six. Each line's metric name is matched first and only wanted series are
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -102,6 +104,26 @@ class Histogram:
 
 
 @dataclass(frozen=True)
+class EngineSignals:
+    """One data-parallel engine's signals (one ``engine`` label value), read from the same wire
+    names as the totals. ``None`` where the page lacks the signal for this engine: a family cut
+    short for any engine is ``None`` for every engine, as the total is."""
+
+    engine: str
+    kv_cache_usage: float | None  # 0..1
+    num_requests_running: float | None
+    num_requests_waiting: float | None
+    generation_tokens_total: float | None
+    prompt_tokens_total: float | None
+    engine_steps_total: float | None
+    request_success_total: float | None
+    num_preemptions_total: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
 class VllmMetrics:
     """One scrape of one vLLM server, in version-independent terms.
 
@@ -130,6 +152,10 @@ class VllmMetrics:
     cache_config: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     version: str | None = None
     warnings: tuple[str, ...] = ()  # signals dropped as inconsistent, each with its reason
+    # One entry per ``engine`` label, in engine order; empty on a page without that label.
+    # Left out of equality: the history keeps the totals only, and a sample read back from it
+    # must equal the one stored.
+    per_engine: tuple[EngineSignals, ...] = field(default=(), compare=False)
 
     @property
     def model_name(self) -> str | None:
@@ -143,6 +169,10 @@ class VllmMetrics:
         }
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
+            if name == "per_engine":
+                if value:  # only on a data-parallel page
+                    out[name] = [engine.to_json() for engine in value]
+                continue
             if isinstance(value, Histogram):
                 value = value.to_json()
             elif isinstance(value, (tuple, MappingProxyType)):
@@ -313,6 +343,7 @@ def _reduce(page: _Page, version: str | None) -> VllmMetrics:
         cache_config=_cache_config(rows[CACHE_CONFIG]),
         version=version,
         warnings=tuple(page.warnings),
+        per_engine=_engine_signals(page, kv_name),
     )
 
 
@@ -352,17 +383,81 @@ def _sum(rows: list[tuple[Labels, float]]) -> float | None:
 
 
 def _per_engine(rows: list[tuple[Labels, float]]) -> list[float]:
-    """One value per engine (and model). Multiprocess vLLM can print a gauge once per API-server
+    return list(_gauge_copies(rows).values())
+
+
+def _gauge_copies(rows: list[tuple[Labels, float]]) -> dict[tuple[str | None, str | None], float]:
+    """One value per (model, engine). Multiprocess vLLM can print a gauge once per API-server
     process (a ``pid`` label) with only one of them live: the largest is the engine's value."""
     engines: dict[tuple[str | None, str | None], float] = {}
     for labels, value in rows:
         key = (labels.get("model_name"), labels.get("engine"))
         engines[key] = max(value, engines.get(key, value))
-    return list(engines.values())
+    return engines
 
 
 def _sum_per_engine(rows: list[tuple[Labels, float]]) -> float | None:
     return sum(_per_engine(rows)) if rows else None
+
+
+def _engine_signals(page: _Page, kv_name: str) -> tuple[EngineSignals, ...]:
+    """Each engine's signals, from the rows ``_reduce`` reads (after ``_drop_incomplete``)."""
+    if not page.engines:
+        return ()
+    rows = page.rows
+    kv = _engine_gauge(rows[kv_name], mean=True)
+    running = _engine_gauge(rows[RUNNING])
+    waiting = _engine_gauge(rows[WAITING])
+    generation = _engine_counter(rows[GENERATION_TOKENS])
+    prompt = _engine_counter(rows[PROMPT_TOKENS])
+    steps = _engine_counter(rows[ENGINE_STEPS])
+    success = _engine_counter(rows[REQUEST_SUCCESS])
+    preemptions = _engine_counter(rows[PREEMPTIONS])
+    return tuple(
+        EngineSignals(
+            engine=engine,
+            kv_cache_usage=kv.get(engine),
+            num_requests_running=running.get(engine),
+            num_requests_waiting=waiting.get(engine),
+            generation_tokens_total=generation.get(engine),
+            prompt_tokens_total=prompt.get(engine),
+            engine_steps_total=steps.get(engine),
+            request_success_total=success.get(engine),
+            num_preemptions_total=preemptions.get(engine),
+        )
+        for engine in sorted(page.engines, key=_engine_order)
+    )
+
+
+def _engine_order(engine: str) -> tuple[int, int, str]:
+    return (0, int(engine), engine) if engine.isdecimal() else (1, 0, engine)
+
+
+def _by_engine(values: Iterable[tuple[str | None, float]]) -> dict[str, list[float]]:
+    """Values grouped by engine; empty when any value belongs to no engine in particular (a
+    series without the label cannot be attributed, so no engine gets a partial value)."""
+    out: dict[str, list[float]] = {}
+    for engine, value in values:
+        if engine is None:
+            return {}
+        out.setdefault(engine, []).append(value)
+    return out
+
+
+def _engine_counter(rows: list[tuple[Labels, float]]) -> dict[str, float]:
+    """Each engine's counter: its series summed (``finished_reason`` and, with no model chosen,
+    every model's)."""
+    grouped = _by_engine((labels.get("engine"), value) for labels, value in rows)
+    return {engine: sum(values) for engine, values in grouped.items()}
+
+
+def _engine_gauge(rows: list[tuple[Labels, float]], mean: bool = False) -> dict[str, float]:
+    """Each engine's gauge: the live copy across ``pid`` labels, then summed (or averaged) over
+    models as the total is."""
+    grouped = _by_engine((engine, value) for (_model, engine), value in _gauge_copies(rows).items())
+    if mean:
+        return {engine: sum(values) / len(values) for engine, values in grouped.items()}
+    return {engine: sum(values) for engine, values in grouped.items()}
 
 
 def _hit_rate(rows: list[tuple[Labels, float]]) -> float | None:
