@@ -1,0 +1,50 @@
+"""The vLLM unit's anonymous memory, from its cgroup's ``memory.stat`` (cgroup v2).
+
+systemd's ``MemoryCurrent`` is the cgroup's whole charge, page cache included: the log lines
+vLLM writes per request, or a file-backed KV-offload store, fill the cache as the server
+serves and look like a leak. ``anon`` counts only anonymous memory, which is what a leak
+holds. A plain file read, no D-Bus; the cgroup root is an argument, so tests point it at a
+directory of their own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup v2 is mounted
+MAX_STAT_BYTES = 64 * 1024  # a memory.stat is a few KB; anything longer is not one
+_MAX_DIGITS = 20  # 2**64 - 1; also keeps int() clear of Python's limit on long digit strings
+
+
+def read_anon(control_group: str, root: str | Path = CGROUP_ROOT) -> int | None:
+    """Bytes of anonymous memory charged to ``control_group`` (systemd's ControlGroup, e.g.
+    ``/system.slice/vllm.service``) and the cgroups below it: the ``anon`` line of
+    ``ROOT/CONTROL_GROUP/memory.stat``.
+
+    ``anon`` is memory in private anonymous mappings: heaps (brk, malloc), the processes' and
+    threads' stacks, ``mmap(MAP_PRIVATE | MAP_ANONYMOUS)``. It leaves out the page cache
+    (``file``: files read or written, logs among them), shared memory and tmpfs (``shmem``,
+    counted under ``file``), kernel memory (``kernel_stack``, ``pagetables``, ``slab``,
+    ``sock``) and anonymous pages swapped out.
+
+    None when it cannot be read: no control group, cgroup v1 (no such file, or no ``anon``
+    line), the memory controller off for the unit, no permission, a file longer than
+    ``MAX_STAT_BYTES`` or a value that is not a whole number. Never raises."""
+    parts = control_group.strip("/").split("/")
+    if not control_group.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        return None  # "" (no cgroup), or a path that would leave the cgroup tree
+    try:
+        with open(Path(root).joinpath(*parts, "memory.stat"), "rb") as stat:
+            data = stat.read(MAX_STAT_BYTES + 1)
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return None
+    if len(data) > MAX_STAT_BYTES:
+        return None
+    for line in data.split(b"\n"):
+        key, _, value = line.partition(b" ")
+        if key == b"anon":
+            digits = value.strip()
+            if digits.isdigit() and len(digits) <= _MAX_DIGITS:
+                return int(digits)
+            return None
+    return None
