@@ -2,7 +2,7 @@
 
 ``python -m reliability [--only CLASS,...] [--quick] [--seed N] [--json FILE]``. Exits 1 when
 any class has a failure or lost data. The classes (docs/RELIABILITY.md):
-fuzz, kill, crash, dbus, full, clock, metrics, soak. ``--quick`` runs each at the size the
+fuzz, kill, crash, dbus, full, clock, metrics, probe, soak. ``--quick`` runs each at the size the
 tests use (tests/test_reliability_*.py). Root and a systemd sandbox are needed for kill,
 crash, dbus, full and fuzz's real-systemd part (tests/sandbox.py); without them those
 classes fail.
@@ -33,13 +33,18 @@ class Size:
     kills: int
     metric_trials: int
     clock_jumps: int
+    probe_trials: int  # per kind of server: hung, slow, dead
     soak_days: float
 
 
-FULL = Size("reliability", executed=200, kills=100, metric_trials=56, clock_jumps=20, soak_days=7.0)
+FULL = Size(
+    "reliability", executed=200, kills=100, metric_trials=56, clock_jumps=20, probe_trials=30,
+    soak_days=7.0,
+)  # fmt: skip
 QUICK = Size(
-    "reliability-ci", executed=10, kills=4, metric_trials=14, clock_jumps=4, soak_days=0.25
-)
+    "reliability-ci", executed=10, kills=4, metric_trials=14, clock_jumps=4, probe_trials=6,
+    soak_days=0.25,
+)  # fmt: skip
 SOAK_INTERVAL = 30.0  # sample_interval, seconds
 SOAK_SCALE = 2400.0  # 7 days in about 4 minutes: one tick every 12.5 ms
 SOAK_RETENTION = 1.0  # days
@@ -85,6 +90,15 @@ def classes(size: Size, seed: int) -> dict[str, Callable[[], list[Row]]]:
 
         return run
 
+    def probing() -> list[Row]:
+        from reliability import probe  # noqa: PLC0415
+
+        def server(run: Callable[[Row, int, int], None]) -> Callable[[Row], None]:
+            return lambda row: run(row, size.probe_trials, seed)
+
+        kinds = (("hung", probe.hung), ("slow", probe.slow), ("dead", probe.dead))
+        return [_fault(f"probe: {kind} server", server(run)) for kind, run in kinds]
+
     def soaking() -> list[Row]:
         from reliability import soak  # noqa: PLC0415
 
@@ -98,6 +112,7 @@ def classes(size: Size, seed: int) -> dict[str, Callable[[], list[Row]]]:
         "full": fault("full", "state directory full (sandbox tmpfs)"),
         "clock": fault("clock", "wall clock jumps"),
         "metrics": fault("metrics", "/metrics hangs, trickles, huge"),
+        "probe": probing,
         "soak": soaking,
     }
 

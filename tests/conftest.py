@@ -47,9 +47,9 @@ def fixtures_dir() -> Path:
 
 def metrics(**values: object) -> VllmMetrics:
     """A VllmMetrics with every signal absent except those given."""
-    fields = {name: None for name in VllmMetrics.__dataclass_fields__}
+    fields: dict[str, object] = {name: None for name in VllmMetrics.__dataclass_fields__}
     fields.update(flavor="v1-latest", models=("m",), engines=1, prefix_cache_unit=None)
-    del fields["cache_config"], fields["version"], fields["warnings"]
+    del fields["cache_config"], fields["version"], fields["warnings"], fields["per_engine"]
     fields.update(values)
     return VllmMetrics(**fields)  # type: ignore[arg-type]
 

@@ -84,7 +84,7 @@ def test_the_values_are_immutable(etc: Path) -> None:
             "[vlm]\nurl = 'x'\n",
             1,
             "vlm: unknown section (allowed: agent, baseline, diagnosis, fleet, gpu, history, "
-            "metrics, policy, restart, vllm)",
+            "metrics, policy, probe, restart, vllm)",
         ),
         (
             "\n\n[vllm]\nread_timeout = 'fast'\n",
@@ -137,6 +137,8 @@ def test_engine_sections_mirror_the_engine_settings_key_for_key(name: str, engin
     wanted = {f.name: f.default for f in dataclasses.fields(engine)}
     if name == "policy":  # the drain belongs to [restart], which the actuator reads too
         assert wanted.pop("drain_max_in_flight") == Config().restart.drain_max_in_flight
+    if name == "diagnosis":  # the probe's pace belongs to [probe], which the daemon reads too
+        assert wanted.pop("probe_after") == Config().probe.after
     assert keys == wanted
     for spec in dataclasses.fields(section):
         assert spec.metadata["doc"].endswith("."), spec.name
@@ -188,7 +190,8 @@ def test_engine_sections_reach_the_engine(etc: Path) -> None:
          "policy.windows: expected a list of strings, got string"),
         ("[policy]\nemergency = ['stall', 'gpu_throttle']\n", 2,
          'policy.emergency: list item string "gpu_throttle": string "gpu_throttle" is not '
-         "allowed (allowed: host_memory_growth, kv_pressure, kv_stranded, stall, uptime_decline)"),
+         "allowed (allowed: host_memory_growth, kv_pressure, kv_stranded, stall, unresponsive, "
+         "uptime_decline)"),
         ("[policy]\nmax_per_day = 0\n", 2, "policy.max_per_day: 0 is out of range (allowed: 1 to"),
         ("[baseline]\nwindow = 5\n", 2, "baseline.window: 5 is out of range (allowed: 10 to 3600)"),
         ("[diagnosis]\nkv_full = 1.5\n", 2, "diagnosis.kv_full: 1.5 is out of range"),

@@ -192,7 +192,7 @@ def test_the_ledger_gives_the_policy_restarts_and_aborted_attempts(tmp_path: Pat
             ledger.end(action, outcome, now - hours_ago * 3600 + 10)
     daemon = Daemon.offline(path, io.StringIO())
     try:
-        found = [(r.cause, r.aborted) for r in daemon._restarts(now)]
+        found = [(r.cause, r.aborted) for r in daemon._restarts(now, 1000.0)]
     finally:
         daemon.close()
     assert found == [("uptime_decline", False), ("manual", False), ("stall", True)]

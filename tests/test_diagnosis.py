@@ -21,15 +21,19 @@ from vkvagent.diagnosis import (
     Diagnosis,
     DiagnosisSettings,
     DiagnosisState,
+    EngineWindow,
     Hysteresis,
     MemoryPoint,
+    ProbeFacts,
     Progress,
     Situation,
+    Stall,
     diagnose,
     kv_suggestion,
     memory_growth,
 )
 from vkvagent.gpu import GpuReader, GpuReading, RecordedBackend
+from vkvagent.metrics import EngineSignals, VllmMetrics
 
 S = DiagnosisSettings()
 HOLD = S.hold
@@ -90,7 +94,10 @@ def held(step: Situation, seconds: float = HOLD + 60) -> list[Situation]:
 
 
 def test_the_cause_lists_split_into_fixable_and_vetoed() -> None:
-    fixable = {"uptime_decline", "kv_pressure", "kv_stranded", "stall", "host_memory_growth"}
+    fixable = {
+        "uptime_decline", "kv_pressure", "kv_stranded", "stall", "unresponsive",
+        "host_memory_growth",
+    }  # fmt: skip
     assert fixable == FIXABLE
     assert {"gpu_throttle", "gpu_fault", "load_shift"} == VETOED
     assert set(CAUSES) == FIXABLE | VETOED | {"engine_down"}
@@ -147,24 +154,72 @@ def test_the_stall_clock_runs_while_work_is_pending_and_no_counter_moves() -> No
     busy = metrics(num_requests_running=4.0, generation_tokens_total=100.0,
                    engine_steps_total=50.0)  # fmt: skip
     moved = replace(busy, engine_steps_total=51.0)
+    none = ProbeFacts()
     p = Progress().observe(None, busy, 0.0)  # first sample: the clock starts, no accusation
-    assert p.since == 0.0
+    assert p.since == 0.0 and p.advanced == 0.0
     p = p.observe(busy, busy, 10.0)
-    assert p.stalled_for(busy, 130.0) == 130.0
+    assert p.stalled(busy, 130.0, none) == Stall(130.0, "requests pending")
     assert p.observe(busy, moved, 140.0).since == 140.0  # one engine step is progress
     idle = replace(busy, num_requests_running=0.0)
     assert p.observe(busy, idle, 140.0).since == 140.0  # nothing to do is not a stall
-    assert p.stalled_for(idle, 500.0) == 0.0
+    assert p.observe(busy, idle, 140.0).advanced == 0.0  # ...nor progress
+    assert p.stalled(idle, 500.0, none) == Stall()
     queued = replace(busy, num_requests_running=0.0, num_requests_waiting=3.0)
-    assert p.stalled_for(queued, 130.0) == 130.0  # a queue nobody serves is a stall too
+    assert p.stalled(queued, 130.0, none).seconds == 130.0  # a queue nobody serves stalls too
     blind = metrics(num_requests_running=4.0)  # no counters at all: cannot tell
     assert p.observe(blind, blind, 50.0).since == 50.0
 
 
-def test_a_stall_is_diagnosed_after_stall_after_seconds() -> None:
-    result, _ = run([situation(stalled_for=S.stall_after - 1)])
+def test_a_probe_without_an_answer_is_pending_work_counted_from_the_last_progress() -> None:
+    """The hung vLLM 0.32 engine: gauges frozen at 0 pending, counters still, /metrics fast."""
+    frozen = metrics(num_requests_running=0.0, generation_tokens_total=100.0,
+                     engine_steps_total=50.0)  # fmt: skip
+    p = Progress().observe(None, frozen, 0.0)
+    for t in (10.0, 20.0, 30.0, 40.0, 50.0, 60.0):
+        p = p.observe(frozen, frozen, t)
+    assert p.advanced == 0.0 and p.stalled(frozen, 60.0, ProbeFacts()) == Stall()  # idle?
+    in_flight = ProbeFacts(in_flight=30.0, last_sent=30.0)
+    assert p.stalled(frozen, 60.0, in_flight) == Stall()  # not unanswered until it gives up
+    timed_out = ProbeFacts(unanswered=30.0, last_sent=30.0)
+    assert p.stalled(frozen, 60.0, timed_out) == Stall(60.0, "a probe got no answer")
+    # A probe sent before the counters last moved says nothing of the engine since.
+    moved = replace(frozen, generation_tokens_total=101.0)
+    later = p.observe(frozen, moved, 70.0)
+    assert later.stalled(moved, 100.0, timed_out) == Stall()
+
+
+def test_an_answered_probe_is_never_a_stall_whatever_the_gauges_say() -> None:
+    """vLLM issue 22545: after aborts the gauges can stay at a request that no longer runs."""
+    stuck = metrics(num_requests_running=2.0, generation_tokens_total=100.0,
+                    engine_steps_total=50.0)  # fmt: skip
+    p = Progress().observe(None, stuck, 0.0)
+    p = p.observe(stuck, stuck, 200.0)
+    assert p.stalled(stuck, 200.0, ProbeFacts()).seconds == 200.0  # the gauges alone: a stall
+    answered = ProbeFacts(answered=190.0, last_sent=190.0)
+    assert p.stalled(stuck, 200.0, answered) == Stall(10.0, "requests pending")
+    result, _ = run([situation(stall=p.stalled(stuck, 200.0, answered))])
     assert result.cause is None
-    result, _ = run([situation(stalled_for=S.stall_after)])
+
+
+def test_a_probe_stall_says_so() -> None:
+    result, _ = run([situation(stall=Stall(S.stall_after, "a probe got no answer"))])
+    assert result.cause == "stall"
+    assert result.summary.startswith("a probe got no answer and no token or engine step for")
+    assert result.evidence["stall_evidence"] == "a probe got no answer"
+
+
+def test_unresponsive_comes_before_engine_down_and_is_fixable() -> None:
+    line = "vLLM accepts connections but has not answered /metrics for 95 s"
+    result, _ = run([situation(down="/metrics unreachable: timeout", unresponsive=line)])
+    assert result.cause == "unresponsive" and result.fixable and result.summary == line
+    result, _ = run([situation(down="/metrics unreachable: connection refused")])
+    assert result.cause == "engine_down" and not result.fixable
+
+
+def test_a_stall_is_diagnosed_after_stall_after_seconds() -> None:
+    result, _ = run([situation(stall=Stall(S.stall_after - 1, "requests pending"))])
+    assert result.cause is None
+    result, _ = run([situation(stall=Stall(S.stall_after, "requests pending"))])
     assert result.cause == "stall" and result.fixable
     assert result.evidence["stalled_s"] == S.stall_after
 
@@ -339,14 +394,16 @@ def test_an_xid_vetoes_restarts_for_fault_memory_seconds_even_though_it_is_seen_
     after = situation(window(**SLOW))
     result, _ = run([xid, after, after])
     assert result.cause == "gpu_fault" and result.vetoed
-    assert result.evidence["fault"] == "GPU 0 XID 79"
+    assert result.evidence["fault"] == "GPU 0 XID 79 (GPU has fallen off the bus; hardware)"
     later = int(S.fault_memory / 30) + 1
     result, _ = run([xid, *[after] * later])
     assert result.cause != "gpu_fault"
 
 
 def test_uncorrectable_ecc_is_a_fault_and_outranks_a_stall() -> None:
-    ecc = situation(gpus=[(gpu(ecc_uncorrected_volatile=2),)], stalled_for=600.0)
+    ecc = situation(
+        gpus=[(gpu(ecc_uncorrected_volatile=2),)], stall=Stall(600.0, "requests pending")
+    )
     result, _ = run([ecc])
     assert result.cause == "gpu_fault"
     assert "2 uncorrectable ECC errors" in result.summary
@@ -410,3 +467,117 @@ def test_settings_refuse_inverted_thresholds() -> None:
         DiagnosisSettings(enter_ratio=0.9, leave_ratio=0.8)
     with pytest.raises(ValueError):
         DiagnosisSettings(kv_stranded_below=0.95, kv_full=0.9)
+
+
+# -- XID classes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("xids", [(13,), (43,), (31, 45)])
+def test_an_application_xid_vetoes_neither_a_stall_nor_a_decline(xids: tuple[int, ...]) -> None:
+    app = gpu(xid_errors=xids)
+    result, state = run([situation(gpus=[(app,)], stall=Stall(600.0, "requests pending"))])
+    assert result.cause == "stall" and result.fixable
+    assert state.fault_at is None
+    result, state = run(held(situation(window(**SLOW), gpus=[(app,)])))
+    assert result.cause == "uptime_decline" and result.fixable
+    assert state.fault_at is None
+
+
+@pytest.mark.parametrize(
+    ("xid", "note"),
+    [
+        (79, "GPU 0 XID 79 (GPU has fallen off the bus; hardware)"),
+        (48, "GPU 0 XID 48 (Double Bit ECC Error; hardware)"),
+        (119, "GPU 0 XID 119 (GSP RPC Timeout; driver)"),
+        (999, "GPU 0 XID 999 (not in vkvagent's XID table; unknown)"),  # unknown: a fault
+    ],
+)
+def test_a_hardware_driver_or_unknown_xid_vetoes_a_stall_and_a_decline(xid: int, note: str) -> None:
+    # With an application XID in the same reading: only the fault is named.
+    faulty = gpu(xid_errors=(13, xid))
+    result, state = run([situation(gpus=[(faulty,)], stall=Stall(600.0, "requests pending"))])
+    assert result.cause == "gpu_fault" and result.vetoed
+    assert result.evidence["fault"] == note and state.fault_note == note
+    result, _ = run(held(situation(window(**SLOW), gpus=[(faulty,)])))
+    assert result.cause == "gpu_fault" and result.vetoed
+
+
+# -- data-parallel engines -----------------------------------------------------------------------
+
+
+def engine(name: str, **values: Any) -> EngineWindow:
+    base: dict[str, Any] = dict(
+        engine=name, kv_usage=0.45, running=4.4, waiting=0.0, generation_tokens_per_s=211.0,
+        preemptions_per_s=0.0,
+    )  # fmt: skip
+    base.update(values)
+    return EngineWindow(**base)
+
+
+def signals(name: str, **values: Any) -> EngineSignals:
+    base: dict[str, Any] = dict(
+        engine=name, kv_cache_usage=0.45, num_requests_running=4.0, num_requests_waiting=0.0,
+        generation_tokens_total=1000.0, prompt_tokens_total=5000.0, engine_steps_total=500.0,
+        request_success_total=20.0, num_preemptions_total=0.0,
+    )  # fmt: skip
+    base.update(values)
+    return EngineSignals(**base)
+
+
+def test_one_stuck_engine_among_busy_ones_is_a_stall_named_by_its_engine() -> None:
+    """The totals move (three engines work), the fourth has requests and moves nothing."""
+
+    def page(step: int) -> VllmMetrics:
+        engines = [signals(str(i), generation_tokens_total=1000.0 + 10 * step) for i in range(3)]
+        engines.append(signals("3", num_requests_running=3.0))
+        return metrics(
+            num_requests_running=15.0, generation_tokens_total=3000.0 + 30 * step,
+            engine_steps_total=500.0 + step, per_engine=tuple(engines),
+        )  # fmt: skip
+
+    p = Progress().observe(None, page(0), 0.0)
+    for step in range(1, 14):
+        p = p.observe(page(step - 1), page(step), step * 10.0)
+    assert p.since == 130.0 and p.advanced == 130.0  # the totals: all well
+    stall = p.stalled(page(13), 130.0, ProbeFacts())
+    assert stall == Stall(130.0, "requests pending on engine 3 of 4")
+    result, _ = run([situation(stall=stall)])
+    assert result.cause == "stall"
+    assert result.summary.startswith("requests pending on engine 3 of 4 and no token")
+    # The same engine with nothing to do is idle, not stuck.
+    idle = page(14)
+    idle = replace(idle, per_engine=(*idle.per_engine[:3], signals("3", num_requests_running=0.0)))
+    assert p.observe(page(13), idle, 140.0).stalled(idle, 140.0, ProbeFacts()) == Stall()
+
+
+def test_one_engine_far_behind_its_peers_is_found_held_and_named() -> None:
+    peers = [engine(str(i)) for i in range(3)]
+    stranded = engine("3", kv_usage=0.2, waiting=6.0, generation_tokens_per_s=40.0)
+    # The totals look fine: mean KV 0.39, 6 waiting over four engines.
+    lagging = situation(engines=(*peers, stranded))
+    result, _ = run(held(lagging))
+    assert result.cause == "kv_stranded" and result.fixable
+    assert result.summary.startswith(
+        "engine 3 of 4: 6.0 requests wait on it at KV usage 0.20, 0.00 preemptions/s, serving "
+        "40 tokens/s where its peers serve 211, for 1"
+    )
+    assert "engine 3: KV 0.20, 6.0 waiting, 40 tokens/s" in str(result.evidence["engines"])
+    # Not yet held for `hold`: only watched.
+    result, _ = run([situation(), lagging, lagging])
+    assert result.cause is None
+    # Full and preempting: the engine's KV fills (leaks) while its peers have room.
+    full = engine("3", kv_usage=0.97, waiting=6.0, generation_tokens_per_s=40.0,
+                  preemptions_per_s=0.5)  # fmt: skip
+    result, _ = run(held(situation(engines=(*peers, full))))
+    assert result.cause == "kv_pressure"
+    # Waiting but keeping up with its peers: nothing wrong.
+    keeping_up = engine("3", waiting=6.0, generation_tokens_per_s=200.0)
+    result, _ = run(held(situation(engines=(*peers, keeping_up))))
+    assert result.cause is None
+
+
+def test_a_lagging_engine_on_a_throttled_gpu_is_vetoed() -> None:
+    peers = [engine(str(i)) for i in range(3)]
+    stranded = engine("3", kv_usage=0.2, waiting=6.0, generation_tokens_per_s=40.0)
+    result, _ = run(held(situation(engines=(*peers, stranded), gpus=[(HOT,)])))
+    assert result.cause == "gpu_throttle" and result.vetoed

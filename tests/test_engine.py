@@ -32,7 +32,7 @@ from vkvagent.engine import (
 )
 from vkvagent.gpu import GpuReader, RecordedBackend
 from vkvagent.metrics import Normaliser
-from vkvagent.policy import PolicySettings, TrafficProfile, rate_bin
+from vkvagent.policy import PolicySettings, RestartRecord, TrafficProfile, rate_bin
 from vkvagent.sample import Sample
 from vkvagent.sim import exposition
 from vkvagent.sim.stats import ServerInfo
@@ -412,7 +412,7 @@ def test_each_decision_adds_the_request_rate_to_this_hosts_traffic_profile() -> 
 
 def test_a_corrupt_state_is_refused_in_one_line() -> None:
     good = simulate("healthy", 9.0).state.to_json()
-    for bad in ({}, {**good, "version": 2}, {**good, "recovered": "yes"},
+    for bad in ({}, {**good, "version": 3}, {**good, "recovered": "yes"},
                 {**good, "run": {**good["run"], "cursor": "x"}}, None,
                 {**good, "traffic": {"last": None, "hours": {"31": {}}}}):  # fmt: skip
         with pytest.raises(ValueError, match=r"^engine state: ") as caught:
@@ -471,3 +471,91 @@ def test_the_corpus_covers_every_cause_and_every_action() -> None:
     cases = [corpus.load(p) for p in corpus.files()]
     assert {c.expect["cause"] for c in cases} == {*CAUSES, None}
     assert {c.expect["action"] for c in cases} == set(ACTIONS)
+
+
+# -- clocks: a step of the wall clock changes no duration ----------------------------------------
+
+
+def _stepped(
+    ticks: list[tuple[Observation, datetime]], after: int, step: float
+) -> list[tuple[Observation, datetime]]:
+    """The ticks with the wall clock stepped by ``step`` seconds from tick ``after`` on: the
+    samples taken from then carry the stepped time; their monotonic times do not move."""
+    first_mono = ticks[after][0].samples[-1].mono
+    out = []
+    for index, (observed, now) in enumerate(ticks):
+        samples = tuple(
+            replace(s, time=s.time + step) if s.mono >= first_mono else s for s in observed.samples
+        )
+        moved = now + timedelta(seconds=step) if index >= after else now
+        out.append((replace(observed, samples=samples), moved))
+    return out
+
+
+def _run(case: corpus.Case, ticks: list[tuple[Observation, datetime]]) -> list[Decision]:
+    state, decisions = case.state, []
+    for observed, now in ticks:
+        decision = decide(case.settings, state, observed, now)
+        state = decision.state
+        decisions.append(decision)
+    return decisions
+
+
+@pytest.mark.parametrize("step", [-86400.0, 86400.0, 3 * 86400.0], ids=["back", "fwd", "fwd3d"])
+def test_a_held_symptom_waits_its_hold_whatever_the_wall_clock_does(step: float) -> None:
+    """The decline of uptime-decline-in-window.json is held for 15 min on the samples' own
+    clock: stepped whole days (the windows stay where they were), the wall clock neither
+    fires it at the step nor holds it back."""
+    case = corpus.load(corpus.HERE / "uptime-decline-in-window.json")
+    plain = _run(case, case.ticks)
+    restart = next(i for i, d in enumerate(plain) if d.action == "restart")
+    pending = next(i for i, d in enumerate(plain) if d.state.diagnosis.speed.pending_since)
+    assert restart - pending >= case.settings.diagnosis.hold / 30
+    stepped = _run(case, _stepped(case.ticks, pending + 2, step))
+    assert [(d.action, d.cause) for d in stepped[: restart + 1]] == [
+        (d.action, d.cause) for d in plain[: restart + 1]
+    ]
+
+
+def test_restart_ages_are_monotonic_in_the_engine_too() -> None:
+    """A restart 10 minutes ago on the monotonic clock holds the next one (min interval),
+    whatever the wall clock says of it."""
+    case = corpus.load(corpus.HERE / "uptime-decline-in-window.json")
+    assert _run(case, case.ticks)[-1].action == "restart"
+    observed, now = case.ticks[-1]
+    mono = observed.samples[-1].mono
+    for wall_age in (-7200.0, 600.0, 7 * 86400.0):
+        record = RestartRecord(now.timestamp() - wall_age, "uptime_decline", mono=mono - 600)
+        ticks = [*case.ticks[:-1], (replace(observed, restarts=(record,)), now)]
+        decision = _run(case, ticks)[-1]
+        assert decision.reason.startswith("min interval: last restart 10 min ago"), wall_age
+
+
+# -- vLLM silent, the probe, data-parallel engines -----------------------------------------------
+
+
+def _silent_ticks(unit_started: float | None) -> list[Decision]:
+    """Ten samples answered, then /metrics accepting connections without answering for 3 min."""
+    case = corpus.load(corpus.HERE / "unresponsive.json")
+    ticks = [(replace(o, unit_started=unit_started), now) for o, now in case.ticks]
+    return _run(case, ticks)
+
+
+def test_silence_past_unresponsive_after_is_unresponsive_once_vllm_has_answered() -> None:
+    decisions = _silent_ticks(None)
+    assert [d.cause for d in decisions[10:]] == ["engine_down"] * 3 + ["unresponsive"] * 2
+    assert decisions[-1].action == "restart"
+    assert "has not answered /metrics for 120 s (limit 90 s)" in decisions[-1].reason
+    # The unit became active after vLLM last answered: a new vLLM still loading its model.
+    case = corpus.load(corpus.HERE / "unresponsive.json")
+    last_answer = case.ticks[9][0].samples[-1].time
+    assert {d.cause for d in _silent_ticks(last_answer + 1)[10:]} == {"engine_down"}
+
+
+def test_the_engine_asks_for_a_probe_when_no_counter_moved_for_probe_after() -> None:
+    case = corpus.load(corpus.HERE / "hang-zero-gauges.json")
+    decisions = _run(case, case.ticks)
+    # 30 s samples, probe_after 60 s: the second still sample after the last progress.
+    assert [d.probe_wanted for d in decisions[9:13]] == [False, False, True, False]
+    off = replace(case.settings, diagnosis=replace(case.settings.diagnosis, probe_after=0.0))
+    assert not any(d.probe_wanted for d in _run(replace(case, settings=off), case.ticks))

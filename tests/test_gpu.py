@@ -11,13 +11,19 @@ import pytest
 from tests.conftest import FIXTURES
 from vkvagent.cli import main
 from vkvagent.gpu import (
+    FAULT_CLASSES,
+    XIDS,
     GpuReader,
     NvmlBackend,
     NvmlUnavailable,
     RecordedBackend,
     decode_clock_event_reasons,
+    describe_xid,
+    is_fault,
     reader_for,
     record,
+    xid_class,
+    xid_meaning,
 )
 
 RECORDING = FIXTURES / "gpu" / "h100x2-throttled.json"
@@ -126,7 +132,8 @@ def test_cli_reads_a_recording(capsys) -> None:
     assert main(["gpu", "--replay", str(RECORDING)]) == 0
     text = capsys.readouterr().out
     assert "GPU 1 NVIDIA H100 80GB HBM3: 99 % busy" in text
-    assert "throttled: sw_power_cap, hw_slowdown" in text and "XID [79, 48]" in text
+    assert "throttled: sw_power_cap, hw_slowdown" in text
+    assert "XID 79 (GPU has fallen off the bus; hardware), XID 48 (Double Bit ECC Error" in text
 
 
 def test_cli_refuses_a_file_that_is_not_a_recording(tmp_path: Path, capsys) -> None:
@@ -179,3 +186,120 @@ def test_a_recording_file_kept_current_by_another_process(tmp_path: Path) -> Non
     path.write_text(json.dumps(recording))
     os.utime(path, ns=(1, 2_000_000_000))  # a new mtime even on a coarse-grained filesystem
     assert reader.read()[0][0].temperature_c == 95
+
+
+# -- XID classes and the reader's XID log ------------------------------------------------------
+
+
+def test_xid_classes_follow_nvidias_catalogue() -> None:
+    # The codes NVIDIA lists as usually the application's: a restart of vLLM fixes them.
+    for code in (13, 31, 43, 45, 68, 137):
+        assert xid_class(code) == "application" and not is_fault(code), code
+    for code in (48, 63, 64, 74, 79, 92, 94, 95, 121, 140, 143, *range(144, 151)):
+        assert xid_class(code) == "hardware" and is_fault(code), code
+    for code in (8, 32, 38, 44, 109, 119, 120):
+        assert xid_class(code) == "driver" and is_fault(code), code
+    assert xid_meaning(79) == "GPU has fallen off the bus"
+    assert describe_xid(43) == "XID 43 (GPU stopped processing; application)"
+    # A code not in the table is a fault, to be safe.
+    assert xid_class(999) == "unknown" and is_fault(999)
+    assert describe_xid(999) == "XID 999 (not in vkvagent's XID table; unknown)"
+    assert {"hardware", "driver", "unknown"} == FAULT_CLASSES
+    wanted = {8, 13, 31, 32, 38, 43, 44, 45, 48, 56, 57, 58, 61, 62, 63, 64, 68, 69, 74, 79}
+    wanted |= {92, 94, 95, 109, 119, 120, 121, 140, 143, *range(144, 151)}
+    assert wanted <= set(XIDS)
+    assert {cls for _meaning, cls in XIDS.values()} == {"hardware", "driver", "application"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class LiveBackend(RecordedBackend):
+    """The recorded host, with XID events the test hands in; each drained once, as NVML's
+    event set does."""
+
+    def __init__(self) -> None:
+        recording = json.loads(RECORDING.read_text())
+        recording["xid_events"] = []
+        super().__init__(recording)
+        self.pending: list[tuple[int, int]] = []
+
+    def xid_events(self) -> list[tuple[int, int]]:
+        found, self.pending = self.pending, []
+        return found
+
+
+def live(
+    devices: tuple[int, ...] = (), fault_window: float = 3600.0, keep: int = 256
+) -> tuple[LiveBackend, GpuReader, Clock]:
+    backend, clock = LiveBackend(), Clock()
+    reader = GpuReader(
+        devices, open=lambda: backend, mono=clock, fault_window=fault_window, keep=keep
+    )
+    return backend, reader, clock
+
+
+def test_faults_see_an_xid_the_sampler_already_read() -> None:
+    backend, reader, clock = live()
+    backend.pending = [(1, 79)]
+    assert reader.read()[0][1].xid_errors == (79,)  # the sampler takes it
+    clock.now += 60
+    [fault] = reader.faults()
+    assert (fault.index, fault.xid, fault.seen_at) == (1, 79, 1000.0)
+    assert reader.read()[0][1].xid_errors == ()  # still reported once to the sampler
+
+
+def test_faults_first_do_not_hide_the_xid_from_the_sampler() -> None:
+    backend, reader, _clock = live()
+    backend.pending = [(1, 79), (0, 13)]
+    assert [(f.index, f.xid) for f in reader.faults()] == [(1, 79)]  # 13 is the application's
+    assert backend.pending == []  # drained from NVML ...
+    readings, _ = reader.read(consume_xids=False)  # ... but kept for the sampler
+    assert (readings[0].xid_errors, readings[1].xid_errors) == ((13,), (79,))
+    readings, _ = reader.read()
+    assert (readings[0].xid_errors, readings[1].xid_errors) == ((13,), (79,))
+    assert reader.read()[0][1].xid_errors == ()
+    assert [f.xid for f in reader.faults()] == [79]
+
+
+def test_faults_are_kept_for_the_window_and_to_a_bound() -> None:
+    backend, reader, clock = live(fault_window=3600.0, keep=3)
+    backend.pending = [(1, 48)]
+    reader.faults()
+    clock.now += 3000
+    backend.pending = [(0, 999)]  # unknown: a fault
+    assert [f.xid for f in reader.faults()] == [48, 999]
+    assert [f.xid for f in reader.faults(within=600)] == [999]
+    clock.now += 700  # 48 is past the window now
+    assert [f.xid for f in reader.faults()] == [999]
+    backend.pending = [(0, 79), (0, 79), (0, 79)]
+    assert [f.xid for f in reader.faults()] == [79, 79, 79]  # only the last 3 kept
+
+
+def test_faults_of_unwatched_gpus_do_not_count_but_unnamed_ones_do() -> None:
+    backend, reader, _clock = live((0,))
+    backend.pending = [(1, 79), (-1, 48)]
+    assert [(f.index, f.xid) for f in reader.faults()] == [(-1, 48)]
+
+
+def test_faults_survive_nvml_going_away() -> None:
+    backend, clock = LiveBackend(), Clock()
+    opened: list[LiveBackend] = []
+
+    def open_once() -> LiveBackend:
+        if opened:
+            raise NvmlUnavailable("Driver Not Loaded")
+        opened.append(backend)
+        return backend
+
+    reader = GpuReader(open=open_once, mono=clock)
+    backend.pending = [(0, 79)]
+    assert [f.xid for f in reader.faults()] == [79]
+    reader.reset()  # e.g. the daemon reopening NVML
+    assert [f.xid for f in reader.faults()] == [79]
+    assert reader.unavailable == "NVML unavailable: Driver Not Loaded"

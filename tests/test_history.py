@@ -25,6 +25,7 @@ from vkvagent import history as history_module
 from vkvagent.gpu import GpuReading
 from vkvagent.history import FILE_NAME, History, HistoryError
 from vkvagent.metrics import Histogram, VllmMetrics
+from vkvagent.probe import ProbeResult
 from vkvagent.sample import Sample, UnitFacts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -224,6 +225,7 @@ VLLM_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "cache_config": st.dictionaries(TEXT, TEXT, max_size=3).map(MappingProxyType),
     "version": optional(TEXT),
     "warnings": st.lists(TEXT, max_size=2).map(tuple),
+    "per_engine": st.just(()),  # not stored: the engine reads it live, nothing reads it back
 }
 GPU_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "index": st.integers(0, 255),
@@ -253,6 +255,8 @@ UNIT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "main_pid": st.integers(0, 2**22),
     "memory_bytes": optional(INT64),
     "n_restarts": st.integers(0, 2**31),
+    "memory_anon_bytes": optional(INT64),
+    "active_since": optional(st.floats(-1e12, 1e12)),
 }
 SAMPLES = st.builds(
     Sample,
@@ -264,6 +268,7 @@ SAMPLES = st.builds(
     gpu_error=optional(TEXT),
     unit=optional(st.builds(UnitFacts, **UNIT_FIELDS)),
     unit_error=optional(TEXT),
+    vllm_silent=st.booleans(),
 )
 
 
@@ -283,6 +288,18 @@ def test_any_samples_round_trip(samples: list[Sample]) -> None:
         expected = sorted(samples, key=lambda sample: sample.time)
         assert store.samples() == expected
         assert store.latest() == expected[-1]
+
+
+def test_probes_are_kept_in_order_and_pruned_with_the_samples(tmp_path: Path) -> None:
+    ok = ProbeResult(100.0, 1000.0, "ok", 0.04)
+    hung = ProbeResult(160.0, 1060.0, "timeout", 30.0, "no data for 30 s (read timeout)")
+    with History(tmp_path) as store:
+        store.append_probe(hung)
+        store.append_probe(ok)
+        assert store.probes() == [ok, hung]
+        assert store.probes(since=1050.0) == [hung]
+        store.prune(1000.0 + 86400.0 + 30.0, 1.0)
+        assert store.probes() == [hung]
 
 
 def test_time_window_order_and_limit(tmp_path: Path) -> None:

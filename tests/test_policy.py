@@ -12,6 +12,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from vkvagent.policy import (
+    DAY,
     PROFILE_MAX_VALUES,
     PROFILE_MIN_VALUES,
     SCHEDULED,
@@ -185,8 +186,21 @@ def test_cooldown_then_budget_over_a_rolling_day() -> None:
     v = verdict(history=three)
     assert v.action == "hold" and v.reason == "budget: 3 restarts in the last 24 h (at most 3)"
     assert verdict(history=(restart(25), restart(16), restart(9))).action == "restart"
-    # A restart recorded in the future (a clock step) is not held against now.
-    assert verdict(history=(restart(-2),)).action == "restart"
+    # With only the wall clock, one recorded in the future (the clock was stepped back since)
+    # counts as just now: a step back never forgets a restart.
+    assert verdict(history=(restart(-2),)).reason.startswith("min interval: last restart 0 min")
+
+
+def test_ages_run_on_the_monotonic_clock_whatever_the_wall_clock_does() -> None:
+    """A restart 10 min ago (monotonic) while the wall clock was stepped a day either way."""
+    for step in (-DAY, +DAY):
+        record = RestartRecord(IN.timestamp() - 600 - step, "uptime_decline", mono=5000.0)
+        v = verdict(history=(record,), mono=5600.0)
+        assert v.action == "hold" and v.reason.startswith("min interval: last restart 10 min ago")
+    # The same record 7 h later on the monotonic clock, whatever the wall clock says.
+    assert verdict(history=(record,), mono=5000.0 + 7 * 3600).action == "restart"
+    # A record without a monotonic time (another boot's) is aged on the wall clock.
+    assert verdict(history=(restart(0.5),), mono=5600.0).reason.startswith("min interval")
 
 
 def test_the_traffic_gate_holds_a_busy_window() -> None:
@@ -314,8 +328,8 @@ def test_aborted_attempts_back_off_doubling_to_an_hour_and_count_for_nothing_els
     assert verdict(history=many, cause="stall").action == "restart"  # the last 490 min ago
     assert verdict(history=(*many, aborted(0.5)), cause="stall").action == "hold"
     assert verdict(history=(*many, aborted(1.5)), cause="stall").action == "restart"
-    # One recorded in the future (a clock step back) is not held against now.
-    assert verdict(history=(aborted(-120),)).action == "restart"
+    # One recorded in the future (the wall clock stepped back since) counts as just now.
+    assert verdict(history=(aborted(-120),)).action == "hold"
     # `vkvagent resume` starts afresh.
     resumed = Controls(resumed_at=(IN - timedelta(minutes=1)).timestamp())
     assert verdict(history=(aborted(30), aborted(20), aborted(3)), controls=resumed).action == (

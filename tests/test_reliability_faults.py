@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reliability import faults, kill
+from reliability import faults, kill, probe
 from reliability.report import Row
 from tests.sandbox import require
 from vkvagent.actuator import Actuator, ActuatorError
@@ -72,6 +72,14 @@ def test_metrics_that_hang_trickle_or_swell_fail_within_their_limits() -> None:
     row = Row("metrics")
     faults.metrics_endpoint(row, seed=int(time.time()), trials=len(faults.KINDS))
     clean(row)
+
+
+@pytest.mark.parametrize("kind", ["hung", "slow", "dead"])
+def test_the_probe_against_a_hung_slow_or_dead_server_ends_in_time(kind: str) -> None:
+    row = Row(f"probe: {kind} server")
+    getattr(probe, kind)(row, trials=3, seed=int(time.time()))
+    clean(row)
+    assert row.trials >= 3
 
 
 def test_refused_restart_jobs_do_not_count_against_the_start_limit(tmp_path: Path) -> None:

@@ -129,7 +129,7 @@ def history(
         cluster.advance_to(t - started)
         info = ServerInfo(model=MODEL, flavor=flavor, version="0.11.0", max_model_len=32768,
                           cache_config={"block_size": "16"}, start_time=started)  # fmt: skip
-        page = render(info, [e.stats for e in cluster.engines], t)
+        page = render(info, cluster.published(), t)
         recorder.scrape(t, page, {"instance": instance, "job": "vllm"})
         for index, device in enumerate(cluster.gpu_recording(gpus)["devices"]):
             labels = {"gpu": str(index), "UUID": device["uuid"], "modelName": device["name"],
@@ -194,6 +194,7 @@ def check_structure(data: dict[str, Any]) -> None:
         assert isinstance(d["reason"], str) and d["reason"]
         assert isinstance(d["window_open"], bool)
         assert d["ratio"] is None or isinstance(d["ratio"], (int, float))
+        assert isinstance(d["probe_wanted"], bool)
     times = [d["time"] for d in decisions]
     assert times == sorted(times)
     for a, b in zip(decisions, decisions[1:-1]):
@@ -239,6 +240,22 @@ def test_uptime_decline_is_held_outside_the_window_and_restarted_when_it_opens(
     assert summary["causes"]["uptime_decline"] == pytest.approx(held.total_seconds() / 60 + 0.5)
 
 
+def test_replay_says_where_the_live_daemon_would_have_probed(tmp_path: Path) -> None:
+    """vLLM 0.32's hung engine (the simulator's `hang`): gauges 0, counters still. Without a
+    probe it reads as idle, and replay says that there it cannot tell."""
+    text = history("hang", 1.0, onset=1800.0)
+    data = replay_json(tmp_path, text)
+    hung = [d for d in data["decisions"] if d["time"] > at(0, 31)]
+    assert hung and hung[0]["probe_wanted"] and hung[0]["cause"] is None
+    assert not any(d["probe_wanted"] for d in data["decisions"] if d["time"] < at(0, 30))
+    assert 25 <= data["summary"]["probe_wanted_min"] <= 30  # from 60 s after the hang on
+    path = write(tmp_path / "range.json", text)
+    code, out, _err = run_cli(str(path), "--config", str(write(tmp_path / "c.toml", ENFORCE)))
+    assert code == 0
+    assert "; the live daemon would probe here (replay has no probe)" in out
+    assert out.splitlines()[-1].startswith("probe: for ")
+
+
 def test_a_healthy_server_is_never_restarted_and_the_timeline_reads_well(tmp_path: Path) -> None:
     path = write(tmp_path / "range.json", history("healthy", 1.0))
     cfg = write(tmp_path / "config.toml", ENFORCE)
@@ -249,7 +266,7 @@ def test_a_healthy_server_is_never_restarted_and_the_timeline_reads_well(tmp_pat
         "replay 2025-03-03T00:00:15Z to 2025-03-03T01:00:00Z: 240 evaluations every 15 s, "
         "1 vLLM run, policy mode enforce"
     )
-    assert lines[-1] == "summary: 0 restarts (0 outside a window); causes: none"
+    assert lines[-1] == "summary: 0 restarts (0 outside a window); causes: none"  # no probe
     assert re.match(r"^2025-03-03 00:00:15Z  none +- +ratio - +window closed  learning: ", lines[1])
     healthy = [line for line in lines if "healthy: speed" in line]
     assert healthy and "2025-03-03 00:2" in healthy[0]  # known once warm-up and learning pass

@@ -10,7 +10,7 @@ from tests.conftest import FIXTURES, read_page
 from tests.httpserver import HttpServer, RawServer, free_port, read_request
 from vkvagent.gpu import GpuReader, NvmlUnavailable, RecordedBackend
 from vkvagent.history import History
-from vkvagent.sample import Sampler
+from vkvagent.sample import Sample, Sampler
 from vkvagent.vllm import VllmClient
 
 PAGE = read_page("v1-0.10.prom").encode()
@@ -108,3 +108,41 @@ def test_the_units_state_goes_into_the_sample_and_its_failure_too() -> None:
 
     sample = Sampler(VllmClient(f"http://127.0.0.1:{free_port()}"), unit=no_bus).take()
     assert sample.unit is None and sample.unit_error is not None
+
+
+def test_unit_facts_judge_growth_by_anon_memory_and_fall_back_to_memory_current(
+    tmp_path: Path,
+) -> None:
+    """MemoryCurrent counts the page cache too; memory.stat's anon does not. Where anon cannot
+    be read (cgroup v1, no such file), growth is judged on MemoryCurrent."""
+    from dataclasses import replace
+
+    from vkvagent.sample import UnitFacts
+    from vkvagent.systemd import ExecCommand, UnitState
+
+    state = UnitState(
+        "vllm.service", "loaded", "active", "running", "success", 42, "ab" * 16, 1, 0,
+        20 * 2**30, (ExecCommand("/usr/bin/vllm", ("vllm", "serve", "m"), False),),
+        "/etc/systemd/system/vllm.service", (), 5, 10_000_000, "/system.slice/vllm.service",
+    )  # fmt: skip
+    cgroup = tmp_path / "v2" / "system.slice" / "vllm.service"
+    cgroup.mkdir(parents=True)
+    anon = 6 * 2**30
+    (cgroup / "memory.stat").write_text(
+        f"anon {anon}\nfile {13 * 2**30}\nkernel 201326592\nkernel_stack 14680064\n"
+        f"shmem 1073741824\nfile_mapped 2147483648\nanon_thp 0\ninactive_anon 4096\n"
+        f"active_anon {anon - 4096}\ninactive_file 4294967296\nactive_file 9663676416\n"
+    )
+    facts = UnitFacts.of(state, tmp_path / "v2")
+    assert (facts.memory_bytes, facts.memory_anon_bytes) == (20 * 2**30, anon)
+    assert (facts.growth_bytes, facts.growth_source) == (anon, "anon")
+    assert Sample(0.0, 0.0, None, unit=facts).to_json()["unit"]["memory_anon_bytes"] == anon
+
+    fallback = UnitFacts.of(state, tmp_path / "v1")  # no memory.stat there, as on cgroup v1
+    assert fallback == replace(facts, memory_anon_bytes=None)
+    assert (fallback.growth_bytes, fallback.growth_source) == (20 * 2**30, "MemoryCurrent")
+    stopped = UnitFacts.of(replace(state, memory_current=None, control_group=""), tmp_path / "v2")
+    assert (stopped.memory_anon_bytes, stopped.growth_bytes) == (None, None)
+    assert stopped.growth_source == "MemoryCurrent"
+    empty = replace(facts, memory_anon_bytes=0)  # known to be none: not a fallback
+    assert (empty.growth_bytes, empty.growth_source) == (0, "anon")

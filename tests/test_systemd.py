@@ -103,11 +103,41 @@ def test_memory_current_is_the_running_sims_memory(shared_systemd: Systemd) -> N
     assert 5 * 2**20 < state.memory_current < 1 * 2**30  # a Python HTTP server: tens of MiB
 
 
+def test_the_units_control_group_and_its_anon_memory_in_the_containers_cgroup_fs(
+    shared_sandbox: Sandbox, shared_systemd: Systemd
+) -> None:
+    """ControlGroup is the cgroup vLLM's process runs in, and its memory.stat is read through
+    the container's own /sys/fs/cgroup. The sandbox's hosts have hybrid cgroups: memory is
+    accounted by the v1 controller, so there is no cgroup v2 memory.stat, anon is None and
+    growth falls back to MemoryCurrent; the v1 memory.stat is there, without an anon line."""
+    from vkvagent.cgroup import read_anon
+    from vkvagent.sample import UnitFacts
+
+    state = shared_systemd.unit(VLLM)
+    assert state.control_group == "/system.slice/vllm.service"
+    found = shared_sandbox.run("cat", f"/proc/{state.main_pid}/cgroup").stdout.splitlines()
+    assert f"0::{state.control_group}" in found  # the unified hierarchy, as the kernel says
+    root = shared_sandbox.root / "sys/fs/cgroup"
+    parts = state.control_group.strip("/").split("/")
+    anon = read_anon(state.control_group, root)
+    facts = UnitFacts.of(state, root)
+    if root.joinpath(*parts, "memory.stat").is_file():  # cgroup v2 with its memory controller
+        assert state.memory_current is not None and anon is not None
+        assert 2**20 < anon <= state.memory_current
+        assert (facts.growth_bytes, facts.growth_source) == (anon, "anon")
+    else:
+        assert anon is None
+        v1 = root / "memory"
+        assert "total_rss " in v1.joinpath(*parts, "memory.stat").read_text()
+        assert read_anon(state.control_group, v1) is None
+        assert (facts.growth_bytes, facts.growth_source) == (state.memory_current, "MemoryCurrent")
+
+
 def test_a_unit_that_never_ran_reads_as_inactive(shared_systemd: Systemd) -> None:
     state = shared_systemd.unit("systemd-timesyncd.service")  # masked in the sandbox
     assert (state.load_state, state.active_state) == ("masked", "inactive")
     assert (state.main_pid, state.invocation_id, state.memory_current) == (0, "", None)
-    assert state.exec_main_start_timestamp == 0
+    assert (state.exec_main_start_timestamp, state.control_group) == (0, "")
     state = shared_systemd.unit("systemd-tmpfiles-clean.service")  # loaded, run by a timer
     assert (state.load_state, state.active_state) == ("loaded", "inactive")
     assert state.exec_start and state.exec_start[0].path.endswith("systemd-tmpfiles")

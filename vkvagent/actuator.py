@@ -41,7 +41,7 @@ from vkvagent.dropin import (
     split_exec_start,
     write_atomically,
 )
-from vkvagent.gpu import GpuReader
+from vkvagent.gpu import GpuReader, describe_xid
 from vkvagent.ledger import Action, Ledger
 from vkvagent.metrics import VllmMetrics
 from vkvagent.systemd import TIMEOUT, Systemd, SystemdError, UnitState
@@ -163,6 +163,7 @@ class Actuator:
         ledger: Ledger,
         gpus: GpuReader | None,
         progress: Callable[[str], None] = lambda _message: None,
+        mono: Callable[[], float] = time.monotonic,
     ) -> Actuator:
         """The actuator a configuration describes: the CLI's and the daemon's."""
         state_dir, r = Path(cfg.agent.state_dir), cfg.restart
@@ -181,6 +182,7 @@ class Actuator:
             ),
             progress=progress,
             gpus=gpus,
+            clock=mono,
         )
 
     # -- planning ---------------------------------------------------------------------------
@@ -241,7 +243,9 @@ class Actuator:
         detail: dict[str, Any] = {"previous_dropin": self.dropin.read()}
         if change and plan is not None:
             detail.update(intended=list(plan.after), flags=plan.flags, changes=plan.changes)
-        action = self.ledger.begin("apply" if change else "restart", reason, self._wall(), detail)
+        action = self.ledger.begin(
+            "apply" if change else "restart", reason, self._wall(), detail, mono=started
+        )
         try:
             with self._step(action, "preflight"):
                 before = self._preflight(change)
@@ -292,7 +296,9 @@ class Actuator:
         self.check_rollback()
         previous = self.dropin.previous()
         started = self._clock()
-        action = self.ledger.begin("rollback", reason, self._wall(), {"restored": previous})
+        action = self.ledger.begin(
+            "rollback", reason, self._wall(), {"restored": previous}, mono=started
+        )
         try:
             self._restore(action, previous, restart=True)
         except ActuatorError as exc:
@@ -450,22 +456,30 @@ class Actuator:
                 )
 
     def _check_gpus(self) -> None:
-        """A GPU with uncorrectable memory errors or XID faults needs a reset or a person; a
-        restart would only bring vLLM back onto the faulty device."""
+        """A GPU with uncorrectable memory errors or a hardware or driver XID within the
+        reader's fault window needs a reset or a person; a restart would only bring vLLM back
+        onto the faulty device. An application XID is what a restart fixes: no refusal. The
+        XIDs come from the reader's log, so the sampler still sees them (and vice versa)."""
         if self._gpus is None:
             return
-        readings, _problem = self._gpus.read()
+        readings, _problem = self._gpus.read(consume_xids=False)
+        found: dict[int, list[str]] = {}
+        for event in self._gpus.faults():
+            found.setdefault(event.index, []).append(describe_xid(event.xid))
         for gpu in readings:
-            if gpu.xid_errors or (gpu.ecc_uncorrected_volatile or 0) > 0:
-                found = ", ".join(
-                    ([f"XID {list(gpu.xid_errors)}"] if gpu.xid_errors else [])
-                    + ([f"{gpu.ecc_uncorrected_volatile} uncorrectable ECC errors"]
-                       if gpu.ecc_uncorrected_volatile else [])
-                )  # fmt: skip
-                raise ActuatorError(
-                    f"GPU {gpu.index} ({gpu.uuid}) reports {found}: a restart cannot fix a GPU "
-                    "fault; it needs a GPU reset or a person"
+            if (gpu.ecc_uncorrected_volatile or 0) > 0:
+                found.setdefault(gpu.index, []).append(
+                    f"{gpu.ecc_uncorrected_volatile} uncorrectable ECC errors"
                 )
+        if found:
+            index = min(found, key=lambda i: (i < 0, i))
+            uuid = next((gpu.uuid for gpu in readings if gpu.index == index), "")
+            name = f"GPU {index}" if index >= 0 else "a GPU that NVML did not name"
+            raise ActuatorError(
+                f"{name}{f' ({uuid})' if uuid else ''} reports "
+                f"{', '.join(dict.fromkeys(found[index]))}: a restart cannot fix a GPU fault; "
+                "it needs a GPU reset or a person"
+            )
 
     def _check_foreign(self, state: UnitState) -> None:
         text = self.dropin.read()

@@ -24,6 +24,7 @@ from vkvagent.gpu import (
     GpuReading,
     NvmlBackend,
     RecordedBackend,
+    describe_xid,
     reader_for,
     record,
 )
@@ -777,7 +778,7 @@ def describe_gpus(readings: Sequence[GpuReading], problem: str | None) -> str:
             f"{show(r.power_limit_w, ' W')}, SM {show(r.sm_clock_mhz, '')}/"
             f"{show(r.sm_clock_max_mhz, ' MHz')}, "
             f"throttled: {', '.join(r.throttled_by) or 'no'}"
-            + (f", XID {list(r.xid_errors)}" if r.xid_errors else "")
+            + "".join(f", {describe_xid(xid)}" for xid in r.xid_errors)
             + (
                 f", uncorrected ECC {r.ecc_uncorrected_volatile}"
                 if r.ecc_uncorrected_volatile

@@ -209,6 +209,30 @@ WEEK = 7 * DAY
 
 
 @dataclass(frozen=True)
+class ProbeConfig:
+    enabled: bool = setting(
+        True,
+        "Send vLLM one tiny completion (1 token) when its counters have not moved for `after` "
+        "seconds: the only way to tell an idle server from a hung one whose gauges read 0.",
+    )
+    after: float = setting(
+        DiagnosisSettings().probe_after,
+        "Seconds without a token or engine step before a probe is sent, and between probes.",
+        min=5, max=DAY,
+    )  # fmt: skip
+    timeout: float = setting(
+        30.0,
+        "Seconds a probe may take, from connecting to the last byte of its answer.",
+        min=1, max=600,
+    )  # fmt: skip
+    model: str = setting(
+        "",
+        "The served model name to probe; empty: the one /metrics names (set it when vLLM "
+        "serves several).",
+    )
+
+
+@dataclass(frozen=True)
 class BaselineConfig:
     window: float = setting(
         _B.window,
@@ -308,6 +332,12 @@ class DiagnosisConfig:
     stall_after: float = setting(
         _D.stall_after,
         "Seconds with requests pending and no token or engine step before it is a stall.",
+        min=10, max=DAY,
+    )  # fmt: skip
+    unresponsive_after: float = setting(
+        _D.unresponsive_after,
+        "Seconds vLLM may accept connections on /metrics without answering, while its unit is "
+        "active and after it has answered once since starting, before it is unresponsive.",
         min=10, max=DAY,
     )  # fmt: skip
     throttle_clock_drop: float = setting(
@@ -520,6 +550,7 @@ class Config:
     agent: AgentConfig = section(AgentConfig, "The daemon itself.")
     metrics: MetricsConfig = section(MetricsConfig, "vkvagent's own Prometheus metrics.")
     vllm: VllmConfig = section(VllmConfig, "The vLLM server being watched.")
+    probe: ProbeConfig = section(ProbeConfig, "The active probe: one tiny completion.")
     gpu: GpuConfig = section(GpuConfig, "GPU readings through NVML.")
     history: HistoryConfig = section(HistoryConfig, "The sample history kept on disk.")
     restart: RestartConfig = section(RestartConfig, "How vkvagent restarts vLLM.")

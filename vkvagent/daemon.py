@@ -41,6 +41,7 @@ from vkvagent.history import History, HistoryError
 from vkvagent.jsonsafe import finite
 from vkvagent.ledger import Ledger, LedgerError
 from vkvagent.policy import DAY, RestartRecord, window_state
+from vkvagent.probe import Prober, ProbeResult
 from vkvagent.rates import window_rates
 from vkvagent.sample import Sample, Sampler, UnitFacts
 from vkvagent.systemd import Systemd, SystemdError
@@ -99,8 +100,21 @@ class Parts:
         self.actuator: Actuator | None = None
         if self.systemd is not None:
             self.actuator = Actuator.for_config(
-                cfg, systemd=self.systemd, ledger=self.ledger, gpus=gpus, progress=progress
+                cfg,
+                systemd=self.systemd,
+                ledger=self.ledger,
+                gpus=gpus,
+                progress=progress,
+                mono=clock.mono,
             )
+
+    def probe_client(self) -> VllmClient:
+        """The probe's client: its timeout bounds the whole exchange."""
+        timeout = self.config.probe.timeout
+        connect = min(self.config.vllm.connect_timeout, timeout / 2)
+        return VllmClient(
+            self.config.vllm.url, connect_timeout=connect, read_timeout=timeout - connect
+        )
 
     @property
     def action_seconds(self) -> float:
@@ -151,6 +165,10 @@ class Daemon:
         self.last: Decision | None = None
         self._unit_seen: UnitFacts | None = None  # the unit as the last sample saw it
         self._pending: dict[str, Any] | None = None  # flag changes not applied yet
+        # The probe outlives reloads: one in flight keeps its place (a reload changes its client).
+        self.prober = Prober(self.parts.probe_client(), wall=clock.wall, mono=clock.mono)
+        self._restart_mono: dict[int, float] = {}  # ledger action id -> its monotonic start
+        self._probe_failing = ""  # "outcome: detail" of the failing probes, reported once
 
     @classmethod
     def offline(cls, config_path: Path, stream: TextIO, clock: Clock = Clock()) -> Daemon:
@@ -272,6 +290,7 @@ class Daemon:
                     self.exporter.close()
                     self.exporter = Exporter(self.metrics, cfg.metrics.listen, cfg.metrics.textfile)
                 self.recent.keep = parts.settings.baseline.window + 3 * cfg.agent.sample_interval
+                self.prober.client = parts.probe_client()
         except (config.ConfigError, HistoryError, LedgerError, OSError, SystemdError) as exc:
             problems = str(exc).splitlines()
             self.events.emit(
@@ -299,9 +318,11 @@ class Daemon:
             self._note_sources(sample)
             self._note_unit(sample)
             self._write_state("history", lambda: p.history.append(sample))
-            self.recent.add(sample, sample.unit.memory_bytes if sample.unit else None)
+            self.recent.add(sample, sample.unit.growth_bytes if sample.unit else None)
             now = datetime.fromtimestamp(sample.time, timezone.utc)
-            restarts = self._restarts(sample.time)
+            restarts = self._restarts(sample.time, sample.mono)
+            for result in self.prober.collect():
+                self._note_probe(result)
             observed = Observation(
                 samples=tuple(self.recent.samples),
                 unit_active=None if sample.unit is None else sample.unit.active_state == "active",
@@ -309,9 +330,13 @@ class Daemon:
                 restarts=restarts,
                 controls=controls.read(p.state_dir),
                 flags=p.config.vllm.flags,
+                probe=self.prober.facts(),
+                unit_started=sample.unit.active_since if sample.unit else None,
             )
             decision = decide(p.settings, self.state, observed, now)
             self.state = decision.state
+            if decision.probe_wanted:
+                self._send_probe(sample)
             self._judge(decision)
             self._log(decision)
             outcome = None
@@ -321,7 +346,7 @@ class Daemon:
                 acting["stale_after"] = p.action_seconds
                 self._write_state("status", lambda: self._write_status(acting))
                 outcome = self._restart(p.actuator, decision)
-                restarts = self._restarts(sample.time)
+                restarts = self._restarts(sample.time, sample.mono)
                 self._pending = None
             self.last = decision
             self.metrics.count(
@@ -398,6 +423,55 @@ class Daemon:
                 active_state=now.active_state,
             )
 
+    def _send_probe(self, sample: Sample) -> None:
+        """Send the probe the engine asked for, unless one is in flight or it is switched off."""
+        cfg = self.parts.config
+        if not cfg.probe.enabled:
+            return
+        model = (
+            cfg.probe.model or cfg.vllm.model or (sample.vllm.model_name if sample.vllm else None)
+        )
+        if model:
+            self.prober.send(model)
+        else:
+            self._probe_failed(
+                "unusable", "vLLM names several models or none: set [probe] model to one"
+            )
+
+    def _note_probe(self, result: ProbeResult) -> None:
+        """A finished probe: into the history and the metrics; an event when probes start
+        failing (once per kind of failure) and when one is answered again."""
+        self._write_state("history", lambda: self.parts.history.append_probe(result))
+        self.metrics.count_probe(result.outcome, result.latency)
+        if result.outcome != "ok":
+            self._probe_failed(result.outcome, result.detail, result.latency)
+        elif self._probe_failing:
+            self._probe_failing = ""
+            self.events.emit(
+                "probe.recovered",
+                f"the probe is answered again, in {result.latency:.2f} s",
+                outcome=result.outcome,
+                latency_s=result.latency,
+            )
+
+    def _probe_failed(self, outcome: str, detail: str, latency: float | None = None) -> None:
+        if self._probe_failing.startswith(f"{outcome}:"):
+            return
+        self._probe_failing = f"{outcome}: {detail}"
+        meaning = {
+            "timeout": "no answer in time: the engine may be hung",
+            "error": "vLLM answered with an error",
+            "refused": "nothing listens: vLLM is down or loading",
+            "unusable": "it can tell nothing until this is fixed",
+        }[outcome]
+        self.events.emit(
+            "probe.failed",
+            f"probe {outcome} ({meaning}): {detail}",
+            outcome=outcome,
+            latency_s=latency,
+            error=detail,
+        )
+
     def _write_state(self, what: str, write: Callable[[], object]) -> None:
         """Run a write to the state directory; a failure is an event (once until it works
         again), never the end of the loop: the next tick tries again."""
@@ -418,19 +492,35 @@ class Daemon:
             del self._failing[key]
             self.events.emit("state.write_recovered", f"the {what} is written again", what=what)
 
-    def _restarts(self, now: float) -> tuple[RestartRecord, ...]:
+    def _restarts(self, at: float, now_mono: float) -> tuple[RestartRecord, ...]:
         """Restarts in the ledger (the daemon's and manual ones) for the policy's budgets,
-        each with its judged outcome, and the aborted attempts for its retry back-off."""
+        each with its judged outcome, and the aborted attempts for its retry back-off.
+
+        Each is placed on the monotonic clock, so a step of the wall clock changes no age:
+        at the time the ledger took on this boot's clock, else (another boot's) at its
+        wall-clock age when the daemon first read it, no less than zero, fixed from then on.
+        A step back never forgets a restart; a step forward never ages one."""
         try:
-            actions = self.parts.ledger.since(now - 8 * DAY)
+            actions = self.parts.ledger.since(at - 8 * DAY)
         except LedgerError:
             return ()
+        boot = self.parts.ledger.boot
+        placed: dict[int, float] = {}
+        for a in actions:
+            began = self._restart_mono.get(a.id)
+            if began is None:
+                began = a.mono_on(boot)
+            if began is None:
+                began = now_mono - max(0.0, at - a.started)
+            placed[a.id] = began
+        self._restart_mono = placed
         return tuple(
             RestartRecord(
                 a.started,
                 a.reason.split(":", 1)[0],
                 self.judged.get(a.id),
                 aborted=a.outcome == "aborted",
+                mono=placed[a.id],
             )
             for a in reversed(actions)
             if a.kind in RESTART_KINDS
@@ -660,7 +750,7 @@ class Daemon:
         )
         unit = sample.unit
         is_open, upcoming = window_state(pol, decision.time)
-        recent_restarts = sum(1 for r in restarts if at - r.time < DAY and not r.aborted)
+        recent_restarts = sum(1 for r in restarts if r.age(at, sample.mono) < DAY and not r.aborted)
         paused_until = controls.read(p.state_dir).paused_until
         last = self._last_action()
         return {
@@ -741,11 +831,23 @@ class Daemon:
                 "outcome": last.outcome,
                 "recovered": self.judged.get(last.id),
             },
+            "probe": self._probe_status(sample, decision),
             "pending_flags": self._pending_flags(m.version if m else None),
             "trend": self.trend,
             "fleet": None
             if p.fleet is None
             else p.fleet.report(wanting=decision.action == "restart" and p.actuator is not None),
+        }
+
+    def _probe_status(self, sample: Sample, decision: Decision) -> dict[str, Any]:
+        in_flight = self.prober.facts().in_flight
+        last = self.prober.last
+        return {
+            "enabled": self.parts.config.probe.enabled,
+            "wanted": decision.probe_wanted,
+            "in_flight_s": None if in_flight is None else max(0.0, sample.mono - in_flight),
+            "last": None if last is None else last.to_json(),
+            "failing": self._probe_failing or None,
         }
 
     def _pending_flags(self, version: str | None) -> dict[str, Any] | str | None:

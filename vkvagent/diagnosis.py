@@ -6,9 +6,12 @@ memory rising with requests served) must hold for a while (hysteresis: enter bel
 leave above a higher one) before they count. Explanations that a restart cannot fix (a
 throttled or faulty GPU, more or different demand than the fresh server saw) veto them.
 
-Restart-fixable: uptime_decline, kv_pressure, kv_stranded, stall, host_memory_growth.
-Vetoed: gpu_throttle, gpu_fault, load_shift. Reported only: engine_down (systemd's
-``Restart=`` handles a dead process).
+Restart-fixable: uptime_decline, kv_pressure, kv_stranded, stall, unresponsive,
+host_memory_growth. Vetoed: gpu_throttle, gpu_fault, load_shift. Reported only: engine_down
+(systemd's ``Restart=`` handles a dead process; a model still loading is not a fault).
+
+Every duration is measured on the monotonic clock of the samples (``Sample.mono``): a step of
+the wall clock neither fires a held symptom early nor holds it back.
 
 Pure: every function takes values (the window's statistics, the baseline comparison, GPU
 readings, the held-symptom state) and returns values, the new state included.
@@ -19,14 +22,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from vkvagent.baseline import Capacity, Comparison, WindowStats
 from vkvagent.flags import CATALOGUE, FlagValue
-from vkvagent.gpu import GpuReading
-from vkvagent.metrics import VllmMetrics
+from vkvagent.gpu import GpuReading, describe_xid, is_fault
+from vkvagent.metrics import EngineSignals, VllmMetrics
 
-FIXABLE = frozenset({"uptime_decline", "kv_pressure", "kv_stranded", "stall", "host_memory_growth"})
+if TYPE_CHECKING:  # sample imports vllm, which imports config, which imports this module
+    from vkvagent.sample import Sample
+
+FIXABLE = frozenset(
+    {"uptime_decline", "kv_pressure", "kv_stranded", "stall", "unresponsive", "host_memory_growth"}
+)
 VETOED = frozenset({"gpu_throttle", "gpu_fault", "load_shift"})
 CAUSES = (*sorted(FIXABLE), *sorted(VETOED), "engine_down")
 
@@ -49,6 +57,10 @@ class DiagnosisSettings:
     load_tolerance: float = 0.1  # load above fresh capacity x (1 + this) is more load
     mix_tolerance: float = 0.15  # prompt-token share moved more than this: another mix
     stall_after: float = 120.0  # requests pending and no token or step for this long
+    # The active probe (vkvagent.probe) is wanted once no token or step has moved for this
+    # long, at most once per this long; 0: never probe.
+    probe_after: float = 60.0
+    unresponsive_after: float = 90.0  # /metrics accepts connections but never answers: this long
     throttle_clock_drop: float = 0.1  # throttled: SM clock below the fresh one x (1 - this)
     fault_memory: float = 3600.0  # an XID keeps vetoing restarts this long
     memory_min_span: float = 3600.0  # this run's memory series must cover this long
@@ -68,7 +80,7 @@ class DiagnosisSettings:
 @dataclass(frozen=True)
 class Hysteresis:
     """A symptom that must hold for ``hold`` seconds to become active, and stays active until
-    its leaving condition is seen. Times are UTC Unix seconds."""
+    its leaving condition is seen. Times are monotonic seconds (``Sample.mono``)."""
 
     active: bool = False
     pending_since: float | None = None
@@ -121,24 +133,92 @@ class Hysteresis:
 
 @dataclass(frozen=True)
 class Progress:
-    """The stall clock: when the engine last showed progress (monotonic seconds)."""
+    """The stall clocks (monotonic seconds): ``since``, when the engine last showed progress
+    or had, by its gauges, nothing to do; ``advanced``, when a work counter last moved (the
+    first sample of a run counts as a move, rather than accuse the engine)."""
 
     since: float | None = None
+    advanced: float | None = None
+    # With several data-parallel engines, ``since`` of each (engine label, since): one engine
+    # stuck among busy ones moves the totals nowhere near a stall.
+    engines: tuple[tuple[str, float], ...] = ()
 
     def observe(self, before: VllmMetrics | None, after: VllmMetrics, mono: float) -> Progress:
-        """Progress is any work counter moving, or nothing to do; no comparison (the first
-        sample of a run) restarts the clock rather than accuse the engine."""
+        moved = before is None or self.advanced is None or _advanced(before, after)
+        advanced = mono if moved else self.advanced
         pending = (after.num_requests_running or 0) + (after.num_requests_waiting or 0)
-        if before is None or self.since is None or pending <= 0 or _advanced(before, after):
-            return Progress(mono)
-        return self
+        since = mono if moved or self.since is None or pending <= 0 else self.since
+        return Progress(since, advanced, self._engines(before, after, mono))
 
-    def stalled_for(self, latest: VllmMetrics, mono: float) -> float:
-        pending = (latest.num_requests_running or 0) + (latest.num_requests_waiting or 0)
-        return 0.0 if self.since is None or pending <= 0 else max(0.0, mono - self.since)
+    def _engines(
+        self, before: VllmMetrics | None, after: VllmMetrics, mono: float
+    ) -> tuple[tuple[str, float], ...]:
+        if len(after.per_engine) < 2:
+            return ()
+        clocks = dict(self.engines)
+        previous = {e.engine: e for e in before.per_engine} if before is not None else {}
+        out: list[tuple[str, float]] = []
+        for engine in after.per_engine:
+            old, since = previous.get(engine.engine), clocks.get(engine.engine)
+            if old is None or since is None or _advanced(old, engine) or _pending(engine) <= 0:
+                since = mono
+            out.append((engine.engine, since))
+        return tuple(out)
+
+    def stalled(self, latest: VllmMetrics, mono: float, probe: ProbeFacts) -> Stall:
+        """How long the engine has had work and made no progress: work by its gauges (no
+        longer counted from a probe answered since), or a probe sent since its counters last
+        moved that got no answer (then counted from that last move: the probe proves the
+        engine was not idle but stuck)."""
+        answered = probe.answered if probe.answered is not None else -math.inf
+        gauges, evidence = 0.0, "requests pending"
+        if self.since is not None and _pending(latest) > 0:
+            gauges = max(0.0, mono - max(self.since, answered))
+        signals = {e.engine: e for e in latest.per_engine}
+        for engine, since in self.engines:
+            signal = signals.get(engine)
+            if signal is not None and _pending(signal) > 0:
+                stuck = max(0.0, mono - max(since, answered))
+                if stuck > gauges:
+                    gauges = stuck
+                    evidence = f"requests pending on engine {engine} of {len(signals)}"
+        probed = 0.0
+        if (
+            probe.unanswered is not None
+            and self.advanced is not None
+            and probe.unanswered >= self.advanced
+        ):
+            probed = max(0.0, mono - max(self.advanced, answered))
+        if probed > gauges:
+            return Stall(probed, "a probe got no answer")
+        return Stall(gauges, evidence if gauges else "")
 
 
-def _advanced(before: VllmMetrics, after: VllmMetrics) -> bool:
+@dataclass(frozen=True)
+class Stall:
+    """How long the engine has had work without progress, and what says it had work."""
+
+    seconds: float = 0.0
+    evidence: str = ""  # "requests pending" (the gauges), "a probe got no answer", or ""
+
+
+@dataclass(frozen=True)
+class ProbeFacts:
+    """What the active probe found (monotonic send times): the last probe answered, the
+    first unanswered one since (timed out, or a server error), the one in flight and the
+    last sent. All None: no probe (replay, or the probe switched off)."""
+
+    answered: float | None = None
+    unanswered: float | None = None
+    in_flight: float | None = None
+    last_sent: float | None = None
+
+
+def _pending(signals: VllmMetrics | EngineSignals) -> float:
+    return (signals.num_requests_running or 0) + (signals.num_requests_waiting or 0)
+
+
+def _advanced(before: VllmMetrics | EngineSignals, after: VllmMetrics | EngineSignals) -> bool:
     compared = False
     for read in _WORK:
         old, new = read(before), read(after)
@@ -149,7 +229,7 @@ def _advanced(before: VllmMetrics, after: VllmMetrics) -> bool:
     return not compared  # nothing to compare: cannot tell, so do not accuse
 
 
-_WORK: tuple[Callable[[VllmMetrics], float | None], ...] = (
+_WORK: tuple[Callable[[VllmMetrics | EngineSignals], float | None], ...] = (
     lambda m: m.generation_tokens_total,
     lambda m: m.engine_steps_total,
     lambda m: m.prompt_tokens_total,
@@ -164,11 +244,16 @@ class DiagnosisState:
     speed: Hysteresis = Hysteresis()
     kv: Hysteresis = Hysteresis()
     stranded: Hysteresis = Hysteresis()
+    lagging: Hysteresis = Hysteresis()  # one data-parallel engine far behind the others
     progress: Progress = Progress()
     throttled_at: float | None = None  # UTC time a throttled GPU was last seen
     throttle_note: str = ""
-    fault_at: float | None = None  # UTC time an XID was last seen
+    fault_at: float | None = None  # monotonic time a GPU fault was last seen
     fault_note: str = ""
+    # vLLM's silence: since when (monotonic) it accepts connections without answering, and
+    # when (UTC, to compare with the unit's start) it last answered /metrics at all.
+    silent_since: float | None = None
+    answered_at: float | None = None
 
     def for_new_run(self) -> DiagnosisState:
         """A new vLLM process: symptoms start over; what the GPUs did is kept."""
@@ -177,18 +262,34 @@ class DiagnosisState:
             throttle_note=self.throttle_note,
             fault_at=self.fault_at,
             fault_note=self.fault_note,
+            silent_since=self.silent_since,
+            answered_at=self.answered_at,
         )
+
+    def heard(self, sample: Sample) -> DiagnosisState:
+        """Track vLLM's silence over one more sample, valid or not."""
+        if sample.vllm is not None:
+            return replace(self, silent_since=None, answered_at=sample.time)
+        if sample.vllm_silent:
+            since = self.silent_since if self.silent_since is not None else sample.mono
+            return replace(self, silent_since=since)
+        return replace(self, silent_since=None)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "speed": self.speed.to_json(),
             "kv": self.kv.to_json(),
             "stranded": self.stranded.to_json(),
+            "lagging": self.lagging.to_json(),
             "progress_since": self.progress.since,
+            "progress_advanced": self.progress.advanced,
+            "progress_engines": dict(self.progress.engines),
             "throttled_at": self.throttled_at,
             "throttle_note": self.throttle_note,
             "fault_at": self.fault_at,
             "fault_note": self.fault_note,
+            "silent_since": self.silent_since,
+            "answered_at": self.answered_at,
         }
 
     @classmethod
@@ -197,11 +298,21 @@ class DiagnosisState:
             speed=Hysteresis.from_json(data["speed"]),
             kv=Hysteresis.from_json(data["kv"]),
             stranded=Hysteresis.from_json(data["stranded"]),
-            progress=Progress(optional_float(data["progress_since"])),
+            lagging=Hysteresis.from_json(data["lagging"]) if "lagging" in data else Hysteresis(),
+            progress=Progress(
+                optional_float(data["progress_since"]),
+                optional_float(data.get("progress_advanced")),
+                tuple(
+                    (str(engine), float(since))
+                    for engine, since in (data.get("progress_engines") or {}).items()
+                ),
+            ),
             throttled_at=optional_float(data["throttled_at"]),
             throttle_note=str(data["throttle_note"]),
             fault_at=optional_float(data["fault_at"]),
             fault_note=str(data["fault_note"]),
+            silent_since=optional_float(data.get("silent_since")),
+            answered_at=optional_float(data.get("answered_at")),
         )
 
 
@@ -238,7 +349,8 @@ class Situation:
     learning: str  # why there is no baseline yet (warm-up), or ""
     capacity: Capacity | None = None  # the heaviest load the fresh run served cleanly
     gpus: Sequence[tuple[GpuReading, ...]] = ()  # readings of each sample not seen before
-    stalled_for: float = 0.0
+    stall: Stall = Stall()
+    unresponsive: str | None = None  # vLLM silent past unresponsive_after, in words
     memory: Sequence[MemoryPoint] = ()  # oldest first
     run_began: float | None = None  # monotonic time this vLLM run began
     down: str | None = None  # why there is no live engine to judge, if so
@@ -247,6 +359,25 @@ class Situation:
     # Whose fresh baseline ``comparison`` is against: "this run's", or "an earlier run's" at a
     # load this run has not learned (engine.CARRY_SPEED).
     baseline_of: str = "this run's"
+    engines: Sequence[EngineWindow] = ()  # each data-parallel engine over the window (2 or more)
+
+
+@dataclass(frozen=True)
+class EngineWindow:
+    """One data-parallel engine over the window: its means and rates (None: not on the page)."""
+
+    engine: str
+    kv_usage: float | None
+    running: float | None
+    waiting: float | None
+    generation_tokens_per_s: float | None
+    preemptions_per_s: float | None
+
+    def words(self) -> str:
+        return (
+            f"engine {self.engine}: KV {_num(self.kv_usage)}, {_num(self.waiting, '.1f')} "
+            f"waiting, {_num(self.generation_tokens_per_s, '.0f')} tokens/s"
+        )
 
 
 @dataclass(frozen=True)
@@ -281,6 +412,13 @@ def diagnose(
         situation.comparison.baseline.get("sm_clock_ratio") if situation.comparison else None
     )
     state = _remember_gpus(s, state, situation.gpus, fresh_clock, now)
+    if situation.unresponsive is not None:
+        return Diagnosis(
+            "unresponsive",
+            situation.unresponsive,
+            {"detail": situation.down or situation.unresponsive},
+            symptom="no answer",
+        ), state
     if situation.down is not None:
         return Diagnosis(
             "engine_down",
@@ -290,6 +428,16 @@ def diagnose(
         ), state
     stats, cmp = situation.stats, situation.comparison
     state = _step_symptoms(s, state, stats, cmp, situation.capacity, now)
+    lagging = _lagging(s, situation.engines)
+    state = replace(
+        state,
+        lagging=state.lagging.step(
+            None if not situation.engines else lagging is not None,
+            None if not situation.engines else lagging is None,
+            now,
+            s.hold,
+        ),
+    )
     evidence: dict[str, EvidenceValue] = _window_evidence(stats, cmp, situation)
 
     if state.fault_at is not None and now - state.fault_at < s.fault_memory:
@@ -301,11 +449,13 @@ def diagnose(
             symptom="GPU fault",
         ), state
 
-    if situation.stalled_for >= s.stall_after:
-        evidence["stalled_s"] = situation.stalled_for
+    stall = situation.stall
+    if stall.seconds >= s.stall_after:
+        evidence["stalled_s"] = stall.seconds
+        evidence["stall_evidence"] = stall.evidence
         line = (
-            f"requests pending and no token or engine step for "
-            f"{situation.stalled_for:.0f} s (limit {s.stall_after:.0f} s)"
+            f"{stall.evidence} and no token or engine step for "
+            f"{stall.seconds:.0f} s (limit {s.stall_after:.0f} s)"
         )
         return Diagnosis("stall", line, evidence, symptom="no progress"), state
 
@@ -333,6 +483,22 @@ def diagnose(
         return Diagnosis(
             "kv_stranded",
             f"{symptom}, for {_minutes(state.stranded.held_for(now))}",
+            evidence,
+            symptom=symptom,
+        ), state
+
+    if state.lagging.active and lagging is not None and stats is not None:
+        engine, symptom = lagging
+        vetoed = _veto(s, stats, cmp, capacity, throttle, evidence, symptom)
+        if vetoed:
+            return vetoed, state
+        # Full and preempting: its KV leaks or fills; free: its requests are stranded.
+        full = (engine.kv_usage or 0.0) >= s.kv_full and (
+            engine.preemptions_per_s or 0.0
+        ) >= s.min_preemptions_per_s
+        return Diagnosis(
+            "kv_pressure" if full else "kv_stranded",
+            f"{symptom}, for {_minutes(state.lagging.held_for(now))}",
             evidence,
             symptom=symptom,
         ), state
@@ -393,6 +559,33 @@ def _step_symptoms(
             stranded, None if stranded is None else not stranded, now, s.hold
         ),
     )
+
+
+def _lagging(
+    s: DiagnosisSettings, engines: Sequence[EngineWindow]
+) -> tuple[EngineWindow, str] | None:
+    """One data-parallel engine with requests waiting on it that serves less than
+    ``enter_ratio`` of what its peers serve (their median): saturated or stranded while the
+    totals, averaged and summed over every engine, look fine. The engine and the words."""
+    if len(engines) < 2:
+        return None
+    for engine in engines:
+        rate = engine.generation_tokens_per_s
+        peers = sorted(
+            e.generation_tokens_per_s
+            for e in engines
+            if e is not engine and e.generation_tokens_per_s is not None
+        )
+        if rate is None or not peers or (engine.waiting or 0.0) < s.min_waiting:
+            continue
+        peer = peers[len(peers) // 2]
+        if peer > 0 and rate < peer * s.enter_ratio:
+            return engine, (
+                f"engine {engine.engine} of {len(engines)}: {engine.waiting:.1f} requests wait "
+                f"on it at KV usage {_num(engine.kv_usage)}, {_num(engine.preemptions_per_s)} "
+                f"preemptions/s, serving {rate:.0f} tokens/s where its peers serve {peer:.0f}"
+            )
+    return None
 
 
 def _kv_signature(s: DiagnosisSettings, stats: WindowStats) -> bool:
@@ -551,8 +744,11 @@ def _remember_gpus(
     now: float,
 ) -> DiagnosisState:
     """Throttling and faults are seen in some samples only (an XID is reported once); keep
-    the latest of each, so it vetoes for as long as it can explain a held symptom."""
-    throttled, faults = [], []
+    the latest of each, so it vetoes for as long as it can explain a held symptom. Only
+    hardware, driver and unknown XIDs are faults: an application one is what a restart fixes
+    (``vkvagent.gpu.XIDS``)."""
+    throttled: list[str] = []
+    faults: list[str] = []
     for readings in gpus:
         for gpu in readings:
             if _throttled(s, gpu, fresh_clock):
@@ -560,8 +756,9 @@ def _remember_gpus(
                     f"GPU {gpu.index} {'+'.join(gpu.throttled_by)}, SM clock "
                     f"{gpu.sm_clock_mhz:.0f}/{gpu.sm_clock_max_mhz:.0f} MHz"
                 )
-            if gpu.xid_errors:
-                faults.append(f"GPU {gpu.index} XID {','.join(map(str, gpu.xid_errors))}")
+            faults.extend(
+                f"GPU {gpu.index} {describe_xid(xid)}" for xid in gpu.xid_errors if is_fault(xid)
+            )
             if gpu.ecc_uncorrected_volatile:
                 faults.append(
                     f"GPU {gpu.index} {gpu.ecc_uncorrected_volatile} uncorrectable ECC errors"
@@ -716,6 +913,8 @@ def _window_evidence(
     stats: WindowStats | None, cmp: Comparison | None, situation: Situation
 ) -> dict[str, EvidenceValue]:
     out: dict[str, EvidenceValue] = {"regime": situation.regime}
+    if situation.engines:
+        out["engines"] = "; ".join(e.words() for e in situation.engines)
     if stats is not None:
         out.update(stats.values())
         out["arrivals_per_s"] = stats.arrivals_per_s

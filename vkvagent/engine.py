@@ -33,10 +33,13 @@ from vkvagent.diagnosis import (
     Diagnosis,
     DiagnosisSettings,
     DiagnosisState,
+    EngineWindow,
     Evidence,
     EvidenceValue,
     MemoryPoint,
+    ProbeFacts,
     Situation,
+    Stall,
     diagnose,
     optional_float,
 )
@@ -77,6 +80,7 @@ class Observation:
     restarts: Sequence[RestartRecord] = ()
     controls: Controls = field(default_factory=Controls)
     flags: Mapping[str, FlagValue] = field(default_factory=dict)  # vLLM flags in effect
+    probe: ProbeFacts = field(default_factory=ProbeFacts)  # the active probe's findings
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ class EngineState:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "version": 1,
+            "version": 2,
             "run": self.run.to_json(),
             "baseline": self.baseline.to_json() if self.baseline else None,
             "previous": self.previous.to_json() if self.previous else None,
@@ -140,8 +144,14 @@ class EngineState:
         """The inverse of ``to_json``; ValueError (one line) for anything malformed, so a
         corrupt state file costs the learned baselines, never the daemon."""
         try:
-            if data.get("version") != 1:
+            if data.get("version") not in (1, 2):
                 raise ValueError(f"unknown version {data.get('version')!r}")
+            # Version 1 held the symptoms' times on the wall clock: they start over.
+            diagnosis = (
+                DiagnosisState.from_json(data["diagnosis"])
+                if data["version"] == 2
+                else DiagnosisState()
+            )
             recovered = data["recovered"]
             if recovered is not None and not isinstance(recovered, bool):
                 raise ValueError("recovered must be true, false or null")
@@ -149,7 +159,7 @@ class EngineState:
                 run=RunState.from_json(data["run"]),
                 baseline=Baseline.from_json(data["baseline"]) if data["baseline"] else None,
                 previous=Baseline.from_json(data["previous"]) if data["previous"] else None,
-                diagnosis=DiagnosisState.from_json(data["diagnosis"]),
+                diagnosis=diagnosis,
                 recovered=recovered,
                 seen=optional_float(data["seen"]),
                 # States written before the percentile gate have no profile: start one.
@@ -184,6 +194,9 @@ class Decision:
     suggestion: Mapping[str, FlagValue] = field(default_factory=dict)  # kv_pressure flags
     recovered: bool | None = None  # whether the last restart restored the fresh speed
     drain_max_in_flight: int | None = None  # for a restart; None: do not drain (emergency)
+    # The engine's counters have not moved for probe_after: only a request can tell idle from
+    # hung, so the caller should send the active probe (replay, which has none, says so).
+    probe_wanted: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The decision as replay's JSON prints it (the state is persisted separately)."""
@@ -200,6 +213,7 @@ class Decision:
             "suggestion": dict(self.suggestion),
             "recovered": self.recovered,
             "drain_max_in_flight": self.drain_max_in_flight,
+            "probe_wanted": self.probe_wanted,
         }
 
 
@@ -220,10 +234,16 @@ def decide(
     (``EngineState()`` the first time)."""
     if now.tzinfo is None or now.utcoffset() is None:
         raise ValueError("decide: now must be a timezone-aware datetime")
-    at = now.timestamp()
-    b = settings.baseline
+    b, d = settings.baseline, settings.diagnosis
     state = _after_reboot(state, observed.samples)
     fresh = [s for s in observed.samples if state.seen is None or s.mono > state.seen]
+    # Durations (held symptoms, the stall, silence, restarts' ages) run on the samples'
+    # monotonic clock; the wall clock only places windows and hours of the day.
+    mono = observed.samples[-1].mono if observed.samples else now.timestamp()
+    heard = state.diagnosis
+    for sample in fresh:
+        heard = heard.heard(sample)
+    state = replace(state, diagnosis=heard)
     valid = _ordered(observed.samples)
     state = _read_samples(state, valid)
     latest = valid[-1] if valid else None
@@ -251,25 +271,27 @@ def decide(
         learning=_learning(b, baseline, uptime),
         capacity=reference.capacity(b),
         gpus=[s.gpus for s in fresh],
-        stalled_for=(
-            state.diagnosis.progress.stalled_for(latest.vllm, latest.mono)
+        stall=(
+            state.diagnosis.progress.stalled(latest.vllm, latest.mono, observed.probe)
             if latest is not None and latest.vllm is not None
-            else 0.0
+            else Stall()
         ),
+        unresponsive=_unresponsive(d, state.diagnosis, observed, mono),
         memory=observed.memory,
         run_began=latest.mono - uptime if latest is not None and uptime is not None else None,
         down=_down(observed),
         flags=observed.flags,
         cache_config=latest.vllm.cache_config if latest is not None and latest.vllm else {},
         baseline_of="this run's" if borrowed is None else "an earlier run's",
+        engines=_engine_windows(segment) if stats is not None else (),
     )
-    diagnosis, dstate = diagnose(settings.diagnosis, state.diagnosis, situation, at)
+    diagnosis, dstate = diagnose(d, state.diagnosis, situation, mono)
 
     quiet = (
         diagnosis.cause is None
         and dstate.speed.pending_since is None
         and dstate.kv.pending_since is None
-        and (dstate.throttled_at is None or at - dstate.throttled_at > settings.diagnosis.hold)
+        and (dstate.throttled_at is None or mono - dstate.throttled_at > d.hold)
     )
     if stats is not None and latest is not None and quiet:
         baseline = baseline.learn(stats, mono=latest.mono, uptime=uptime, settings=b)
@@ -293,6 +315,7 @@ def decide(
         history=observed.restarts,
         controls=observed.controls,
         now=now,
+        mono=mono,
         traffic=traffic,
     )
     action, reason = _action(settings.policy, diagnosis, verdict, uptime)
@@ -315,6 +338,7 @@ def decide(
         suggestion=diagnosis.suggestion,
         recovered=recovered,
         drain_max_in_flight=verdict.drain_max_in_flight if action == "restart" else None,
+        probe_wanted=_probe_wanted(d, dstate, observed, latest, mono),
     )
 
 
@@ -349,11 +373,14 @@ def _ordered(samples: Sequence[Sample]) -> list[Sample]:
 
 def _after_reboot(state: EngineState, samples: Sequence[Sample]) -> EngineState:
     """A persisted state read after the host rebooted: the monotonic clock began again, so
-    every sample looks older than the last one read. Forget how far samples were read; the
+    every sample looks older than the last one read. Forget how far samples were read and
+    every time held on the old clock (symptoms, GPU faults: a reboot resets the GPUs too); the
     run itself is then recognised (or not) by its process start time and counters."""
     if not samples or state.seen is None or max(s.mono for s in samples) >= state.seen:
         return state
-    return replace(state, seen=None, run=replace(state.run, cursor=None))
+    return replace(
+        state, seen=None, run=replace(state.run, cursor=None), diagnosis=DiagnosisState()
+    )
 
 
 def _read_samples(state: EngineState, valid: list[Sample]) -> EngineState:
@@ -441,6 +468,50 @@ def _stats(segment: list[Sample], settings: BaselineSettings) -> WindowStats | N
     return replace(stats, sm_clock_ratio=sum(clocks) / len(clocks))
 
 
+def _engine_windows(segment: list[Sample]) -> tuple[EngineWindow, ...]:
+    """Each data-parallel engine over the window: mean gauges and counter rates, from the
+    per-engine signals of the page (none with fewer than two engines)."""
+    pages = [s.vllm for s in segment if s.vllm is not None]
+    if len(pages) < 2 or len(pages[-1].per_engine) < 2:
+        return ()
+    seconds = segment[-1].mono - segment[0].mono
+    first = {e.engine: e for e in pages[0].per_engine}
+    out = []
+    for last in pages[-1].per_engine:
+        seen = [e for page in pages for e in page.per_engine if e.engine == last.engine]
+        start = first.get(last.engine)
+        out.append(
+            EngineWindow(
+                engine=last.engine,
+                kv_usage=_mean([e.kv_cache_usage for e in seen]),
+                running=_mean([e.num_requests_running for e in seen]),
+                waiting=_mean([e.num_requests_waiting for e in seen]),
+                generation_tokens_per_s=_rate(
+                    start.generation_tokens_total if start else None,
+                    last.generation_tokens_total,
+                    seconds,
+                ),
+                preemptions_per_s=_rate(
+                    start.num_preemptions_total if start else None,
+                    last.num_preemptions_total,
+                    seconds,
+                ),
+            )
+        )
+    return tuple(out)
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def _rate(old: float | None, new: float | None, seconds: float) -> float | None:
+    if old is None or new is None or seconds <= 0 or new < old:
+        return None
+    return (new - old) / seconds
+
+
 def _slowest_clock(gpus: Sequence[GpuReading]) -> float | None:
     """The lowest SM clock / maximum among the GPUs (the slowest bounds the engine)."""
     ratios = [
@@ -463,6 +534,45 @@ def _uptime(run: RunState, latest: Sample | None, unit_started: float | None) ->
     if run.first_mono is not None:
         return latest.mono - run.first_mono
     return None
+
+
+def _unresponsive(
+    s: DiagnosisSettings, state: DiagnosisState, observed: Observation, mono: float
+) -> str | None:
+    """vLLM, active and past its start-up (it answered since the unit became active: a model
+    still loading has not, and refuses connections anyway), accepting connections on /metrics
+    without answering for ``unresponsive_after``: a hung API server. None otherwise."""
+    if observed.unit_active is not True or state.silent_since is None:
+        return None
+    silent = mono - state.silent_since
+    if silent < s.unresponsive_after or state.answered_at is None:
+        return None
+    if observed.unit_started is not None and state.answered_at < observed.unit_started:
+        return None
+    error = observed.samples[-1].vllm_error if observed.samples else None
+    return (
+        f"vLLM accepts connections but has not answered /metrics for {silent:.0f} s "
+        f"(limit {s.unresponsive_after:.0f} s) while its unit is active: {error or 'no answer'}"
+    )
+
+
+def _probe_wanted(
+    s: DiagnosisSettings,
+    state: DiagnosisState,
+    observed: Observation,
+    latest: Sample | None,
+    mono: float,
+) -> bool:
+    """Whether a probe should go now: vLLM answers /metrics, its counters have not moved for
+    ``probe_after`` (idle, or hung behind gauges that still read the last values), and no probe
+    went in that time."""
+    advanced = state.progress.advanced
+    if s.probe_after <= 0 or latest is None or latest.mono != mono or advanced is None:
+        return False
+    if observed.unit_active is False or mono - advanced < s.probe_after:
+        return False
+    last = observed.probe.last_sent
+    return last is None or mono - last >= s.probe_after
 
 
 def _down(observed: Observation) -> str | None:

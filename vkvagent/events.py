@@ -68,6 +68,10 @@ CATALOGUE: Mapping[str, EventType] = {
     "unit.exited": EventType(
         WARNING, "vLLM's process ended without vkvagent asking (a crash); reported, not restarted"
     ),
+    "probe.failed": EventType(
+        WARNING, "the active probe got no answer, an error, or cannot be sent (once per kind)"
+    ),
+    "probe.recovered": EventType(INFO, "the active probe is answered again"),
     "source.failed": EventType(WARNING, "a source (vLLM, GPU, systemd) stopped answering"),
     "source.recovered": EventType(INFO, "a source answers again"),
     "state.write_failed": EventType(ERR, "the state directory could not be written"),

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from vkvagent import __version__
 from vkvagent.fleet import STATES as FLEET_STATES
+from vkvagent.probe import OUTCOMES as PROBE_OUTCOMES
 from vkvagent.status import STATES
 
 
@@ -29,6 +30,8 @@ class AgentMetrics(Collector):
         self.decisions: Counter[str] = Counter()
         self.restarts: Counter[tuple[str, str]] = Counter()
         self.source_errors: Counter[str] = Counter({"vllm": 0, "gpu": 0, "systemd": 0})
+        self.probes: Counter[str] = Counter()
+        self.probe_seconds = 0.0  # the latency of every probe, added up (a summary's _sum)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -46,11 +49,17 @@ class AgentMetrics(Collector):
         with self._lock:
             self.restarts[(reason, result)] += 1
 
+    def count_probe(self, outcome: str, latency: float) -> None:
+        with self._lock:
+            self.probes[outcome] += 1
+            self.probe_seconds += latency
+
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             status = self._status
             decisions, restarts = dict(self.decisions), dict(self.restarts)
             errors = dict(self.source_errors)
+            probes, probe_seconds = dict(self.probes), self.probe_seconds
         counter = CounterMetricFamily(
             "vkvagent_decisions", "Evaluations by the action decided.", labels=["action"]
         )
@@ -71,6 +80,20 @@ class AgentMetrics(Collector):
         for source, n in sorted(errors.items()):
             counter.add_metric([source], n)
         yield counter
+        counter = CounterMetricFamily(
+            "vkvagent_probes",
+            "Active probes (one-token completions) by outcome: ok, timeout (no answer: hung?), "
+            "error (5xx or broken off), refused (nothing listens), unusable (4xx).",
+            labels=["outcome"],
+        )
+        for outcome in PROBE_OUTCOMES:
+            counter.add_metric([outcome], probes.get(outcome, 0))
+        yield counter
+        yield CounterMetricFamily(
+            "vkvagent_probe_seconds",
+            "Seconds the active probes took, added up (over vkvagent_probes_total: the mean).",
+            value=probe_seconds,
+        )
         if status is not None:
             yield from _gauges(status)
 
@@ -130,6 +153,23 @@ def _gauges(status: Mapping[str, Any]) -> Iterator[Metric]:
         "vkvagent_metrics_schema_recognised",
         "1 when vLLM's /metrics page was read as a known version's.",
         vllm.get("recognised"),
+    )
+    probe = status.get("probe") or {}
+    last = probe.get("last") or {}
+    yield from _gauge(
+        "vkvagent_probe_last_latency_seconds",
+        "How long the last active probe took, to its answer or to giving up.",
+        last.get("latency_s"),
+    )
+    yield from _gauge(
+        "vkvagent_probe_last_ok",
+        "1 when the last active probe was answered, 0 when not (absent before the first).",
+        None if not last else last.get("outcome") == "ok",
+    )
+    yield from _gauge(
+        "vkvagent_probe_in_flight_seconds",
+        "How long the probe in flight has waited (absent when none is).",
+        probe.get("in_flight_s"),
     )
     yield from _gauge(
         "vkvagent_last_evaluation_timestamp_seconds",

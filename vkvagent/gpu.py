@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
@@ -36,6 +39,80 @@ THROTTLE_REASONS = frozenset(
         "hw_power_brake_slowdown",
     }
 )
+
+# XIDs: what each code means and what usually causes it, after NVIDIA's "Xid Errors"
+# catalogue (docs.nvidia.com/deploy/xid-errors/, the Xid error listing of driver r555, and the
+# Xid catalog of r570 and later, docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html,
+# for 144-150 and the immediate actions). The listing marks each code's possible causes (HW
+# Error, Driver Error, User App Error, System Memory Corruption, Bus Error, Thermal Issue, FB
+# Corruption); one class is kept per code:
+#   "application": the listing names the application as a cause and it is the usual one, the
+#       GPU staying healthy (13, 31, 43, 45 and 68 are the codes NVIDIA's own Kubernetes device
+#       plugin skips as application errors; 137 marks the application alone). A restart of
+#       vLLM is the cure, so these never veto one.
+#   "hardware": the GPU, its memory, NVLink, C2C or the bus, and codes whose only causes are
+#       bus errors, thermal issues or memory corruption; "driver": the driver or its firmware.
+# The class follows the listing's causes, not the catalog's immediate action: a hardware code
+# first answered by restarting the application (69, 80, 94) still leaves the fault on the GPU.
+# Where the listing marks the application but also the driver or hardware and the code is not
+# one of NVIDIA's application errors (8), or the catalog asks for a GPU reset (109), the code
+# is kept as a fault. An XID not in this table is "unknown" and counted as a fault, to be safe.
+XID_APPLICATION, XID_DRIVER, XID_HARDWARE, XID_UNKNOWN = (
+    "application",
+    "driver",
+    "hardware",
+    "unknown",
+)
+# The classes that mean a restart of vLLM cannot help: they veto restarts.
+FAULT_CLASSES = frozenset({XID_HARDWARE, XID_DRIVER, XID_UNKNOWN})
+XIDS: dict[int, tuple[str, str]] = {
+    # Driver, application, bus and thermal causes; not one of NVIDIA's application errors.
+    8: ("GPU stopped processing", XID_DRIVER),
+    13: ("Graphics Engine Exception", XID_APPLICATION),  # every cause marked; usually the app
+    31: ("GPU memory page fault", XID_APPLICATION),  # HW, driver, app: an illegal access
+    32: ("Invalid or corrupted push buffer stream", XID_DRIVER),  # driver, bus, memory
+    38: ("Driver firmware error", XID_DRIVER),
+    43: ("GPU stopped processing", XID_APPLICATION),  # driver, app: a reset channel
+    44: ("Graphics Engine fault during context switch", XID_DRIVER),
+    # Driver, app: cleanup after another error; that error's own XID says if it was a fault.
+    45: ("Preemptive cleanup, due to previous errors", XID_APPLICATION),
+    46: ("GPU stopped processing", XID_DRIVER),  # the catalog: reset the GPU
+    48: ("Double Bit ECC Error", XID_HARDWARE),
+    56: ("Display Engine error", XID_HARDWARE),
+    57: ("Error programming video memory interface", XID_HARDWARE),
+    58: ("Unstable video memory interface detected", XID_HARDWARE),
+    # No cause marked; the PMU, as 62, and the catalog says to contact support.
+    61: ("Internal micro-controller breakpoint/warning", XID_HARDWARE),
+    62: ("Internal micro-controller halt", XID_HARDWARE),
+    63: ("ECC page retirement or row remapping recording event", XID_HARDWARE),
+    64: ("ECC page retirement or row remapper recording failure", XID_HARDWARE),
+    68: ("NVDEC0 Exception", XID_APPLICATION),  # HW, driver, app; an application error to NVIDIA
+    69: ("Graphics Engine class error", XID_HARDWARE),
+    74: ("NVLINK Error", XID_HARDWARE),
+    79: ("GPU has fallen off the bus", XID_HARDWARE),
+    80: ("Corrupted data sent to GPU", XID_HARDWARE),
+    92: ("High single-bit ECC error rate", XID_HARDWARE),
+    94: ("Contained ECC error", XID_HARDWARE),
+    95: ("Uncontained ECC error", XID_HARDWARE),
+    # Every cause marked, but the catalog's immediate action is a GPU reset, not a restart.
+    109: ("Context Switch Timeout Error", XID_DRIVER),
+    119: ("GSP RPC Timeout", XID_DRIVER),
+    120: ("GSP Error", XID_DRIVER),
+    121: ("C2C Link Error", XID_HARDWARE),
+    137: ("NVLink FLA privilege error", XID_APPLICATION),  # only the application marked
+    140: ("Unrecovered ECC Error", XID_HARDWARE),
+    143: ("GPU Initialization Failure", XID_HARDWARE),
+    144: ("NVLINK: SAW Error", XID_HARDWARE),
+    145: ("NVLINK: RLW Error", XID_HARDWARE),
+    146: ("NVLINK: TLW Error", XID_HARDWARE),
+    147: ("NVLINK: TREX Error", XID_HARDWARE),
+    148: ("NVLINK: NVLPW_CTRL Error", XID_HARDWARE),
+    149: ("NVLINK: NETIR Error", XID_HARDWARE),
+    150: ("NVLINK: MSE Error", XID_HARDWARE),
+}
+# How long and how many drained XID events a reader keeps for ``GpuReader.faults``.
+XID_FAULT_WINDOW = 3600.0
+XID_LOG_SIZE = 256
 
 # What the reader asks a backend for, per device. Units are NVML's own.
 QUERIES = (
@@ -69,6 +146,38 @@ def decode_clock_event_reasons(mask: int) -> tuple[str, ...]:
     if unknown:
         names.append(f"unknown_0x{unknown:x}")
     return tuple(names)
+
+
+def xid_class(code: int) -> str:
+    """The code's class, from ``XIDS``; ``XID_UNKNOWN`` for a code not there."""
+    entry = XIDS.get(code)
+    return entry[1] if entry else XID_UNKNOWN
+
+
+def xid_meaning(code: int) -> str:
+    """NVIDIA's short name for the code, or "not in vkvagent's XID table"."""
+    entry = XIDS.get(code)
+    return entry[0] if entry else "not in vkvagent's XID table"
+
+
+def is_fault(code: int) -> bool:
+    """Whether the XID vetoes restarts: hardware, driver and unknown codes do (conservative),
+    application ones do not, as a restart of vLLM is what fixes those."""
+    return xid_class(code) in FAULT_CLASSES
+
+
+def describe_xid(code: int) -> str:
+    """E.g. ``XID 79 (GPU has fallen off the bus; hardware)``."""
+    return f"XID {code} ({xid_meaning(code)}; {xid_class(code)})"
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """One XID as the reader drained it from the backend."""
+
+    index: int  # the GPU's index; -1 where NVML could not say which GPU
+    xid: int
+    seen_at: float  # the reader's monotonic clock when it was drained
 
 
 @dataclass(frozen=True)
@@ -277,19 +386,32 @@ class GpuReader:
 
     ``open`` is the backend factory (NvmlBackend by default). If it fails, the reason is kept
     and returned by every ``read()`` without retrying, until ``reset()``: a host without a
-    driver costs nothing per sample and is reported once, not once per tick."""
+    driver costs nothing per sample and is reported once, not once per tick.
+
+    The backend hands each XID event out once, so the reader keeps what it drained (the last
+    ``keep`` events of the last ``fault_window`` seconds, by ``mono``): ``read()`` reports each
+    XID once, to its one consumer (the sampler), and ``faults()`` tells anyone else (the
+    actuator) about the recent fault-class ones without taking them from ``read()``."""
 
     def __init__(
         self,
         devices: Sequence[int] = (),
         open: Callable[[], Backend] = NvmlBackend,
         retry: bool = False,
+        mono: Callable[[], float] = time.monotonic,
+        fault_window: float = XID_FAULT_WINDOW,
+        keep: int = XID_LOG_SIZE,
     ) -> None:
         self._wanted = tuple(devices)
         self._open = open
         self._retry = retry  # try again on every read (a recording file that may appear later)
+        self._mono = mono
+        self.fault_window = fault_window
         self._backend: Backend | None = None
         self.unavailable: str | None = None
+        self._xid_log: deque[XidEvent] = deque(maxlen=keep)  # for faults()
+        self._unread: deque[XidEvent] = deque(maxlen=keep)  # for the next consuming read()
+        self._lock = threading.Lock()
 
     def reset(self) -> None:
         close = getattr(self._backend, "close", None)
@@ -297,31 +419,78 @@ class GpuReader:
             close()
         self._backend, self.unavailable = None, None
 
-    def read(self) -> tuple[tuple[GpuReading, ...], str | None]:
-        """The watched GPUs' readings, and why they are missing or partial (or None)."""
-        if self.unavailable and not self._retry:
-            return (), self.unavailable
-        try:
-            if self._backend is None:
-                self._backend = self._open()
-            backend = self._backend
-            count = backend.device_count()
-            xids: dict[int, list[int]] = {}
-            for index, xid in backend.xid_events():
-                xids.setdefault(index, []).append(xid)
-            indices = [i for i in (self._wanted or range(count)) if i < count]
-            missing = [i for i in self._wanted if i >= count]
-            readings = tuple(_reading(backend, i, tuple(xids.get(i, ()))) for i in indices)
-        except NvmlUnavailable as exc:
-            self.reset()
-            self.unavailable = f"NVML unavailable: {exc}"
-            return (), self.unavailable
-        except (NvmlUnsupported, ValueError, TypeError, AttributeError, KeyError) as exc:
-            # A device that will not even say how many GPUs there are, or a recording with
-            # values of the wrong type: no readings this time, and say why.
-            return (), f"GPU readings failed: {type(exc).__name__}: {exc}"
-        problem = f"GPU index {missing} not present ({count} GPUs)" if missing else None
-        return readings, problem
+    def read(self, consume_xids: bool = True) -> tuple[tuple[GpuReading, ...], str | None]:
+        """The watched GPUs' readings, and why they are missing or partial (or None).
+
+        Each reading's ``xid_errors`` are the XIDs drained since the previous consuming read,
+        by this call or by ``faults()``; ``consume_xids=False`` reports them and leaves them
+        for the next read (current values for someone who is not the sampler)."""
+        with self._lock:
+            if self.unavailable and not self._retry:
+                return (), self.unavailable
+            try:
+                backend = self._opened()
+                count = backend.device_count()
+                self._drain(backend)
+                xids: dict[int, list[int]] = {}
+                for event in self._unread:
+                    xids.setdefault(event.index, []).append(event.xid)
+                indices = [i for i in (self._wanted or range(count)) if i < count]
+                missing = [i for i in self._wanted if i >= count]
+                readings = tuple(_reading(backend, i, tuple(xids.get(i, ()))) for i in indices)
+            except NvmlUnavailable as exc:
+                return (), self._lost(exc)
+            except (NvmlUnsupported, ValueError, TypeError, AttributeError, KeyError) as exc:
+                # A device that will not even say how many GPUs there are, or a recording with
+                # values of the wrong type: no readings this time, and say why.
+                return (), f"GPU readings failed: {type(exc).__name__}: {exc}"
+            if consume_xids:
+                self._unread.clear()
+            problem = f"GPU index {missing} not present ({count} GPUs)" if missing else None
+            return readings, problem
+
+    def faults(self, within: float | None = None) -> list[XidEvent]:
+        """The fault-class XIDs (``is_fault``) of the watched GPUs drained in the last
+        ``within`` seconds (default and at most ``fault_window``), whoever drained them, oldest
+        first; events NVML could not place on a GPU (index -1) count too. Drains the backend
+        first, and consumes nothing: ``read()`` still reports each XID once."""
+        with self._lock:
+            if not self.unavailable or self._retry:
+                try:
+                    backend = self._opened()
+                    backend.device_count()  # a recording file reloads here
+                    self._drain(backend)
+                except NvmlUnavailable as exc:
+                    self._lost(exc)
+                except (NvmlUnsupported, ValueError, TypeError, AttributeError, KeyError):
+                    pass  # what was drained before still counts
+            since = self._mono() - (self.fault_window if within is None else within)
+            return [
+                event
+                for event in self._xid_log
+                if event.seen_at >= since
+                and is_fault(event.xid)
+                and (event.index < 0 or not self._wanted or event.index in self._wanted)
+            ]
+
+    def _opened(self) -> Backend:
+        if self._backend is None:
+            self._backend = self._open()
+        return self._backend
+
+    def _lost(self, exc: NvmlUnavailable) -> str:
+        self.reset()
+        self.unavailable = f"NVML unavailable: {exc}"
+        return self.unavailable
+
+    def _drain(self, backend: Backend) -> None:
+        now = self._mono()
+        for index, xid in backend.xid_events():
+            event = XidEvent(int(index), int(xid), now)
+            self._xid_log.append(event)
+            self._unread.append(event)
+        while self._xid_log and self._xid_log[0].seen_at < now - self.fault_window:
+            self._xid_log.popleft()
 
 
 def reader_for(devices: Sequence[int], recording: str = "") -> GpuReader:

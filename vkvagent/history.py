@@ -29,6 +29,7 @@ from urllib.parse import quote
 
 from vkvagent.gpu import GpuReading
 from vkvagent.metrics import Histogram, VllmMetrics
+from vkvagent.probe import ProbeResult
 from vkvagent.sample import Sample, UnitFacts
 
 FILE_NAME = "history.sqlite3"
@@ -100,6 +101,20 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE samples ADD COLUMN unit_n_restarts INTEGER",
         "ALTER TABLE samples ADD COLUMN unit_error TEXT",
     ),
+    (  # 3: the active probe; hung (silent) scrapes; the unit's anonymous memory and start
+        """CREATE TABLE probes (
+            id INTEGER PRIMARY KEY,
+            time REAL NOT NULL,
+            mono REAL NOT NULL,
+            outcome TEXT NOT NULL,
+            latency REAL NOT NULL,
+            detail TEXT
+        )""",
+        "CREATE INDEX probes_time ON probes (time)",
+        "ALTER TABLE samples ADD COLUMN vllm_silent INTEGER",
+        "ALTER TABLE samples ADD COLUMN unit_memory_anon_bytes INTEGER",
+        "ALTER TABLE samples ADD COLUMN unit_active_since REAL",
+    ),
 )
 
 # VllmMetrics fields stored as they are, tuples stored as JSON, and histograms.
@@ -119,9 +134,12 @@ _VLLM_COLUMNS = (
 )  # fmt: skip
 _UNIT_FIELDS = (
     "active_state", "sub_state", "invocation_id", "main_pid", "memory_bytes", "n_restarts",
+    "memory_anon_bytes", "active_since",
 )  # fmt: skip
 _UNIT_COLUMNS = (*("unit_" + name for name in _UNIT_FIELDS), "unit_error")
-_SAMPLE_COLUMNS = ("time", "mono", "vllm_error", "gpu_error", *_VLLM_COLUMNS, *_UNIT_COLUMNS)
+_SAMPLE_COLUMNS = (
+    "time", "mono", "vllm_error", "vllm_silent", "gpu_error", *_VLLM_COLUMNS, *_UNIT_COLUMNS,
+)  # fmt: skip
 _GPU_PLAIN = (
     "uuid", "name", "memory_used_bytes", "memory_total_bytes", "utilization_percent",
     "temperature_c", "power_w", "power_limit_w", "sm_clock_mhz", "sm_clock_max_mhz",
@@ -194,6 +212,7 @@ class History:
                 "time": sample.time,
                 "mono": sample.mono,
                 "vllm_error": sample.vllm_error,
+                "vllm_silent": sample.vllm_silent,
                 "gpu_error": sample.gpu_error,
                 **self._vllm_row(db, sample.vllm),
                 **_unit_row(sample),
@@ -204,6 +223,25 @@ class History:
                 [_gpu_row(gpu, sample_id, position) for position, gpu in enumerate(sample.gpus)],
             )
         return sample_id
+
+    def append_probe(self, probe: ProbeResult) -> None:
+        """Store one finished probe."""
+        with self._write("cannot append") as db:
+            db.execute(
+                "INSERT INTO probes (time, mono, outcome, latency, detail) VALUES (?, ?, ?, ?, ?)",
+                (probe.time, probe.sent, probe.outcome, probe.latency, probe.detail or None),
+            )
+
+    def probes(self, since: float = -math.inf, until: float = math.inf) -> list[ProbeResult]:
+        """The probes sent from ``since`` to ``until`` (inclusive), oldest first."""
+        db = self._connection()
+        with self._errors("cannot read"):
+            rows = db.execute(
+                "SELECT mono, time, outcome, latency, detail FROM probes "
+                "WHERE time >= ? AND time <= ? ORDER BY time, id",
+                (since, until),
+            ).fetchall()
+        return [ProbeResult(m, t, o, lat, d or "") for m, t, o, lat, d in rows]
 
     def samples(
         self, since: float = -math.inf, until: float = math.inf, limit: int | None = None
@@ -227,6 +265,7 @@ class History:
                 cutoff,
             )
             deleted = db.execute("DELETE FROM samples WHERE time < ?", cutoff).rowcount
+            db.execute("DELETE FROM probes WHERE time < ?", cutoff)
         return deleted
 
     # -- opening ----------------------------------------------------------------------------
@@ -341,6 +380,7 @@ class History:
                     gpu_error=head["gpu_error"],
                     unit=_unit(head),
                     unit_error=head["unit_error"],
+                    vllm_silent=bool(head["vllm_silent"]),
                 )
                 for sample_id, head in heads.items()
             ]

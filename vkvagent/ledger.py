@@ -79,10 +79,30 @@ class Action:
     def finished(self, step: str) -> bool:
         return any(s.step == step and s.state == "done" for s in self.steps)
 
+    def mono_on(self, boot: str) -> float | None:
+        """The monotonic time the action began, when it was taken during boot ``boot`` (the
+        monotonic clock starts again at every boot, so another boot's means nothing here)."""
+        clock = self.detail.get("clock")
+        if not isinstance(clock, dict) or not boot or clock.get("boot") != boot:
+            return None
+        mono = clock.get("mono")
+        return (
+            float(mono) if isinstance(mono, (int, float)) and not isinstance(mono, bool) else None
+        )
+
+
+def boot_id(proc: Path = Path("/proc")) -> str:
+    """This boot's id (new at every boot), or "" when it cannot be read."""
+    try:
+        return (proc / "sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
 
 class Ledger:
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, *, boot: str | None = None) -> None:
         self.path = Path(state_dir) / FILE_NAME
+        self.boot = boot_id() if boot is None else boot  # stamps monotonic times
         try:
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
             # Owner and group only, whatever the umask of whoever creates it (SQLite gives its
@@ -119,7 +139,13 @@ class Ledger:
     def close(self) -> None:
         self._db.close()
 
-    def begin(self, kind: str, reason: str, now: float, detail: dict[str, Any]) -> int:
+    def begin(
+        self, kind: str, reason: str, now: float, detail: dict[str, Any], mono: float | None = None
+    ) -> int:
+        """Record an action beginning at ``now`` (UTC) and, when given, ``mono`` (monotonic,
+        kept with this boot's id: ``Action.mono_on``)."""
+        if mono is not None:
+            detail = {**detail, "clock": {"mono": mono, "boot": self.boot}}
         with self._transaction():
             cursor = self._db.execute(
                 "INSERT INTO actions (kind, reason, started, detail) VALUES (?, ?, ?, ?)",

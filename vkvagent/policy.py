@@ -116,7 +116,7 @@ class PolicySettings:
     min_interval: float = 3600.0  # between two restarts, whatever the cause
     max_per_day: int = 3  # restarts in any rolling 24 hours
     cooldown: float = 21600.0  # after a restart, non-emergency causes wait this long
-    emergency: tuple[str, ...] = ("stall",)  # causes allowed outside the windows
+    emergency: tuple[str, ...] = ("stall", "unresponsive")  # causes allowed outside windows
     max_uptime: float = 0.0  # opt-in scheduled restart after this uptime; 0: never
     escalate_after: int = 2  # restarts in a row that did not help: stop until resumed
     drain_max_in_flight: int = 0  # handed to the actuator; emergencies skip the drain
@@ -262,6 +262,17 @@ class RestartRecord:
     # Refused before anything reached systemd (preflight, drain timeout): no restart happened,
     # so it counts for the retry back-off only, never for budgets, cooldown or escalation.
     aborted: bool = False
+    # The monotonic time it began, when taken on this boot's clock (the ledger keeps it with
+    # the boot's id): ages are then immune to steps of the wall clock.
+    mono: float | None = None
+
+    def age(self, at: float, mono: float | None) -> float:
+        """Seconds since it began: on the monotonic clock when both ends have it, else on
+        the wall clock, where a time in the future (the clock was stepped back) reads as now,
+        so a step back never forgets a restart."""
+        if self.mono is not None and mono is not None:
+            return max(0.0, mono - self.mono)
+        return max(0.0, at - self.time)
 
 
 @dataclass(frozen=True)
@@ -308,23 +319,28 @@ RETRY_MAX = 3600.0
 
 
 def retry_wait(
-    history: Sequence[RestartRecord], controls: Controls, at: float, *, emergency: bool = False
+    history: Sequence[RestartRecord],
+    controls: Controls,
+    at: float,
+    *,
+    emergency: bool = False,
+    mono: float | None = None,
 ) -> tuple[int, float, float]:
-    """The aborted attempts in a row up to ``at`` since the last restart that happened (or
-    the last resume), when the last of them was, and how long after it the next may be
-    tried. One recorded after ``at`` (a clock step back) is not held against it."""
-    streak, last = 0, 0.0
-    for record in sorted((r for r in history if r.time <= at), key=lambda r: r.time, reverse=True):
+    """The aborted attempts in a row since the last restart that happened (or the last
+    resume), how long ago the last of them was, and how long after it the next may be
+    tried."""
+    streak, since = 0, math.inf
+    for record in sorted(history, key=lambda r: r.age(at, mono)):
         if not record.aborted or (
             controls.resumed_at is not None and record.time <= controls.resumed_at
         ):
             break
-        streak, last = streak + 1, max(last, record.time)
+        streak, since = streak + 1, min(since, record.age(at, mono))
     if not streak:
         return 0, 0.0, 0.0
     return (
         streak,
-        last,
+        since,
         min(RETRY_FIRST * 2 ** (streak - 1), RETRY_FIRST if emergency else RETRY_MAX),
     )
 
@@ -360,10 +376,13 @@ def evaluate(
     controls: Controls,
     now: datetime,
     traffic: TrafficProfile | None = None,
+    mono: float | None = None,
 ) -> Verdict:
     """The verdict for a diagnosed ``cause``; ``wanted`` says a restart would fix it. With no
     such cause, a scheduled restart is proposed once the uptime passes ``max_uptime``.
-    ``traffic``: this host's rates by local hour, for the percentile gate."""
+    ``traffic``: this host's rates by local hour, for the percentile gate. ``mono``: the
+    monotonic time of ``now``, which the intervals, cooldown, budget and back-off are measured
+    on for every restart that has one (``RestartRecord.age``)."""
     is_open, upcoming = window_state(settings, now)
 
     def verdict(action: str, reason: str, drain: int | None = None) -> Verdict:
@@ -388,32 +407,31 @@ def evaluate(
     if controls.paused_until is not None and at < controls.paused_until:
         return verdict("hold", f"paused until {_iso(controls.paused_until)}")
     emergency = cause in settings.emergency
-    aborted, last_aborted, wait = retry_wait(history, controls, at, emergency=emergency)
-    if aborted and at - last_aborted < wait:
+    aborted, since_aborted, wait = retry_wait(history, controls, at, emergency=emergency, mono=mono)
+    if aborted and since_aborted < wait:
         return verdict(
             "hold",
             f"retry back-off: {aborted} restart attempt(s) in a row aborted, the last "
-            f"{_ago(at - last_aborted)} ago; next try in {_ago(wait - (at - last_aborted))}",
+            f"{_ago(since_aborted)} ago; next try in {_ago(wait - since_aborted)}",
         )
-    past = sorted((r.time for r in history if r.time <= at and not r.aborted), reverse=True)
-    if past and at - past[0] < settings.min_interval:
+    past = sorted(r.age(at, mono) for r in history if not r.aborted)  # ages, youngest first
+    if past and past[0] < settings.min_interval:
         return verdict(
             "hold",
-            f"min interval: last restart {_ago(at - past[0])} ago "
+            f"min interval: last restart {_ago(past[0])} ago "
             f"(at least {_ago(settings.min_interval)} apart)",
         )
-    recent = [t for t in past if at - t < DAY]
+    recent = [age for age in past if age < DAY]
     if len(recent) >= settings.max_per_day:
         return verdict(
             "hold",
             f"budget: {len(recent)} restarts in the last 24 h (at most {settings.max_per_day})",
         )
     if not emergency:
-        if past and at - past[0] < settings.cooldown:
+        if past and past[0] < settings.cooldown:
             return verdict(
                 "hold",
-                f"cooldown: last restart {_ago(at - past[0])} ago "
-                f"(cooldown {_ago(settings.cooldown)})",
+                f"cooldown: last restart {_ago(past[0])} ago (cooldown {_ago(settings.cooldown)})",
             )
         if not is_open:
             following = f" (next {_iso(upcoming.timestamp())})" if upcoming else " (none set)"

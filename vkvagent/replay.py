@@ -652,6 +652,9 @@ class Result:
     restarts: int = 0
     restarts_outside_window: int = 0
     cause_seconds: dict[str, float] = field(default_factory=dict)
+    # Time during which the live daemon would have sent its probe (no counter moved for
+    # probe_after): replay has none, so there it cannot tell idle from a hung engine.
+    probe_seconds: float = 0.0
     trace: Trace | None = None  # every evaluation, when asked for (``--plot``)
 
     def summary(self) -> dict[str, Any]:
@@ -668,6 +671,7 @@ class Result:
                 cause: round(seconds / 60, 1)
                 for cause, seconds in sorted(self.cause_seconds.items())
             },
+            "probe_wanted_min": round(self.probe_seconds / 60, 1),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -715,6 +719,7 @@ def replay(settings: Settings, line: Timeline, *, trace: bool = False) -> Result
             result.cause_seconds[decision.cause] = (
                 result.cause_seconds.get(decision.cause, 0.0) + line.step
             )
+        result.probe_seconds += line.step if decision.probe_wanted else 0.0
         key = decision_key(decision)
         if decision.action == "restart":
             restarts.append(RestartRecord(sample.time, decision.cause or "?"))
@@ -739,8 +744,11 @@ def engine_settings(config: Config, mode: str | None = None) -> Settings:
     policy = config.policy.settings(config.restart.drain_max_in_flight)
     if mode is not None:
         policy = replace(policy, mode=mode)
+    probe_after = config.probe.after if config.probe.enabled else 0.0
     return Settings(
-        baseline=config.baseline.settings(), diagnosis=config.diagnosis.settings(), policy=policy
+        baseline=config.baseline.settings(),
+        diagnosis=replace(config.diagnosis.settings(), probe_after=probe_after),
+        policy=policy,
     )
 
 
@@ -772,15 +780,22 @@ def describe(result: Result) -> str:
     for d in result.decisions:
         ratio = "-" if d.ratio is None else f"{d.ratio:.2f}"
         window = "open  " if d.window_open else "closed"
+        probe = "; the live daemon would probe here (replay has no probe)" if d.probe_wanted else ""
         lines.append(
             f"{d.time:%Y-%m-%d %H:%M:%S}Z  {d.action:7} {d.cause or '-':18} ratio {ratio:5} "
-            f"window {window}  {d.reason}"
+            f"window {window}  {d.reason}{probe}"
         )
     causes = ", ".join(f"{c} {m:g} min" for c, m in s["causes"].items()) or "none"
     lines.append(
         f"summary: {s['restarts']} restart{'s' if s['restarts'] != 1 else ''} "
         f"({s['restarts_outside_window']} outside a window); causes: {causes}"
     )
+    if s["probe_wanted_min"]:
+        lines.append(
+            f"probe: for {s['probe_wanted_min']:g} min no token moved, where the live daemon "
+            "sends its probe; replay has none, so a hung engine whose gauges read 0 looks idle "
+            "there"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
+from vkvagent.cgroup import CGROUP_ROOT, read_anon
 from vkvagent.gpu import GpuReader, GpuReading
 from vkvagent.metrics import VllmMetrics
 from vkvagent.systemd import SystemdError, UnitState
@@ -16,7 +18,9 @@ from vkvagent.vllm import PageError, ScrapeError, VllmClient
 @dataclass(frozen=True)
 class UnitFacts:
     """The vLLM unit as systemd saw it with the sample: its state, its invocation (new at
-    every start, however it was started) and the memory of its whole cgroup."""
+    every start, however it was started) and the memory of its whole cgroup: all of it
+    (MemoryCurrent) and its anonymous part (memory.stat's ``anon``), which is what a leak
+    grows and page cache is not."""
 
     active_state: str
     sub_state: str
@@ -24,9 +28,25 @@ class UnitFacts:
     main_pid: int
     memory_bytes: int | None  # MemoryCurrent; None when not accounted
     n_restarts: int  # automatic restarts by Restart=
+    # memory.stat's anon; None when unreadable (cgroup v1), and by default: a sample stored
+    # before it was recorded has none.
+    memory_anon_bytes: int | None = None
+    active_since: float | None = None  # UTC when the unit last became active (not stored)
+
+    @property
+    def growth_bytes(self) -> int | None:
+        """The memory whose growth is judged: anon when known, else MemoryCurrent."""
+        return self.memory_bytes if self.memory_anon_bytes is None else self.memory_anon_bytes
+
+    @property
+    def growth_source(self) -> str:
+        """Which memory ``growth_bytes`` is: "anon" or "MemoryCurrent"."""
+        return "MemoryCurrent" if self.memory_anon_bytes is None else "anon"
 
     @classmethod
-    def of(cls, state: UnitState) -> UnitFacts:
+    def of(cls, state: UnitState, cgroup_root: str | Path = CGROUP_ROOT) -> UnitFacts:
+        """The facts of ``state``, with the anon memory read from the unit's cgroup under
+        ``cgroup_root`` (a file read, no D-Bus)."""
         return cls(
             state.active_state,
             state.sub_state,
@@ -34,6 +54,8 @@ class UnitFacts:
             state.main_pid,
             state.memory_current,
             state.n_restarts,
+            read_anon(state.control_group, cgroup_root),
+            state.active_enter_timestamp / 1e6 if state.active_enter_timestamp else None,
         )
 
 
@@ -50,6 +72,8 @@ class Sample:
     gpu_error: str | None = None
     unit: UnitFacts | None = None
     unit_error: str | None = None
+    # vLLM accepted the connection and did not answer in time (hung), rather than refused it
+    vllm_silent: bool = False
 
     @property
     def valid(self) -> bool:
@@ -65,6 +89,7 @@ class Sample:
             "gpu_error": self.gpu_error,
             "unit": None if self.unit is None else dataclasses.asdict(self.unit),
             "unit_error": self.unit_error,
+            "vllm_silent": self.vllm_silent,
         }
 
 
@@ -96,7 +121,7 @@ class Sampler:
 
     def take(self) -> Sample:
         at, mono = self._wall(), self._mono()
-        metrics, error = None, None
+        metrics, error, silent = None, None, False
         self.page_recognised = None
         try:
             metrics = self.vllm.scrape(self._version)
@@ -104,7 +129,7 @@ class Sampler:
                 self._version = self.vllm.version() or self._configured_version
                 metrics = dataclasses.replace(metrics, version=self._version)
         except ScrapeError as exc:
-            error = str(exc)
+            error, silent = str(exc), exc.silent
             self._version = None
             if isinstance(exc, PageError):
                 self.page_recognised = False
@@ -121,4 +146,4 @@ class Sampler:
                 facts = UnitFacts.of(self.unit())
             except SystemdError as exc:
                 unit_error = str(exc)
-        return Sample(at, mono, metrics, error, readings, gpu_error, facts, unit_error)
+        return Sample(at, mono, metrics, error, readings, gpu_error, facts, unit_error, silent)

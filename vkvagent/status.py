@@ -176,6 +176,9 @@ def render(status: Mapping[str, Any] | None, now: float, *, explain: bool = Fals
     lines.append(
         f"  latency     TTFT p50 {_ms(m.get('ttft_p50_s'))}, ITL p50 {_ms(m.get('itl_p50_s'))}"
     )
+    probe = status.get("probe")
+    if probe:
+        lines.append(f"  probe       {probe_line(probe)}")
     for gpu in status.get("gpus") or []:
         throttled = ", ".join(gpu.get("throttled_by") or []) or "none"
         lines.append(
@@ -211,6 +214,26 @@ def render(status: Mapping[str, Any] | None, now: float, *, explain: bool = Fals
         for key, value in sorted((v.get("evidence") or {}).items()):
             lines.append(f"    {key:34} {value}")
     return "\n".join(lines) + "\n"
+
+
+def probe_line(probe: Mapping[str, Any]) -> str:
+    """The active probe: switched off, in flight, or how the last one went."""
+    if not probe.get("enabled"):
+        return "off"
+    parts = []
+    if probe.get("in_flight_s") is not None:
+        parts.append(f"in flight for {_duration(probe['in_flight_s'])}")
+    last = probe.get("last")
+    if last:
+        parts.append(
+            f"last {last['outcome']} in {last['latency_s']:.2f} s at {_iso(last['time'])}"
+            + (f" ({last['detail']})" if last.get("detail") else "")
+        )
+    elif probe.get("failing"):
+        parts.append(f"cannot be sent: {probe['failing']}")
+    else:
+        parts.append("none sent yet (sent when no token moves for a while)")
+    return "; ".join(parts)
 
 
 def fleet_line(fleet: Mapping[str, Any]) -> str:

@@ -105,6 +105,11 @@ class UnitState:
     drop_in_paths: tuple[str, ...]
     start_limit_burst: int
     start_limit_interval_usec: int
+    # The unit's cgroup, relative to the cgroup root (e.g. "/system.slice/vllm.service");
+    # "" when it has none (not running, or not a service).
+    control_group: str = ""
+    # When the unit last became active (CLOCK_REALTIME, µs since the epoch); 0: never.
+    active_enter_timestamp: int = 0
 
 
 class Systemd:
@@ -168,6 +173,8 @@ class Systemd:
             drop_in_paths=tuple(unit["DropInPaths"]),
             start_limit_burst=unit["StartLimitBurst"],
             start_limit_interval_usec=unit["StartLimitIntervalUSec"],
+            control_group=service.get("ControlGroup", ""),
+            active_enter_timestamp=unit.get("ActiveEnterTimestamp", 0),
         )
 
     def reload(self, timeout: float | None = None) -> None:

@@ -20,6 +20,7 @@ import json
 import socket
 import threading
 import zlib
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -33,7 +34,14 @@ _CHUNK = 64 * 1024
 
 
 class ScrapeError(Exception):
-    """vLLM could not be read; the message is one line naming the problem."""
+    """vLLM could not be read; the message is one line naming the problem. ``silent``: the
+    connection was accepted but no complete answer came in time (a hung server), as opposed
+    to refused, reset or answered with an error. ``status``: the HTTP status of an answer
+    that was not 200."""
+
+    def __init__(self, message: str, *, silent: bool = False, status: int | None = None) -> None:
+        super().__init__(message)
+        self.silent, self.status = silent, status
 
 
 class PageError(ScrapeError):
@@ -110,6 +118,16 @@ class VllmClient:
         exchange = _Exchange(self, self.base + path)
         return exchange.run(self._prefix + path, accept)
 
+    def post_json(self, path: str, body: Mapping[str, Any]) -> Any:
+        """POST ``body`` as JSON to ``path``; the decoded JSON answer. Raises ScrapeError
+        (an answer that is not JSON too)."""
+        exchange = _Exchange(self, self.base + path)
+        text = exchange.run(self._prefix + path, "application/json", json.dumps(body).encode())
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            raise ScrapeError(f"{self.base + path}: the answer is not JSON") from None
+
     def _connection(self) -> http.client.HTTPConnection:
         if self._https:
             import ssl  # noqa: PLC0415 - loaded only for the rare TLS-fronted server
@@ -136,17 +154,19 @@ class _Exchange:
         self.connection = client._connection()
         self.response: http.client.HTTPResponse | None = None
 
-    def run(self, target: str, accept: str) -> str:
+    def run(self, target: str, accept: str, payload: bytes | None = None) -> str:
         client = self.client
         watchdog = threading.Timer(client.connect_timeout + client.read_timeout, self._expire)
         watchdog.daemon = True
         watchdog.start()
         try:
-            body = self._exchange(target, accept)
+            body = self._exchange(target, accept, payload)
         except ScrapeError:
             raise
         except (OSError, http.client.HTTPException, zlib.error) as exc:
-            raise ScrapeError(f"{self.url}: {self._problem(exc)}") from None
+            raise ScrapeError(
+                f"{self.url}: {self._problem(exc)}", silent=self._silent(exc)
+            ) from None
         finally:
             watchdog.cancel()
             if self.response is not None:  # it holds the socket open until closed itself
@@ -165,7 +185,7 @@ class _Exchange:
             with contextlib.suppress(OSError):  # already closed: nothing to wake
                 sock.shutdown(socket.SHUT_RDWR)  # wakes the read that is blocked on it
 
-    def _exchange(self, target: str, accept: str) -> bytes:
+    def _exchange(self, target: str, accept: str, payload: bytes | None) -> bytes:
         connection, limit = self.connection, self.client.max_page_bytes
         connection.connect()
         if self.expired.is_set():  # the deadline passed while connecting: nothing to wake
@@ -173,20 +193,22 @@ class _Exchange:
         assert connection.sock is not None
         connection.sock.settimeout(self.client.read_timeout)
         self.phase = "headers"
-        connection.request(
-            "GET",
-            target,
-            headers={
-                "Accept": accept,
-                "User-Agent": f"vkvagent/{__version__}",
-                "Connection": "close",
-            },
-        )
+        headers = {
+            "Accept": accept,
+            "User-Agent": f"vkvagent/{__version__}",
+            "Connection": "close",
+        }
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
+        connection.request("GET" if payload is None else "POST", target, payload, headers)
         response = self.response = connection.getresponse()
         if self.expired.is_set():  # the headers may have been cut short: do not trust them
             raise self._late()
         if response.status != 200:
-            raise ScrapeError(f"{self.url}: HTTP {response.status} {response.reason}".rstrip())
+            raise ScrapeError(
+                f"{self.url}: HTTP {response.status} {response.reason}".rstrip(),
+                status=response.status,
+            )
         kind = response.getheader("Content-Type", "")
         if "html" in kind:
             raise ScrapeError(f"{self.url}: got an HTML page ({kind}), not metrics")
@@ -220,7 +242,14 @@ class _Exchange:
         return b"".join(chunks)
 
     def _late(self) -> ScrapeError:
-        return ScrapeError(f"{self.url}: {self._late_reason()}")
+        return ScrapeError(f"{self.url}: {self._late_reason()}", silent=self.phase != "connect")
+
+    def _silent(self, exc: BaseException) -> bool:
+        """Connected, then no answer in time: what a stopped or wedged server does (the
+        kernel accepts the connection for it). A refused or reset connection is not silence."""
+        if self.expired.is_set():
+            return self.phase != "connect"
+        return isinstance(exc, socket.timeout) and self.phase != "connect"
 
     def _late_reason(self) -> str:
         total = self.client.connect_timeout + self.client.read_timeout

@@ -11,8 +11,10 @@ A case says:
   regime follows from ``generation_tokens_per_s``), each counted as ``min_values`` windows;
 - ``columns`` and ``rows``: each row is what one sampling interval saw, as per-second rates
   and gauges (turned into cumulative counters and histograms here). A row may be an object:
-  ``{"repeat": N, "row": [...], "gpu": {...}}`` or ``{"repeat": N, "down": "why"}``;
-  ``gpu`` sets ``reasons``, ``clock``, ``max``, ``xid`` and ``ecc`` on every GPU;
+  ``{"repeat": N, "row": [...], "gpu": {...}, "probe": "ok"}``, ``{"repeat": N, "down":
+  "why"}`` (refused) or ``{"repeat": N, "silent": "why"}`` (connected, no answer: hung);
+  ``gpu`` sets ``reasons``, ``clock``, ``max``, ``xid`` and ``ecc`` on every GPU; ``probe``
+  is the outcome of an active probe sent at that sample (``ok``, ``timeout``);
 - optional ``memory``: ``{"start": bytes, "per_request": bytes}``, the unit's memory;
 - optional ``restarts``: ``[{"at": ISO, "cause": ..., "recovered": ...}]``;
 - ``expect``: what the last decision must be (``cause``, ``action``, ``reason`` prefix,
@@ -32,7 +34,7 @@ from types import MappingProxyType
 from typing import Any
 
 from vkvagent.baseline import METRICS, Baseline, BaselineSettings, Regime
-from vkvagent.diagnosis import DiagnosisSettings, MemoryPoint
+from vkvagent.diagnosis import DiagnosisSettings, MemoryPoint, ProbeFacts
 from vkvagent.engine import EngineState, Observation, RunState, Settings
 from vkvagent.gpu import THROTTLE_REASONS, GpuReading
 from vkvagent.metrics import Histogram, VllmMetrics
@@ -112,13 +114,13 @@ class _Counters:
     ttft_sum: float = 0.0
 
 
-def _rows(data: dict[str, Any]) -> Iterator[tuple[list[float] | None, dict[str, Any], str]]:
+def _rows(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
     for entry in data["rows"]:
         if isinstance(entry, list):
-            yield entry, {}, ""
+            yield {"row": entry}
             continue
         for _ in range(entry.get("repeat", 1)):
-            yield entry.get("row"), entry.get("gpu", {}), entry.get("down", "")
+            yield entry
 
 
 def _ticks(
@@ -135,28 +137,36 @@ def _ticks(
     samples: list[Sample] = []
     memory: list[MemoryPoint] = []
     leak = data.get("memory")
-    for row, gpu, down in _rows(data):
+    probe = ProbeFacts()
+    for entry in _rows(data):
         wall += interval
         mono = wall - started + 1000.0
+        down = entry.get("down") or entry.get("silent") or ""
         if down:
-            samples.append(Sample(wall, mono, None, down))
+            samples.append(Sample(wall, mono, None, down, vllm_silent="silent" in entry))
         else:
-            assert row is not None
-            values = dict(zip(columns, row))
+            values = dict(zip(columns, entry["row"]))
             metrics = _advance(counters, values, interval, started)
-            samples.append(Sample(wall, mono, metrics, None, (_gpu(gpu),)))
+            samples.append(Sample(wall, mono, metrics, None, (_gpu(entry.get("gpu", {})),)))
             if leak:
                 served = counters.req - 1e4
                 memory.append(
                     MemoryPoint(mono, leak["start"] + served * leak["per_request"], served)
                 )
         samples = samples[-keep:]
+        outcome = entry.get("probe")
+        if outcome == "ok":
+            probe = ProbeFacts(answered=mono, last_sent=mono)
+        elif outcome is not None:
+            unanswered = probe.unanswered if probe.unanswered is not None else mono
+            probe = ProbeFacts(probe.answered, unanswered, last_sent=mono)
         observed = Observation(
             samples=tuple(samples),
             unit_active=not down.startswith("inactive"),
             memory=tuple(memory),
             restarts=restarts,
             flags=MappingProxyType(data.get("flags", {})),
+            probe=probe,
         )
         yield observed, datetime.fromtimestamp(wall, timezone.utc)
 

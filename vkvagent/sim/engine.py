@@ -16,6 +16,7 @@ so a seed gives the same trajectory at any time scale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import deque
@@ -36,6 +37,10 @@ SCENARIOS = {
     "uptime-decline": (3600.0, "stable, then decode speed falls 10 % per hour of uptime"),
     "kv-pressure": (1800.0, "KV blocks leak with uptime: preemption storms at usual load"),
     "stall": (1800.0, "tokens stop while requests run; /health stays 200"),
+    # vLLM 0.32 with its engine process stopped: the API server answers /health and /metrics,
+    # the counters stop and the gauges keep what the engine last published, 0 pending in two
+    # trials of three, while every request waits for ever.
+    "hang": (1800.0, "the engine hangs: counters stop, gauges read 0 pending, requests wait"),
     "memory-growth": (0.0, "host memory grows with every request served"),
     "thermal-throttle": (1800.0, "GPU clocks drop (thermal slowdown): speed down 40 %"),
     "load-surge": (1800.0, "demand tripled for an hour"),
@@ -331,13 +336,31 @@ class Cluster:
                 now,
                 scenario.speed_factor(t),
                 scenario.leaked_fraction(t),
-                stalled=scenario.active("stall", now) or scenario.active("engine-dead", now),
+                stalled=self.stalled,
             )
         self.now = now + STEP
 
     @property
     def served(self) -> int:
         return sum(engine.served for engine in self.engines)
+
+    @property
+    def stalled(self) -> bool:
+        """The engine serves nothing: stalled, hung or dead."""
+        return any(
+            self.scenario.active(name, self.now) for name in ("stall", "hang", "engine-dead")
+        )
+
+    @property
+    def hung(self) -> bool:
+        return self.scenario.active("hang", self.now)
+
+    def published(self) -> list[EngineStats]:
+        """What each engine's loggers publish to /metrics: a hung engine's gauges read 0
+        pending (what it last published, in two trials of three with vLLM 0.32)."""
+        if self.hung:
+            return [dataclasses.replace(e.stats, running=0, waiting=0) for e in self.engines]
+        return [e.stats for e in self.engines]
 
     @property
     def dead(self) -> bool:
@@ -360,6 +383,7 @@ class Cluster:
             "num_gpu_blocks": self.engines[0].cap.num_gpu_blocks,
             "speed_factor": self.scenario.speed_factor(self.scenario_time(self.now)),
             "stalled": self.scenario.active("stall", self.now),
+            "hung": self.hung,
             "dead": self.dead,
         }
 

@@ -2,9 +2,11 @@
 
 Endpoints as vLLM serves them: ``/metrics`` (the chosen version's format), ``/health`` (200; 503
 once the engine is dead; still 200 during a stall, as real vLLM), ``/v1/models`` (with
-``max_model_len``), ``/version``. The port refuses connections until the cold start is over,
-as vLLM's does while it loads the model. ``/sim/state`` (GET) and ``/sim/scenario`` (POST
-``{"scenario": NAME, "after": SECONDS}``) let tests watch and steer it.
+``max_model_len``), ``/version``, ``POST /v1/completions`` (one short completion, outside the
+engine model, as the agent's probe asks; it waits while the engine stalls or hangs, as real
+vLLM's does, and 404s a model it does not serve). The port refuses connections until the
+cold start is over, as vLLM's does while it loads the model. ``/sim/state`` (GET) and
+``/sim/scenario`` (POST ``{"scenario": NAME, "after": SECONDS}``) let tests watch and steer it.
 """
 
 from __future__ import annotations
@@ -130,8 +132,7 @@ class Simulation:
             step, rendered, page = self._page
             now = self._clock()
             if step != self.cluster.now and now - rendered >= self.options.render_interval:
-                engines = [engine.stats for engine in self.cluster.engines]
-                page = exposition.render(self.info, engines, time.time())
+                page = exposition.render(self.info, self.cluster.published(), time.time())
                 self._page = (self.cluster.now, now, page)
             return page
 
@@ -262,7 +263,11 @@ def _handler(simulation: Simulation) -> type[http.server.BaseHTTPRequestHandler]
                 self._json({"detail": "Not Found"}, 404)
 
         def do_POST(self) -> None:
-            if self.path.split("?", 1)[0] != "/sim/scenario":
+            path = self.path.split("?", 1)[0]
+            if path == "/v1/completions":
+                self._complete()
+                return
+            if path != "/sim/scenario":
                 self._json({"detail": "Not Found"}, 404)
                 return
             try:
@@ -275,6 +280,34 @@ def _handler(simulation: Simulation) -> type[http.server.BaseHTTPRequestHandler]
                 self._json({"detail": str(exc)}, 400)
                 return
             self._json(simulation.state())
+
+        def _complete(self) -> None:
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+                if not 0 <= length <= 65536:
+                    raise ValueError(f"bad Content-Length {length}")
+                body = json.loads(self.rfile.read(length) or b"{}")
+                model = str(body["model"])
+            except (ValueError, KeyError, TypeError) as exc:
+                self._json({"error": {"message": str(exc), "type": "BadRequestError",
+                                      "code": 400}}, 400)  # fmt: skip
+                return
+            if model != info.model:
+                message = f"The model `{model}` does not exist."
+                self._json({"error": {"message": message, "type": "NotFoundError",
+                                      "code": 404}}, 404)  # fmt: skip
+                return
+            while True:  # a stalled or hung engine answers nobody, until it recovers
+                simulation.advance()
+                if not simulation.cluster.stalled:
+                    break
+                time.sleep(0.05)
+            self._json({
+                "id": f"cmpl-sim-{time.monotonic_ns()}", "object": "text_completion",
+                "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "text": " the", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
+            })  # fmt: skip
 
         def _json(self, value: Any, status: int = 200) -> None:
             self._send(status, json.dumps(value).encode(), "application/json")
