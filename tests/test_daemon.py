@@ -198,6 +198,34 @@ def test_the_ledger_gives_the_policy_restarts_and_aborted_attempts(tmp_path: Pat
     assert found == [("uptime_decline", False), ("manual", False), ("stall", True)]
 
 
+def test_restarts_are_placed_on_the_monotonic_clock_once_whatever_the_wall_clock_does(
+    tmp_path: Path,
+) -> None:
+    """One restart taken on this boot's clock (the ledger kept its monotonic time and the
+    boot's id), one from another boot (only its wall time means anything): stepping the wall
+    clock a day either way changes neither's age."""
+    path = write_config(tmp_path, "http://127.0.0.1:9")
+    wall = time.time()
+    with Ledger(tmp_path / "state", boot="this-boot") as ledger:
+        here = ledger.begin("restart", "stall: restart", wall - 600, {}, mono=5000.0)
+        ledger.end(here, "done", wall - 590)
+    with Ledger(tmp_path / "state", boot="an-earlier-boot") as ledger:
+        before = ledger.begin("restart", "kv_pressure: restart", wall - 7200, {}, mono=1e6)
+        ledger.end(before, "done", wall - 7190)
+    daemon = Daemon.offline(path, io.StringIO())
+    daemon.parts.ledger.boot = "this-boot"
+    try:
+        ages = []
+        for step, mono in ((0.0, 5600.0), (86400.0, 5660.0), (-86400.0, 5720.0)):
+            records = daemon._restarts(wall + (mono - 5600.0) + step, mono)
+            ages.append([round(r.age(wall + step, mono)) for r in records])
+    finally:
+        daemon.close()
+    # This boot's from its own monotonic time; the earlier boot's aged by the wall clock when
+    # first read, then 60 s a step like the other.
+    assert ages == [[600, 7200], [660, 7260], [720, 7320]]
+
+
 def test_vllm_ending_without_vkvagent_asking_is_reported(tmp_path: Path) -> None:
     """Told once per exit: brought back by Restart= (NRestarts counts up), or left stopped
     (vLLM 0.32 exits 0 when its engine dies: Restart=on-failure does nothing). vkvagent's own

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from tests.httpserver import RawServer, free_port, read_request
 from tests.simproc import SimProcess
@@ -227,6 +228,7 @@ def test_the_daemon_probes_an_idle_server_and_finds_it_healthy(tmp_path: Path) -
                 time.sleep(10 / SCALE)
                 daemon.prober.wait(2)
             report = status.read(tmp_path / "state")
+            exported = generate_latest(daemon.metrics.registry).decode()
         finally:
             daemon.close()
     assert all(d.cause is None for d in decisions)
@@ -237,3 +239,7 @@ def test_the_daemon_probes_an_idle_server_and_finds_it_healthy(tmp_path: Path) -
     assert 3 <= len(probes) <= 40 * 10 / 30 + 1
     assert report is not None and report["probe"]["last"]["outcome"] == "ok"
     assert not [e for e in events_of(stream) if e["event"].startswith("probe.")]
+    assert f'vkvagent_probes_total{{outcome="ok"}} {float(len(probes))}' in exported
+    assert 'vkvagent_probes_total{outcome="timeout"} 0.0' in exported
+    assert "vkvagent_probe_last_ok 1.0" in exported
+    assert "vkvagent_probe_last_latency_seconds " in exported

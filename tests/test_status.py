@@ -3,6 +3,7 @@ writes them (the daemon's own writing is tested in test_daemon.py)."""
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -93,3 +94,27 @@ def test_render_explains_and_draws_the_trend() -> None:
     assert "last 1.9 h" in line
     assert "evidence" in shown and "itl" in shown
     assert sparkline([None, 1.0, 2.0]) == " ▁█"
+
+
+def _iso(at: float) -> str:
+    return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def test_render_shows_the_probe() -> None:
+    def line(probe: dict[str, Any]) -> str:
+        shown = render(report("healthy", probe=probe), NOW)
+        return next(x for x in shown.splitlines() if x.startswith("  probe"))
+
+    assert line({"enabled": False}) == "  probe       off"
+    last = {"time": NOW - 30, "outcome": "timeout", "latency_s": 30.0,
+            "detail": "no data for 30 s (read timeout)"}  # fmt: skip
+    assert line({"enabled": True, "in_flight_s": 12.0, "last": last}) == (
+        "  probe       in flight for 12 s; last timeout in 30.00 s at "
+        f"{_iso(NOW - 30)} (no data for 30 s (read timeout))"
+    )
+    ok = {"time": NOW, "outcome": "ok", "latency_s": 0.042, "detail": ""}
+    assert line({"enabled": True, "last": ok}).endswith("last ok in 0.04 s at " + _iso(NOW))
+    unsent = {"enabled": True, "failing": "unusable: vLLM names several models or none"}
+    assert "cannot be sent: unusable: vLLM names several" in line(unsent)
+    assert "none sent yet" in line({"enabled": True})
+    assert "probe" not in render(report("healthy"), NOW)  # a status from before the probe

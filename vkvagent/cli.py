@@ -553,7 +553,9 @@ def _actuator(settings: config.Config, err: TextIO) -> Actuator:
         settings,
         systemd=Systemd(),
         ledger=Ledger(state_dir),
-        gpus=reader_for(settings.gpu.devices, settings.gpu.recording)
+        gpus=reader_for(
+            settings.gpu.devices, settings.gpu.recording, settings.diagnosis.fault_memory
+        )
         if settings.gpu.enabled
         else None,
         progress=progress,

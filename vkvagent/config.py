@@ -349,7 +349,8 @@ class DiagnosisConfig:
     )  # fmt: skip
     fault_memory: float = setting(
         _D.fault_memory,
-        "Seconds an XID or uncorrectable ECC error keeps vetoing restarts.",
+        "Seconds a fault XID (hardware, driver or unknown; docs/gpu-faults.md) or an "
+        "uncorrectable ECC error keeps vetoing restarts.",
         min=0, max=WEEK,
     )  # fmt: skip
     memory_min_span: float = setting(

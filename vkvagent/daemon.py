@@ -85,7 +85,11 @@ class Parts:
         self.state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
         unit = cfg.vllm.unit
         self.systemd = Systemd() if use_systemd else None
-        gpus = reader_for(cfg.gpu.devices, cfg.gpu.recording) if cfg.gpu.enabled else None
+        gpus = (
+            reader_for(cfg.gpu.devices, cfg.gpu.recording, cfg.diagnosis.fault_memory)
+            if cfg.gpu.enabled
+            else None
+        )
         bus = self.systemd
         self.sampler = Sampler(
             VllmClient.from_config(cfg.vllm),

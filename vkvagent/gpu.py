@@ -493,11 +493,16 @@ class GpuReader:
             self._xid_log.popleft()
 
 
-def reader_for(devices: Sequence[int], recording: str = "") -> GpuReader:
-    """The reader the configuration asks for: NVML, or a recording file."""
+def reader_for(
+    devices: Sequence[int], recording: str = "", fault_window: float = XID_FAULT_WINDOW
+) -> GpuReader:
+    """The reader the configuration asks for: NVML, or a recording file. ``fault_window``:
+    how long a fault XID keeps the actuator from restarting ([diagnosis] fault_memory)."""
     if recording:
-        return GpuReader(devices, open=lambda: RecordingFile(recording), retry=True)
-    return GpuReader(devices)
+        return GpuReader(
+            devices, open=lambda: RecordingFile(recording), retry=True, fault_window=fault_window
+        )
+    return GpuReader(devices, fault_window=fault_window)
 
 
 def _reading(backend: Backend, index: int, xids: tuple[int, ...]) -> GpuReading:
