@@ -507,7 +507,7 @@ def test_a_hardware_driver_or_unknown_xid_vetoes_a_stall_and_a_decline(xid: int,
 
 def engine(name: str, **values: Any) -> EngineWindow:
     base: dict[str, Any] = dict(
-        engine=name, kv_usage=0.45, running=4.4, waiting=0.0, generation_tokens_per_s=211.0,
+        engine=name, kv_usage=0.45, waiting=0.0, generation_tokens_per_s=211.0,
         preemptions_per_s=0.0,
     )  # fmt: skip
     base.update(values)
@@ -581,3 +581,34 @@ def test_a_lagging_engine_on_a_throttled_gpu_is_vetoed() -> None:
     stranded = engine("3", kv_usage=0.2, waiting=6.0, generation_tokens_per_s=40.0)
     result, _ = run(held(situation(engines=(*peers, stranded), gpus=[(HOT,)])))
     assert result.cause == "gpu_throttle" and result.vetoed
+
+
+def test_a_gpu_fault_vetoes_an_unresponsive_restart() -> None:
+    """A GPU that fell off the bus can hang vLLM: restarting vLLM repairs nothing."""
+    line = "vLLM accepts connections but has not answered /metrics for 95 s"
+    faulty = situation(gpus=[(gpu(xid_errors=(79,)),)])
+    result, _ = run([faulty, situation(down="timeout", unresponsive=line)])
+    assert result.cause == "gpu_fault" and result.vetoed
+    assert line in result.summary and "XID 79" in str(result.evidence["fault"])
+
+
+def test_a_lagging_engine_leaves_only_once_it_serves_leave_ratio_of_its_peers() -> None:
+    peers = [engine(str(i)) for i in range(3)]
+    behind = situation(engines=(*peers, engine("3", waiting=6.0, generation_tokens_per_s=40.0)))
+    between = situation(engines=(*peers, engine("3", waiting=6.0, generation_tokens_per_s=170.0)))
+    caught_up = situation(engines=(*peers, engine("3", waiting=6.0, generation_tokens_per_s=190.0)))
+    result, _ = run(held(behind))
+    assert result.cause == "kv_stranded"
+    result, _ = run([*held(behind), between])  # 0.81 of its peers: inside the dead band
+    assert result.cause == "kv_stranded"
+    result, _ = run([*held(behind), caught_up])  # 0.90: over
+    assert result.cause is None
+
+
+def test_an_engine_whose_queue_is_unknown_is_judged_without_failing() -> None:
+    lenient = DiagnosisSettings(min_waiting=0.0)
+    peers = [engine(str(i)) for i in range(3)]
+    unknown = engine("3", waiting=None, generation_tokens_per_s=40.0)
+    result, _ = run(held(situation(engines=(*peers, unknown))), lenient)
+    assert result.cause == "kv_stranded"
+    assert result.summary.startswith("engine 3 of 4: ? requests wait on it")

@@ -26,6 +26,7 @@ from vkvagent.engine import (
     Decision,
     EngineState,
     Observation,
+    Recent,
     Settings,
     decide,
     server_identity,
@@ -559,3 +560,15 @@ def test_the_engine_asks_for_a_probe_when_no_counter_moved_for_probe_after() -> 
     assert [d.probe_wanted for d in decisions[9:13]] == [False, False, True, False]
     off = replace(case.settings, diagnosis=replace(case.settings.diagnosis, probe_after=0.0))
     assert not any(d.probe_wanted for d in _run(replace(case, settings=off), case.ticks))
+
+
+def test_a_memory_series_that_changes_source_starts_again() -> None:
+    """anon readable, then not (MemoryCurrent, page cache included, stands in): the jump
+    between the two is no growth."""
+    recent = Recent(Settings().baseline, margin=30.0)
+    page = metrics(request_success_total=10.0)
+    for minute in range(5):
+        recent.add(Sample(60.0 * minute, 60.0 * minute, page), 2e9, "anon")
+    assert len(recent.memory) == 5
+    recent.add(Sample(300.0, 300.0, page), 9e9, "MemoryCurrent")
+    assert [p.bytes for p in recent.memory] == [9e9]

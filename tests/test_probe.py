@@ -73,8 +73,19 @@ def probe_once(url: str, timeout: float = 1.0) -> tuple[ProbeResult, Prober]:
         (answer("404 Not Found", b'{"error": "The model does not exist."}'), "unusable", "404"),
         (answer("401 Unauthorized", b'{"error": "Unauthorized"}'), "unusable", "HTTP 401"),
         (answer("200 OK", b'{"object": "error"}'), "error", "no completion in the answer"),
+        (answer("302 Found", b""), "unusable", "HTTP 302"),
     ],
-    ids=["answered", "slow", "hung", "server-error", "hung-up", "wrong-model", "api-key", "empty"],
+    ids=[
+        "answered",
+        "slow",
+        "hung",
+        "server-error",
+        "hung-up",
+        "wrong-model",
+        "api-key",
+        "empty",
+        "redirect",
+    ],
 )
 def test_each_kind_of_server_gives_its_outcome(handler: object, outcome: str, detail: str) -> None:
     with RawServer(handler) as server:  # type: ignore[arg-type]
@@ -120,7 +131,7 @@ def test_the_request_is_one_greedy_token_to_the_served_model() -> None:
     }  # fmt: skip
 
 
-def test_one_probe_at_a_time_and_the_first_unanswered_one_is_kept() -> None:
+def test_one_probe_at_a_time_and_the_latest_unanswered_one_is_kept() -> None:
     with RawServer(hang) as server:
         prober = Prober(VllmClient(server.url, connect_timeout=0.5, read_timeout=0.5))
         assert prober.send("m")
@@ -133,9 +144,10 @@ def test_one_probe_at_a_time_and_the_first_unanswered_one_is_kept() -> None:
     results = prober.collect()
     assert [r.outcome for r in results] == ["timeout", "timeout"]
     assert server.connections == 2
-    # The stall is counted from the first probe nobody answered, not the latest.
-    assert prober.facts().unanswered == first == results[0].sent
-    assert prober.facts().last_sent == results[1].sent
+    # The latest: one from before the engine last moved must not hide a later hang (the
+    # stall counts from the engine's last progress, not from the probe).
+    assert first == results[0].sent
+    assert prober.facts().unanswered == prober.facts().last_sent == results[1].sent
 
 
 def test_an_answer_clears_the_unanswered_probes() -> None:

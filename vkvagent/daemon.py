@@ -31,6 +31,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from vkvagent import __version__, config, controls, fleet, replay, status
 from vkvagent.actuator import Actuator, ActuatorError, Outcome
+from vkvagent.diagnosis import ProbeFacts
 from vkvagent.dropin import write_atomically
 from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
 from vkvagent.events import Events
@@ -169,7 +170,6 @@ class Daemon:
         self.last: Decision | None = None
         self._unit_seen: UnitFacts | None = None  # the unit as the last sample saw it
         self._pending: dict[str, Any] | None = None  # flag changes not applied yet
-        # The probe outlives reloads: one in flight keeps its place (a reload changes its client).
         self.prober = Prober(self.parts.probe_client(), wall=clock.wall, mono=clock.mono)
         self._restart_mono: dict[int, float] = {}  # ledger action id -> its monotonic start
         self._probe_failing = ""  # "outcome: detail" of the failing probes, reported once
@@ -294,7 +294,12 @@ class Daemon:
                     self.exporter.close()
                     self.exporter = Exporter(self.metrics, cfg.metrics.listen, cfg.metrics.textfile)
                 self.recent.keep = parts.settings.baseline.window + 3 * cfg.agent.sample_interval
-                self.prober.client = parts.probe_client()
+                # A new prober: what the old one found (or has in flight) was of the old
+                # server or settings.
+                self.prober = Prober(
+                    parts.probe_client(), wall=self.clock.wall, mono=self.clock.mono
+                )
+                self._probe_failing = ""
         except (config.ConfigError, HistoryError, LedgerError, OSError, SystemdError) as exc:
             problems = str(exc).splitlines()
             self.events.emit(
@@ -322,7 +327,12 @@ class Daemon:
             self._note_sources(sample)
             self._note_unit(sample)
             self._write_state("history", lambda: p.history.append(sample))
-            self.recent.add(sample, sample.unit.growth_bytes if sample.unit else None)
+            unit = sample.unit
+            self.recent.add(
+                sample,
+                unit.growth_bytes if unit else None,
+                unit.growth_source if unit else "",
+            )
             now = datetime.fromtimestamp(sample.time, timezone.utc)
             restarts = self._restarts(sample.time, sample.mono)
             for result in self.prober.collect():
@@ -334,7 +344,7 @@ class Daemon:
                 restarts=restarts,
                 controls=controls.read(p.state_dir),
                 flags=p.config.vllm.flags,
-                probe=self.prober.facts(),
+                probe=self.prober.facts() if p.config.probe.enabled else ProbeFacts(),
                 unit_started=sample.unit.active_since if sample.unit else None,
             )
             decision = decide(p.settings, self.state, observed, now)

@@ -146,8 +146,7 @@ class Progress:
     def observe(self, before: VllmMetrics | None, after: VllmMetrics, mono: float) -> Progress:
         moved = before is None or self.advanced is None or _advanced(before, after)
         advanced = mono if moved else self.advanced
-        pending = (after.num_requests_running or 0) + (after.num_requests_waiting or 0)
-        since = mono if moved or self.since is None or pending <= 0 else self.since
+        since = mono if moved or self.since is None or _pending(after) <= 0 else self.since
         return Progress(since, advanced, self._engines(before, after, mono))
 
     def _engines(
@@ -205,7 +204,7 @@ class Stall:
 @dataclass(frozen=True)
 class ProbeFacts:
     """What the active probe found (monotonic send times): the last probe answered, the
-    first unanswered one since (timed out, or a server error), the one in flight and the
+    latest unanswered one since (timed out, or a server error), the one in flight and the
     last sent. All None: no probe (replay, or the probe switched off)."""
 
     answered: float | None = None
@@ -246,7 +245,7 @@ class DiagnosisState:
     stranded: Hysteresis = Hysteresis()
     lagging: Hysteresis = Hysteresis()  # one data-parallel engine far behind the others
     progress: Progress = Progress()
-    throttled_at: float | None = None  # UTC time a throttled GPU was last seen
+    throttled_at: float | None = None  # monotonic time a throttled GPU was last seen
     throttle_note: str = ""
     fault_at: float | None = None  # monotonic time a GPU fault was last seen
     fault_note: str = ""
@@ -368,7 +367,6 @@ class EngineWindow:
 
     engine: str
     kv_usage: float | None
-    running: float | None
     waiting: float | None
     generation_tokens_per_s: float | None
     preemptions_per_s: float | None
@@ -412,7 +410,15 @@ def diagnose(
         situation.comparison.baseline.get("sm_clock_ratio") if situation.comparison else None
     )
     state = _remember_gpus(s, state, situation.gpus, fresh_clock, now)
+    faulty = state.fault_at is not None and now - state.fault_at < s.fault_memory
     if situation.unresponsive is not None:
+        if faulty:  # a GPU fault can hang vLLM, and a restart does not repair the GPU
+            return Diagnosis(
+                "gpu_fault",
+                f"GPU fault: {state.fault_note}; {situation.unresponsive}",
+                {"fault": state.fault_note, "detail": situation.unresponsive},
+                symptom="no answer",
+            ), state
         return Diagnosis(
             "unresponsive",
             situation.unresponsive,
@@ -428,19 +434,15 @@ def diagnose(
         ), state
     stats, cmp = situation.stats, situation.comparison
     state = _step_symptoms(s, state, stats, cmp, situation.capacity, now)
-    lagging = _lagging(s, situation.engines)
-    state = replace(
-        state,
-        lagging=state.lagging.step(
-            None if not situation.engines else lagging is not None,
-            None if not situation.engines else lagging is None,
-            now,
-            s.hold,
-        ),
-    )
+    # One engine far behind its peers enters below enter_ratio of them and leaves only
+    # once it serves leave_ratio: ``lagging`` is the engine still behind by the latter.
+    lagging = _lagging(s, situation.engines, s.leave_ratio)
+    if situation.engines:
+        entering = _lagging(s, situation.engines, s.enter_ratio) is not None
+        state = replace(state, lagging=state.lagging.step(entering, lagging is None, now, s.hold))
     evidence: dict[str, EvidenceValue] = _window_evidence(stats, cmp, situation)
 
-    if state.fault_at is not None and now - state.fault_at < s.fault_memory:
+    if faulty:
         evidence["fault"] = state.fault_note
         return Diagnosis(
             "gpu_fault",
@@ -492,7 +494,7 @@ def diagnose(
         vetoed = _veto(s, stats, cmp, capacity, throttle, evidence, symptom)
         if vetoed:
             return vetoed, state
-        # Full and preempting: its KV leaks or fills; free: its requests are stranded.
+        # Full and preempting: its KV leaks or fills; otherwise its requests are stranded.
         full = (engine.kv_usage or 0.0) >= s.kv_full and (
             engine.preemptions_per_s or 0.0
         ) >= s.min_preemptions_per_s
@@ -562,11 +564,11 @@ def _step_symptoms(
 
 
 def _lagging(
-    s: DiagnosisSettings, engines: Sequence[EngineWindow]
+    s: DiagnosisSettings, engines: Sequence[EngineWindow], ratio: float
 ) -> tuple[EngineWindow, str] | None:
-    """One data-parallel engine with requests waiting on it that serves less than
-    ``enter_ratio`` of what its peers serve (their median): saturated or stranded while the
-    totals, averaged and summed over every engine, look fine. The engine and the words."""
+    """One data-parallel engine with requests waiting on it that serves less than ``ratio``
+    of what its peers serve (their median): saturated or stranded while the totals, averaged
+    and summed over every engine, look fine. The engine and the words."""
     if len(engines) < 2:
         return None
     for engine in engines:
@@ -579,9 +581,10 @@ def _lagging(
         if rate is None or not peers or (engine.waiting or 0.0) < s.min_waiting:
             continue
         peer = peers[len(peers) // 2]
-        if peer > 0 and rate < peer * s.enter_ratio:
+        if peer > 0 and rate < peer * ratio:
             return engine, (
-                f"engine {engine.engine} of {len(engines)}: {engine.waiting:.1f} requests wait "
+                f"engine {engine.engine} of {len(engines)}: {_num(engine.waiting, '.1f')} "
+                "requests wait "
                 f"on it at KV usage {_num(engine.kv_usage)}, {_num(engine.preemptions_per_s)} "
                 f"preemptions/s, serving {rate:.0f} tokens/s where its peers serve {peer:.0f}"
             )

@@ -47,7 +47,7 @@ from vkvagent.flags import FlagValue
 from vkvagent.gpu import GpuReading
 from vkvagent.metrics import VllmMetrics
 from vkvagent.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
-from vkvagent.rates import counters, is_reset
+from vkvagent.rates import counters, is_reset, mean
 from vkvagent.sample import Sample
 
 ACTIONS = ("restart", "hold", "none")
@@ -483,9 +483,8 @@ def _engine_windows(segment: list[Sample]) -> tuple[EngineWindow, ...]:
         out.append(
             EngineWindow(
                 engine=last.engine,
-                kv_usage=_mean([e.kv_cache_usage for e in seen]),
-                running=_mean([e.num_requests_running for e in seen]),
-                waiting=_mean([e.num_requests_waiting for e in seen]),
+                kv_usage=mean([e.kv_cache_usage for e in seen]),
+                waiting=mean([e.num_requests_waiting for e in seen]),
                 generation_tokens_per_s=_rate(
                     start.generation_tokens_total if start else None,
                     last.generation_tokens_total,
@@ -499,11 +498,6 @@ def _engine_windows(segment: list[Sample]) -> tuple[EngineWindow, ...]:
             )
         )
     return tuple(out)
-
-
-def _mean(values: Sequence[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else None
 
 
 def _rate(old: float | None, new: float | None, seconds: float) -> float | None:
@@ -665,9 +659,12 @@ class Recent:
         self.keep = settings.window + margin
         self.samples: deque[Sample] = deque()
         self.memory: list[MemoryPoint] = []
+        self.memory_source = ""
 
-    def add(self, sample: Sample, memory_bytes: float | None) -> None:
-        """Add a sample, with the unit's memory at that moment when known."""
+    def add(self, sample: Sample, memory_bytes: float | None, memory_source: str = "") -> None:
+        """Add a sample, with the unit's memory at that moment when known. ``memory_source``
+        names what the memory is (``anon``, ``MemoryCurrent``): a series changing source
+        starts again, or the switch would read as growth."""
         if self.samples and sample.mono < self.samples[-1].mono:
             self.samples.clear()  # the monotonic clock began again: the host rebooted
         self.samples.append(sample)
@@ -676,6 +673,8 @@ class Recent:
         served = sample.vllm.request_success_total if sample.vllm is not None else None
         if memory_bytes is None or served is None:
             return
+        if memory_source != self.memory_source:
+            self.memory_source, self.memory = memory_source, []
         if not self.memory or sample.mono - self.memory[-1].mono >= MEMORY_EVERY:
             self.memory.append(MemoryPoint(sample.mono, memory_bytes, served))
             if len(self.memory) > MEMORY_KEPT:

@@ -167,6 +167,11 @@ def _gauges(status: Mapping[str, Any]) -> Iterator[Metric]:
         None if not last else last.get("outcome") == "ok",
     )
     yield from _gauge(
+        "vkvagent_probe_last_timestamp_seconds",
+        "When the last active probe was sent (Unix seconds); probes go only while no token moves.",
+        last.get("time"),
+    )
+    yield from _gauge(
         "vkvagent_probe_in_flight_seconds",
         "How long the probe in flight has waited (absent when none is).",
         probe.get("in_flight_s"),

@@ -10,9 +10,9 @@ of its own so a hung server never holds up the tick.
 Outcomes: ``ok`` (a completion came back), ``timeout`` (the connection was accepted and nothing
 came back in time: what a hung server does), ``error`` (vLLM answered 5xx, or broke the
 connection off), ``refused`` (nothing listens: vLLM is down or still loading; /metrics says as
-much) and ``unusable`` (a 4xx: a wrong model name or an API key the probe lacks; it can tell
-nothing until the configuration is fixed). Only ``timeout`` and ``error`` count as an
-unanswered probe for the stall diagnosis.
+much) and ``unusable`` (any other answer below 500: a redirect, a wrong model name, an API key
+the probe lacks; it can tell nothing until the configuration is fixed). Only ``timeout`` and
+``error`` count as an unanswered probe for the stall diagnosis.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ def outcome_of(error: ScrapeError | None) -> str:
         return "ok"
     if error.silent:
         return "timeout"
-    if error.status is not None:
-        return "unusable" if 400 <= error.status < 500 else "error"
-    if "connection refused" in str(error):
+    if error.refused:
         return "refused"
+    if error.status is not None and error.status < 500:
+        return "unusable"  # a redirect, a wrong model, a missing API key: nothing of the engine
     return "error"
 
 
@@ -86,7 +86,7 @@ class Prober:
         self._in_flight: float | None = None  # monotonic time the probe in flight was sent
         self._finished: list[ProbeResult] = []  # not yet collected
         self._answered: float | None = None  # sent time of the last answered probe
-        self._unanswered: float | None = None  # the first unanswered one since then
+        self._unanswered: float | None = None  # the latest unanswered one since then
         self._last_sent: float | None = None
         self.last: ProbeResult | None = None
 
@@ -105,8 +105,13 @@ class Prober:
         thread = threading.Thread(
             target=self._run, args=(model, sent, at), name="vkvagent-probe", daemon=True
         )
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had (resource limits): no probe this time
+            with self._lock:
+                self._in_flight = None
+            return False
         self._thread = thread
-        thread.start()
         return True
 
     def collect(self) -> list[ProbeResult]:
@@ -116,8 +121,8 @@ class Prober:
         return done
 
     def facts(self) -> ProbeFacts:
-        """What the engine reads: the last answered probe, the first unanswered one since,
-        and the one in flight (all monotonic send times)."""
+        """What the engine reads: the last answered probe, the latest unanswered one since,
+        the one in flight and the last sent (monotonic send times)."""
         with self._lock:
             return ProbeFacts(
                 answered=self._answered,
@@ -127,7 +132,7 @@ class Prober:
             )
 
     def wait(self, timeout: float | None = None) -> None:
-        """Until the probe in flight has finished (tests, and the daemon's stop)."""
+        """Until the probe in flight has finished, or ``timeout`` seconds."""
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
@@ -155,5 +160,5 @@ class Prober:
             self.last = result
             if outcome == "ok":
                 self._answered, self._unanswered = sent, None
-            elif result.unanswered and self._unanswered is None:
+            elif result.unanswered:
                 self._unanswered = sent

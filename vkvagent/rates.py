@@ -173,12 +173,13 @@ def window_rates(points: Sequence[Point]) -> Rates | None:
         ttft_p90=quantile(0.9, ttft),
         itl_p50=quantile(0.5, itl),
         itl_p90=quantile(0.9, itl),
-        mean_running=_mean([m.num_requests_running for m in scrapes]),
-        mean_waiting=_mean([m.num_requests_waiting for m in scrapes]),
-        mean_kv_usage=_mean([m.kv_cache_usage for m in scrapes]),
+        mean_running=mean([m.num_requests_running for m in scrapes]),
+        mean_waiting=mean([m.num_requests_waiting for m in scrapes]),
+        mean_kv_usage=mean([m.kv_cache_usage for m in scrapes]),
     )
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
+def mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the values present; None when none is."""
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None

@@ -31,7 +31,7 @@ class UnitFacts:
     # memory.stat's anon; None when unreadable (cgroup v1), and by default: a sample stored
     # before it was recorded has none.
     memory_anon_bytes: int | None = None
-    active_since: float | None = None  # UTC when the unit last became active (not stored)
+    active_since: float | None = None  # UTC when the unit last became active
 
     @property
     def growth_bytes(self) -> int | None:

@@ -36,12 +36,19 @@ _CHUNK = 64 * 1024
 class ScrapeError(Exception):
     """vLLM could not be read; the message is one line naming the problem. ``silent``: the
     connection was accepted but no complete answer came in time (a hung server), as opposed
-    to refused, reset or answered with an error. ``status``: the HTTP status of an answer
-    that was not 200."""
+    to refused, reset or answered with an error. ``refused``: nothing listens. ``status``: the
+    HTTP status of an answer that was not 200."""
 
-    def __init__(self, message: str, *, silent: bool = False, status: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        silent: bool = False,
+        refused: bool = False,
+        status: int | None = None,
+    ) -> None:
         super().__init__(message)
-        self.silent, self.status = silent, status
+        self.silent, self.refused, self.status = silent, refused, status
 
 
 class PageError(ScrapeError):
@@ -165,7 +172,9 @@ class _Exchange:
             raise
         except (OSError, http.client.HTTPException, zlib.error) as exc:
             raise ScrapeError(
-                f"{self.url}: {self._problem(exc)}", silent=self._silent(exc)
+                f"{self.url}: {self._problem(exc)}",
+                silent=self._silent(exc),
+                refused=isinstance(exc, ConnectionRefusedError),
             ) from None
         finally:
             watchdog.cancel()

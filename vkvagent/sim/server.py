@@ -136,6 +136,12 @@ class Simulation:
                 self._page = (self.cluster.now, now, page)
             return page
 
+    def busy(self) -> bool:
+        """Whether the engine serves nothing now (stalled, hung or dead)."""
+        self.advance()
+        with self.lock:
+            return self.cluster.stalled
+
     def switch(self, name: str, after: float = 0.0) -> None:
         """Start scenario ``name`` ``after`` simulated seconds from now."""
         with self.lock:
@@ -227,6 +233,9 @@ def serve(args: ServeArgs, options: SimOptions, version: str) -> int:
     return status
 
 
+COMPLETION_WAIT = 600.0  # real seconds a completion waits for a stalled engine, at most
+
+
 def _handler(simulation: Simulation) -> type[http.server.BaseHTTPRequestHandler]:
     info = simulation.info
 
@@ -297,11 +306,20 @@ def _handler(simulation: Simulation) -> type[http.server.BaseHTTPRequestHandler]
                 self._json({"error": {"message": message, "type": "NotFoundError",
                                       "code": 404}}, 404)  # fmt: skip
                 return
-            while True:  # a stalled or hung engine answers nobody, until it recovers
-                simulation.advance()
-                if not simulation.cluster.stalled:
-                    break
+            # A stalled or hung engine answers nobody until it recovers (the client gives up
+            # first); a dead one answers 500, as vLLM's EngineDeadError.
+            deadline = time.monotonic() + COMPLETION_WAIT
+            busy = simulation.busy()
+            while busy and not simulation.cluster.dead and time.monotonic() < deadline:
                 time.sleep(0.05)
+                busy = simulation.busy()
+            if busy:
+                message = (
+                    "EngineCore encountered an issue" if simulation.cluster.dead else "timeout"
+                )
+                self._json({"error": {"message": message, "type": "InternalServerError",
+                                      "code": 500}}, 500)  # fmt: skip
+                return
             self._json({
                 "id": f"cmpl-sim-{time.monotonic_ns()}", "object": "text_completion",
                 "created": int(time.time()), "model": model,
