@@ -15,8 +15,11 @@ One container for the module; the tests run in file order and each leaves vLLM s
 
 from __future__ import annotations
 
+import http.client
 import json
+import re
 import sys
+import threading
 import time
 from typing import Any
 
@@ -125,6 +128,44 @@ def restarted_for(box: Sandbox, cause: str, began: float, within: float) -> dict
     return started
 
 
+class Counters:
+    """Reads vLLM's work counters from outside every half second: when they last moved."""
+
+    WORK = re.compile(
+        r"^vllm:(?:generation_tokens_total|request_success_total|iteration_tokens_total_count)"
+        r"(?:\{[^}]*\})? (\S+)$",
+        re.MULTILINE,
+    )
+
+    def __init__(self, box: Sandbox) -> None:
+        self.box, self.moves = box, [time.time()]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> Counters:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def moved_before(self, moment: float) -> float:
+        return max(t for t in self.moves if t <= moment)
+
+    def _watch(self) -> None:
+        last = None
+        while not self._stop.wait(0.5):
+            try:
+                _status, page = self.box.http_get(8000, "/metrics", timeout=2)
+            except (OSError, http.client.HTTPException):
+                continue  # restarting
+            total = sum(float(v) for v in self.WORK.findall(page.decode()))
+            if last is not None and total != last:
+                self.moves.append(time.time())
+            last = total
+
+
 def serves_again(box: Sandbox) -> None:
     box.wait_http(timeout=30)
     assert complete(box, max_tokens=8)[0] == 200
@@ -163,20 +204,24 @@ def test_frozen_gauges_with_a_probe_that_answers_restart_nothing(vllm_box: Sandb
 def test_a_stopped_engine_worker_is_a_stall_restarted_at_once(vllm_box: Sandbox) -> None:
     began = start_agent(vllm_box)
     before = len(actions(vllm_box))
-    with Traffic(vllm_box, clients=2) as traffic:
+    with Traffic(vllm_box, clients=2) as traffic, Counters(vllm_box) as counters:
         wait_until(lambda: traffic.count("ok") >= 5, 60, "completions before the hang")
         (worker,) = processes(vllm_box, "VLLM::Worker")
         stopped = time.time()
         vllm_box.run("kill", "-STOP", str(worker))
-        started = restarted_for(vllm_box, "stall", began, within=STALL_AFTER + 2 * INTERVAL)
+        started = restarted_for(vllm_box, "stall", began, within=STALL_AFTER + 3 * INTERVAL)
         served = traffic.count("ok")
         wait_until(lambda: traffic.count("ok") >= served + 3, 60, "completions after")
     serves_again(vllm_box)
-    took = at(started) - stopped
-    print(f"\nstopped worker: restart began {took:.1f} s after SIGSTOP; "
+    # Outputs already on their way finish after the stop: the engine's last progress is when
+    # its counters last moved, as /metrics showed them every half second.
+    last = max(stopped, counters.moved_before(at(started)))
+    took = at(started) - last
+    print(f"\nstopped worker: the counters last moved {last - stopped:.1f} s after SIGSTOP; "
+          f"restart began {took:.1f} s after that ({started['VKV_EVIDENCE_STALL_EVIDENCE']}); "
           f"clients: {dict(sorted(traffic.outcomes.items()))}")  # fmt: skip
     # The stall clock starts at the last sample that saw progress, at most one interval
-    # before the stop.
+    # before the last progress.
     assert STALL_AFTER - INTERVAL <= took <= STALL_AFTER + 2 * INTERVAL, log(vllm_box)
     assert started["VKV_DRAIN"] == "false"  # an emergency: nothing to drain from a hung engine
     assert started["VKV_EVIDENCE_STALL_EVIDENCE"] in ("requests pending", "a probe got no answer")
