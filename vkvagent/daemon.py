@@ -438,10 +438,9 @@ class Daemon:
             )
 
     def _send_probe(self, sample: Sample) -> None:
-        """Send the probe the engine asked for, unless one is in flight or it is switched off."""
+        """Send the probe the engine asked for (never when switched off: its settings then
+        want none), unless one is in flight."""
         cfg = self.parts.config
-        if not cfg.probe.enabled:
-            return
         model = (
             cfg.probe.model or cfg.vllm.model or (sample.vllm.model_name if sample.vllm else None)
         )
