@@ -178,7 +178,7 @@ def test_a_probe_without_an_answer_is_pending_work_counted_from_the_last_progres
     for t in (10.0, 20.0, 30.0, 40.0, 50.0, 60.0):
         p = p.observe(frozen, frozen, t)
     assert p.advanced == 0.0 and p.stalled(frozen, 60.0, ProbeFacts()) == Stall()  # idle?
-    in_flight = ProbeFacts(in_flight=30.0, last_sent=30.0)
+    in_flight = ProbeFacts(last_sent=30.0)
     assert p.stalled(frozen, 60.0, in_flight) == Stall()  # not unanswered until it gives up
     timed_out = ProbeFacts(unanswered=30.0, last_sent=30.0)
     assert p.stalled(frozen, 60.0, timed_out) == Stall(60.0, "a probe got no answer")

@@ -135,11 +135,11 @@ def test_one_probe_at_a_time_and_the_latest_unanswered_one_is_kept() -> None:
     with RawServer(hang) as server:
         prober = Prober(VllmClient(server.url, connect_timeout=0.5, read_timeout=0.5))
         assert prober.send("m")
-        assert prober.busy and not prober.send("m")  # one in flight: no second
-        first = prober.facts().in_flight
+        assert prober.in_flight is not None and not prober.send("m")  # one in flight: no second
+        first = prober.in_flight
         assert first is not None
         prober.wait(5)
-        assert not prober.busy and prober.send("m")
+        assert prober.in_flight is None and prober.send("m")
         prober.wait(5)
     results = prober.collect()
     assert [r.outcome for r in results] == ["timeout", "timeout"]
@@ -198,7 +198,7 @@ def test_the_daemon_probes_a_hung_engine_and_names_the_stall(tmp_path: Path) -> 
                     break
                 time.sleep(10 / SCALE)
             report = status.read(tmp_path / "state")
-            daemon.prober.wait(5)
+            daemon.parts.prober.wait(5)
         finally:
             daemon.close()
         hung = sim.state()
@@ -238,7 +238,7 @@ def test_the_daemon_probes_an_idle_server_and_finds_it_healthy(tmp_path: Path) -
             for _ in range(40):
                 decisions.append(daemon.tick())
                 time.sleep(10 / SCALE)
-                daemon.prober.wait(2)
+                daemon.parts.prober.wait(2)
             report = status.read(tmp_path / "state")
             exported = generate_latest(daemon.metrics.registry).decode()
         finally:

@@ -100,6 +100,16 @@ class Parts:
             wall=clock.wall,
             mono=clock.mono,
         )
+        # The active probe: its timeout bounds the whole exchange. A reload builds a new one,
+        # since what the old one found (or has in flight) was of the old server or settings.
+        connect = min(cfg.vllm.connect_timeout, cfg.probe.timeout / 2)
+        self.prober = Prober(
+            VllmClient(
+                cfg.vllm.url, connect_timeout=connect, read_timeout=cfg.probe.timeout - connect
+            ),
+            wall=clock.wall,
+            mono=clock.mono,
+        )
         self.history = History(self.state_dir)
         self.ledger = Ledger(self.state_dir)
         self.actuator: Actuator | None = None
@@ -112,14 +122,6 @@ class Parts:
                 progress=progress,
                 mono=clock.mono,
             )
-
-    def probe_client(self) -> VllmClient:
-        """The probe's client: its timeout bounds the whole exchange."""
-        timeout = self.config.probe.timeout
-        connect = min(self.config.vllm.connect_timeout, timeout / 2)
-        return VllmClient(
-            self.config.vllm.url, connect_timeout=connect, read_timeout=timeout - connect
-        )
 
     @property
     def action_seconds(self) -> float:
@@ -170,7 +172,6 @@ class Daemon:
         self.last: Decision | None = None
         self._unit_seen: UnitFacts | None = None  # the unit as the last sample saw it
         self._pending: dict[str, Any] | None = None  # flag changes not applied yet
-        self.prober = Prober(self.parts.probe_client(), wall=clock.wall, mono=clock.mono)
         self._restart_mono: dict[int, float] = {}  # ledger action id -> its monotonic start
         self._probe_failing = ""  # "outcome: detail" of the failing probes, reported once
 
@@ -294,12 +295,7 @@ class Daemon:
                     self.exporter.close()
                     self.exporter = Exporter(self.metrics, cfg.metrics.listen, cfg.metrics.textfile)
                 self.recent.keep = parts.settings.baseline.window + 3 * cfg.agent.sample_interval
-                # A new prober: what the old one found (or has in flight) was of the old
-                # server or settings.
-                self.prober = Prober(
-                    parts.probe_client(), wall=self.clock.wall, mono=self.clock.mono
-                )
-                self._probe_failing = ""
+                self._probe_failing = ""  # the new prober has not failed yet
         except (config.ConfigError, HistoryError, LedgerError, OSError, SystemdError) as exc:
             problems = str(exc).splitlines()
             self.events.emit(
@@ -335,7 +331,7 @@ class Daemon:
             )
             now = datetime.fromtimestamp(sample.time, timezone.utc)
             restarts = self._restarts(sample.time, sample.mono)
-            for result in self.prober.collect():
+            for result in p.prober.collect():
                 self._note_probe(result)
             observed = Observation(
                 samples=tuple(self.recent.samples),
@@ -344,7 +340,7 @@ class Daemon:
                 restarts=restarts,
                 controls=controls.read(p.state_dir),
                 flags=p.config.vllm.flags,
-                probe=self.prober.facts() if p.config.probe.enabled else ProbeFacts(),
+                probe=p.prober.facts() if p.config.probe.enabled else ProbeFacts(),
                 unit_started=sample.unit.active_since if sample.unit else None,
             )
             decision = decide(p.settings, self.state, observed, now)
@@ -445,7 +441,7 @@ class Daemon:
             cfg.probe.model or cfg.vllm.model or (sample.vllm.model_name if sample.vllm else None)
         )
         if model:
-            self.prober.send(model)
+            self.parts.prober.send(model)
         else:
             self._probe_failed(
                 "unusable", "vLLM names several models or none: set [probe] model to one"
@@ -853,8 +849,8 @@ class Daemon:
         }
 
     def _probe_status(self, sample: Sample, decision: Decision) -> dict[str, Any]:
-        in_flight = self.prober.facts().in_flight
-        last = self.prober.last
+        in_flight = self.parts.prober.in_flight
+        last = self.parts.prober.last
         return {
             "enabled": self.parts.config.probe.enabled,
             "wanted": decision.probe_wanted,

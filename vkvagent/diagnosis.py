@@ -204,12 +204,11 @@ class Stall:
 @dataclass(frozen=True)
 class ProbeFacts:
     """What the active probe found (monotonic send times): the last probe answered, the
-    latest unanswered one since (timed out, or a server error), the one in flight and the
-    last sent. All None: no probe (replay, or the probe switched off)."""
+    latest unanswered one since (timed out, or a server error) and the last sent. All None:
+    no probe (replay, or the probe switched off)."""
 
     answered: float | None = None
     unanswered: float | None = None
-    in_flight: float | None = None
     last_sent: float | None = None
 
 

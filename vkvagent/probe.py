@@ -91,9 +91,10 @@ class Prober:
         self.last: ProbeResult | None = None
 
     @property
-    def busy(self) -> bool:
+    def in_flight(self) -> float | None:
+        """When the probe in flight was sent (monotonic), or None."""
         with self._lock:
-            return self._in_flight is not None
+            return self._in_flight
 
     def send(self, model: str) -> bool:
         """Send a probe to ``model`` unless one is in flight; whether one was sent."""
@@ -121,15 +122,10 @@ class Prober:
         return done
 
     def facts(self) -> ProbeFacts:
-        """What the engine reads: the last answered probe, the latest unanswered one since,
-        the one in flight and the last sent (monotonic send times)."""
+        """What the engine reads: the last answered probe, the latest unanswered one since
+        and the last sent (monotonic send times)."""
         with self._lock:
-            return ProbeFacts(
-                answered=self._answered,
-                unanswered=self._unanswered,
-                in_flight=self._in_flight,
-                last_sent=self._last_sent,
-            )
+            return ProbeFacts(self._answered, self._unanswered, self._last_sent)
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the probe in flight has finished, or ``timeout`` seconds."""
