@@ -295,10 +295,10 @@ def run_vkvagent(model: Model, settings: Settings, seed: int = 1) -> EngineRun:
     restarts: list[RestartRecord] = []
     state = EngineState()
     started = START.timestamp() - COLD_STEPS * STEP  # the first process came up at START
-    restart_next, named = False, False
+    restart_next, drained, named = False, False, False
     per_step = round(STEP / SAMPLE_EVERY)
     for k in range(model.steps):
-        values = path.advance(restart_next)
+        values = path.advance(restart_next, drained)
         if path.u == 0:  # a restart (the policy's or an OOM kill): a new process
             started = START.timestamp() + k * STEP
             named = False
@@ -328,7 +328,9 @@ def run_vkvagent(model: Model, settings: Settings, seed: int = 1) -> EngineRun:
             if decision.action == "restart" and not restart_next:
                 restarts.append(RestartRecord(sample.time, decision.cause or "?"))
                 out.restarts.append((k + 1, decision.cause or "?", decision.window_open))
-                restart_next = True
+                # vLLM drains by its --shutdown-timeout ([restart] graceful_shutdown), except
+                # in an emergency.
+                restart_next, drained = True, decision.drain_max_in_flight is not None
     return out
 
 
@@ -355,6 +357,7 @@ class Row:
     kills: int  # OOM kills
     delay_min: float | None  # median minutes from a run's degradation to its restart
     missed: int  # degraded runs still degraded at the end of the week
+    cut_off: float = 0.0  # requests in flight that its restarts (and OOM kills) cut off
     detected_min: float | None = None  # vkvagent: median minutes to its first fixable cause
     detected: int = 0  # vkvagent: degraded runs in which it named a fixable cause
     degraded: int = 0  # degraded runs
@@ -385,7 +388,7 @@ def score_world(
     model = Model(world, server)
     best = oracle(model)
     paths: dict[str, Path] = {
-        "oracle": walk(model, best.restarts),
+        "oracle": walk(model, best.restarts, drained=None),
         "never": walk(model, []),
         "every 6 h": walk(model, every_6h(model)),
         "daily 04:00": walk(model, daily_0400(model)),
@@ -411,6 +414,7 @@ def score_world(
             kills=len(path.kills),
             delay_min=_median(done),
             missed=len(found) - len(done),
+            cut_off=path.cut_off,
         )
         if name == "vkvagent":
             named = [d for d in (_detected(e, engine.detected) for e in found) if d is not None]
@@ -431,13 +435,14 @@ def _minutes(value: float | None) -> str:
 def table(rows: Sequence[Row]) -> str:
     lines = [
         "| scenario | policy | goodput | of oracle | restarts | outside window | wrong "
-        "| OOM kills | degraded -> restart (median) | still degraded at end |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| OOM kills | requests cut off | degraded -> restart (median) | still degraded at end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.world} | {r.policy} | {r.score:.4f} | {r.of_oracle:.3f} | {r.restarts} | "
-            f"{r.outside} | {r.wrong} | {r.kills} | {_minutes(r.delay_min)} | {r.missed} |"
+            f"{r.outside} | {r.wrong} | {r.kills} | {r.cut_off:.0f} | {_minutes(r.delay_min)} "
+            f"| {r.missed} |"
         )
     return "\n".join(lines)
 

@@ -15,6 +15,12 @@ leaked fraction of the ``kv-pressure`` scenario); when KV binds, preemption reco
 only ``kv_waste`` of it is goodput. Served = min(demand, capacity); nothing is served during a
 cold start or a stall. Reward = served generated tokens x speed factor (the GPU's relative
 speed: the uptime decline, thermal throttling, a world-time slowdown).
+
+A restart also pays for the requests in flight when it begins (``restart_cost``). Cut off (a
+timer's ``systemctl restart`` of a vLLM that aborts on SIGTERM, an emergency, an OOM kill),
+their tokens already streamed are wasted: half an answer each, on average. Drained (vLLM's
+``--shutdown-timeout``), they finish, but nothing new is admitted until the longest of them is
+done: the outage grows by that long. Every policy pays one or the other; the oracle the cheaper.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ GIB = float(1 << 30)
 HOUR = 60  # steps
 
 
+DRAIN_BUDGET = 120.0  # seconds a drain may take ([restart] drain_timeout)
+
+
 @cache
 def _trace_means() -> tuple[float, float]:
     sizes = azure_sizes()
@@ -52,6 +61,14 @@ def _trace_means() -> tuple[float, float]:
         sum(p for p, _ in sizes) / len(sizes),
         sum(o for _, o in sizes) / len(sizes),
     )
+
+
+@cache
+def _longest_output() -> float:
+    """The output a drain waits for: the 95th percentile of the trace's (its longest running
+    request, of the few dozen in flight)."""
+    outputs = sorted(o for _, o in azure_sizes())
+    return float(outputs[int(0.95 * (len(outputs) - 1))])
 
 
 @dataclass(frozen=True)
@@ -323,6 +340,19 @@ class Model:
     def total_demand(self) -> float:
         return float(self.demand.sum() * STEP)
 
+    def restart_cost(self, values: Values, drained: Any) -> tuple[Any, Any]:
+        """(reward lost, requests cut off) by a restart that finds ``values`` (arrays, or
+        scalars): its requests in flight cut off, or ``drained`` (where the engine works: a
+        stalled one cannot finish them, so they are cut off whatever was asked)."""
+        s = self.server
+        working = values.up & ~values.stalled
+        drained = np.asarray(drained) & working
+        cut_off = np.where(values.up & ~drained, values.running, 0.0)
+        wasted = cut_off * s.output_tokens / 2 * values.speed
+        drain_seconds = np.minimum(DRAIN_BUDGET, _longest_output() * values.itl)
+        refused = np.where(drained, values.demand * drain_seconds * values.speed, 0.0)
+        return wasted + refused, cut_off
+
 
 # -- walking a schedule ------------------------------------------------------------------------
 
@@ -341,16 +371,21 @@ class Path:
         self.kills: list[int] = []  # steps at which an OOM kill restarted the process
         self.served = np.zeros(model.steps)
         self.uptime = np.zeros(model.steps, dtype=np.int64)
+        self.cut_off = 0.0  # requests in flight that restarts and kills cut off
 
-    def advance(self, restart: bool = False) -> Values:
-        """Step ``k``: restart at its start, or continue; returns the step's values."""
+    def advance(self, restart: bool = False, drained: bool | None = False) -> Values:
+        """Step ``k``: restart at its start, or continue; returns the step's values. A
+        restart cuts its requests in flight off, or is ``drained``; None: whichever costs
+        less (the oracle's choice)."""
         k, u = self.k, self.u + 1
         values = self.model.evaluate(k, u)
         if bool(values.killed):
             self.kills.append(k)
+            self._pay(values, False)
             u = 0
         elif restart:
             self.restarts.append(k)
+            self._pay(values, drained)
             u = 0
         if u == 0:
             values = self.model.evaluate(k, u)
@@ -360,21 +395,32 @@ class Path:
         self.k, self.u = k + 1, u
         return values
 
+    def _pay(self, values: Values, drained: bool | None) -> None:
+        choices = (False, True) if drained is None else (drained,)
+        lost, cut_off = min(self.model.restart_cost(values, d) for d in choices)
+        self.reward -= float(lost)
+        self.cut_off += float(cut_off)
+
     def score(self) -> float:
         """Quality-weighted goodput: reward over the tokens demanded, all week."""
         return self.reward / self.model.total_demand()
 
 
-def walk(model: Model, restarts: Sequence[int] | Callable[[Path], bool]) -> Path:
-    """The path of a fixed schedule (restart steps) or of a policy asked at every step."""
+def walk(
+    model: Model,
+    restarts: Sequence[int] | Callable[[Path], bool],
+    drained: bool | None = False,
+) -> Path:
+    """The path of a fixed schedule (restart steps) or of a policy asked at every step,
+    each restart ``drained`` or not (``Path.advance``)."""
     path = Path(model)
     wanted = set(restarts) if not callable(restarts) else None
     while path.k < model.steps:
         if wanted is not None:
-            path.advance(path.k in wanted)
+            path.advance(path.k in wanted, drained)
         else:
             assert callable(restarts)
-            path.advance(restarts(path))
+            path.advance(restarts(path), drained)
     return path
 
 
@@ -394,9 +440,10 @@ def oracle(model: Model) -> Optimum:
     """The best schedule with full knowledge of the future, by dynamic programming.
 
     ``A[k][v]``: the best reward from step ``k`` on, arriving with uptime ``v`` (the previous
-    step's plus one); the choice at ``k`` is to keep ``v`` or restart (uptime 0), unless the
-    process is OOM-killed at ``v``. Uptimes beyond ``k + COLD_STEPS`` cannot be reached by step
-    ``k``, so each step's vector is only as long as that (ties keep the process running)."""
+    step's plus one); the choice at ``k`` is to keep ``v`` or restart (uptime 0, less the
+    restart's cost: drained or not, whichever is cheaper), unless the process is OOM-killed at
+    ``v`` (cut off). Uptimes beyond ``k + COLD_STEPS`` cannot be reached by step ``k``, so each
+    step's vector is only as long as that (ties keep the process running)."""
     steps = model.steps
     after = np.zeros(steps + COLD_STEPS + 1)  # A[steps][v] = 0
     chosen: list[npt.NDArray[np.uint8]] = []
@@ -404,8 +451,11 @@ def oracle(model: Model) -> Optimum:
         n = k + COLD_STEPS + 1  # arriving uptimes 0..k+COLD_STEPS
         values = model.evaluate(k, np.arange(n))
         keep = values.reward * STEP + after[1 : n + 1]
-        restart = (keep[0] > keep) | values.killed
-        after = np.where(restart, keep[0], keep)
+        cut, _ = model.restart_cost(values, False)
+        drained, _ = model.restart_cost(values, True)
+        restarted = keep[0] - np.where(values.killed, cut, np.minimum(cut, drained))
+        restart = (restarted > keep) | values.killed
+        after = np.where(restart, restarted, keep)
         chosen.append(np.packbits(restart))
     chosen.reverse()
     restarts, v = [], COLD_STEPS

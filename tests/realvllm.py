@@ -222,3 +222,107 @@ def processes(box: Sandbox, title: str) -> Sequence[int]:
     vLLM's ``VLLM::EngineCore`` (named by setproctitle)."""
     done = box.run("pgrep", "-f", f"^{title}", check=False)
     return [int(pid) for pid in done.stdout.split()]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One streamed completion as its client saw it (wall-clock times)."""
+
+    started: float
+    ended: float
+    outcome: str  # ok | cut (broken off mid-stream) | rejected (an error status) | refused | error
+
+
+class Streams:
+    """Clients streaming completions one after another until stopped, each a whole answer of
+    ``max_tokens`` tokens, so a restart finds requests in flight. While ``paused()`` is true
+    (a load balancer that took the host out of rotation) they send nothing."""
+
+    def __init__(
+        self,
+        box: Sandbox,
+        clients: int = 3,
+        max_tokens: int = 400,
+        paused: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.box, self.clients, self.max_tokens, self.paused = box, clients, max_tokens, paused
+        self.streams: list[Stream] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> Streams:
+        for number in range(self.clients):
+            thread = threading.Thread(target=self._client, name=f"stream-{number}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+    def count(self, outcome: str) -> int:
+        with self._lock:
+            return sum(1 for s in self.streams if s.outcome == outcome)
+
+    def outcomes(self) -> dict[str, int]:
+        with self._lock:
+            found: dict[str, int] = {}
+            for s in self.streams:
+                found[s.outcome] = found.get(s.outcome, 0) + 1
+            return dict(sorted(found.items()))
+
+    def spanning(self, when: float) -> list[Stream]:
+        """The streams in flight at ``when``."""
+        with self._lock:
+            return [s for s in self.streams if s.started < when < s.ended]
+
+    def _client(self) -> None:
+        while not self._stop.is_set():
+            if self.paused():
+                self._stop.wait(0.05)
+                continue
+            started = time.time()
+            outcome = self._stream()
+            with self._lock:
+                self.streams.append(Stream(started, time.time(), outcome))
+            if outcome != "ok":
+                self._stop.wait(0.1)
+
+    def _stream(self) -> str:
+        body = json.dumps({
+            "model": SERVED, "prompt": "The agent", "max_tokens": self.max_tokens,
+            "ignore_eos": True, "stream": True,
+        })  # fmt: skip
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", VLLM_PORT, timeout=120)
+            connection.sock = self.box.connect(VLLM_PORT, timeout=120)
+        except ConnectionRefusedError:
+            return "refused"
+        except OSError:
+            return "error"
+        answered = False  # a failure before vLLM answered is an error, after it a cut
+        try:
+            connection.request(
+                "POST", "/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            response = connection.getresponse()
+            answered = True
+            if response.status != 200:
+                response.read()
+                return "rejected"
+            finished = done = False
+            for line in response.read().decode(errors="replace").splitlines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    choices = chunk.get("choices") or [{}]
+                    finished = finished or choices[0].get("finish_reason") == "length"
+            return "ok" if done and finished else "cut"
+        except (OSError, http.client.HTTPException, ValueError):
+            return "cut" if answered else "error"
+        finally:
+            connection.close()

@@ -11,6 +11,7 @@ count or drop-in leaks from one test to the next."""
 from __future__ import annotations
 
 import fcntl
+import json
 import re
 import shlex
 import shutil
@@ -73,20 +74,28 @@ def write_config(
     state_dir: str = STATE_DIR,
     owner: int | None = None,
     timeout: float = 30,
+    restart: Mapping[str, object] | None = None,
 ) -> None:
     """The agent's config in the container: root-owned, 0644, in a 0755 directory (``owner``
-    chowns the directory and the state directory's parent to that uid, for a non-root run)."""
+    chowns the directory and the state directory's parent to that uid, for a non-root run).
+    ``restart``: [restart] keys besides (or instead of) the ones below."""
+    restart = {
+        "ready_timeout": timeout,
+        "job_timeout": timeout,
+        "drain_timeout": 2,
+        # The simulator's traffic never stops: draining is not what most tests here are
+        # about, nor is the --shutdown-timeout a drain would add (the drain tests set these).
+        "drain_max_in_flight": 100000,
+        "graceful_shutdown": False,
+        **(restart or {}),
+    }
     lines = [
         "[agent]",
         f'state_dir = "{state_dir}"',
         "[vllm]",
         'url = "http://127.0.0.1:8000"',
         "[restart]",
-        f"ready_timeout = {timeout:g}",
-        f"job_timeout = {timeout:g}",
-        "drain_timeout = 2",
-        # The simulator's traffic never stops; draining is not what these tests are about.
-        "drain_max_in_flight = 100000",
+        *(f"{key} = {json.dumps(value)}" for key, value in restart.items()),
         "[policy]",
         'windows = ["daily 00:00-24:00"]',  # always open: apply --at-next-window goes at once
         "[vllm.flags]",
@@ -266,7 +275,8 @@ def test_plan_and_apply_put_the_flags_into_the_running_vllm(sandbox: Sandbox) ->
     (action,) = actions(sandbox)
     assert (action.kind, action.outcome) == ("apply", "done")
     assert action.detail["intended"] == list(CHANGED)
-    assert steps(action) == [(step, state) for step in STEPS for state in ("begin", "done")]
+    unhooked = [step for step in STEPS if step not in HOOKS]  # none configured
+    assert steps(action) == [(step, state) for step in unhooked for state in ("begin", "done")]
 
     again = vkvagent(sandbox, "apply", "--now")
     assert again.returncode == 0, output(again)
@@ -369,18 +379,22 @@ def test_a_change_that_breaks_vllm_is_rolled_back(restart_setting: str) -> None:
 # What the next run's recover() makes of an action killed as the step began.
 RECOVERED = {
     "preflight": "aborted",  # nothing changed yet
+    "pre_stop": "aborted",
     "drain": "aborted",
     "write": "rolled-back",  # the drop-in may be on disk: put back, no restart needed
     "reload": "rolled-back",
     "restart": "rolled-back",  # systemd never got the restart: the old process still runs
     "ready": "done",  # systemd had restarted it: wait, attest, never restart again
     "attest": "done",
+    "post_ready": "done",
 }
+HOOKS = ("pre_stop", "post_ready")
 
 
 @pytest.mark.parametrize("step", STEPS)
 def test_kill_9_at_each_step_then_the_next_run_recovers(sandbox: Sandbox, step: str) -> None:
-    write_config(sandbox, FLAGS)
+    # Hooks that always succeed, so that every step is taken.
+    write_config(sandbox, FLAGS, restart={hook: ["/bin/true"] for hook in HOOKS})
 
     killed = vkvagent(sandbox, "apply", "--now", env={"VKVAGENT_KILL_AT": step})
     assert killed.returncode in (-9, 137), output(killed)
@@ -628,3 +642,82 @@ def test_a_second_vkvagent_waits_its_turn(sandbox: Sandbox) -> None:
     assert unit(sandbox).invocation_id == before.invocation_id
     done = vkvagent(sandbox, "apply", "--now")  # and once it is free, it goes ahead
     assert done.returncode == 0, output(done)
+
+
+# -- draining ----------------------------------------------------------------------------------
+
+
+def test_a_drained_restart_gives_vllm_its_shutdown_timeout_then_lets_it_drain(
+    sandbox: Sandbox,
+) -> None:
+    """The simulator drains as vLLM 0.32 does: on SIGTERM with --shutdown-timeout it admits
+    nothing more and finishes what it runs, while /metrics still answers."""
+    write_config(sandbox, {}, restart={"graceful_shutdown": True, "drain_timeout": 10})
+    first = vkvagent(sandbox, "restart", "--reason", "test")
+    assert first.returncode == 0, output(first)
+    text = dropin_text(sandbox)
+    assert text is not None and not parse_dropin(text).foreign_edit
+    assert dropin_argv(text) == (*ORIGINAL, "--shutdown-timeout", "10")
+    assert text.endswith("\nTimeoutStopSec=40\nKillMode=mixed\n")
+    assert running_argv(sandbox) == (*ORIGINAL, "--shutdown-timeout", "10")
+    (action,) = actions(sandbox)
+    assert (action.kind, action.outcome) == ("apply", "done")
+    # The simulator's traffic never stops, and the running vLLM could not drain by itself yet.
+    costs = action.detail["costs"]
+    assert costs["drain"] == "quiet" and costs["aborted"] == costs["in_flight"] > 0
+    assert re.search(r"\n  waited for a quiet moment in [0-9.]+ s, [1-9][0-9]* of", first.stdout)
+
+    second = vkvagent(sandbox, "restart", "--reason", "test")
+    assert second.returncode == 0, output(second)
+    latest = actions(sandbox)[-1]
+    assert (latest.kind, latest.outcome) == ("restart", "done")  # nothing more to change
+    assert [s for s, _ in steps(latest)] == ["preflight"] * 2 + ["restart"] * 2 + ["ready"] * 2
+    costs = latest.detail["costs"]
+    assert costs["drain"] == "vllm" and costs["in_flight"] > 0 and costs["aborted"] == 0
+    assert 0 < costs["drain_seconds"] < 10 < costs["down_seconds"] + 10
+    said = "\n".join(sandbox.messages(VLLM))
+    assert "[shutdown] EngineCore: draining in-flight requests count=" in said
+    assert "[shutdown] EngineCore: request processing complete" in said
+
+
+def test_no_drain_kills_a_vllm_that_would_drain_and_counts_what_it_cut_off(
+    sandbox: Sandbox,
+) -> None:
+    write_config(sandbox, {}, restart={"graceful_shutdown": True, "drain_timeout": 60})
+    assert vkvagent(sandbox, "restart", "--reason", "test").returncode == 0  # the flags
+    before = unit(sandbox)
+    done = vkvagent(sandbox, "restart", "--no-drain", "--reason", "test")
+    assert done.returncode == 0, output(done)
+    costs = actions(sandbox)[-1].detail["costs"]
+    assert costs["drain"] == "none" and costs["aborted"] == costs["in_flight"] > 0
+    assert costs["drain_seconds"] is None and costs["down_seconds"] < 30  # no 60 s drain
+    said = "\n".join(sandbox.messages(VLLM)[-30:])
+    assert "draining in-flight requests" not in said.split("Starting vLLM API server")[-2]
+    after = unit(sandbox)
+    assert after.invocation_id != before.invocation_id and after.active_state == "active"
+
+
+@pytest.mark.parametrize("when_busy", ["give-up", "proceed"])
+def test_a_vllm_that_cannot_drain_waits_for_a_quiet_moment_then_does_as_when_busy_says(
+    sandbox: Sandbox, when_busy: str
+) -> None:
+    """graceful_shutdown off: the simulator's traffic never leaves a quiet moment."""
+    write_config(sandbox, {}, restart={"drain_max_in_flight": 0, "when_busy": when_busy})
+    before = unit(sandbox)
+    done = vkvagent(sandbox, "restart", "--reason", "test")
+    (action,) = actions(sandbox)
+    if when_busy == "give-up":
+        assert done.returncode == 1, output(done)
+        assert re.fullmatch(
+            r"vkvagent: aborted: still [0-9]+ requests in flight after 2 s \(when_busy = "
+            r"give-up; --no-drain restarts now\) \(action 1, [0-9.]+ s\)\n",
+            done.stderr,
+        ), done.stderr
+        assert action.outcome == "aborted" and "costs" not in action.detail
+        assert unit(sandbox).invocation_id == before.invocation_id
+    else:
+        assert done.returncode == 0, output(done)
+        costs = action.detail["costs"]
+        assert costs["drain"] == "busy" and costs["aborted"] == costs["in_flight"] > 0
+        assert costs["drain_seconds"] >= 2
+        assert unit(sandbox).invocation_id != before.invocation_id

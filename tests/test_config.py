@@ -231,6 +231,24 @@ def test_contradictions_across_files_are_located_and_reported_with_the_rest(etc:
     assert len(caught.value.problems) == 2
 
 
+def test_restart_hooks_must_be_programs_that_can_run(etc: Path, tmp_path: Path) -> None:
+    script = write(tmp_path / "lb", "#!/bin/sh\n", mode=0o755)
+    main_file = write(
+        etc / "config.toml",
+        f'[restart]\npre_stop = ["{script}", "out"]\npost_ready = ["lb", "in"]\n',
+    )
+    with pytest.raises(ConfigError) as caught:
+        config.load(etc, as_root=False)
+    assert list(caught.value.problems) == [
+        f"{main_file}:3: restart.post_ready: the post_ready program 'lb' is not an absolute "
+        'path (hooks run without a shell or PATH search) (post_ready = ["lb", "in"])'
+    ]
+    write(etc / "config.toml", f'[restart]\npre_stop = ["{script}", "out"]\n')
+    loaded = config.load(etc, as_root=False)
+    assert loaded.restart.pre_stop == (str(script), "out")
+    assert loaded.restart.post_ready == () and loaded.restart.when_busy == "proceed"
+
+
 def test_vllm_flags_are_checked_by_the_flag_catalogue(etc: Path) -> None:
     write(
         etc / "config.toml",

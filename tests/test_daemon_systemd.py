@@ -60,6 +60,7 @@ ready_timeout = 30
 job_timeout = 30
 drain_timeout = 5
 drain_max_in_flight = 100000
+graceful_shutdown = false
 [diagnosis]
 stall_after = 10
 [policy]

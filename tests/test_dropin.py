@@ -27,6 +27,7 @@ from vkvagent.dropin import (
     exec_prefix,
     expand_exec_env,
     is_foreign_edit,
+    other_settings,
     parse_dropin,
     quote_exec_arg,
     render_dropin,
@@ -312,6 +313,18 @@ def test_render_dropin_layout() -> None:
         'ExecStart=/usr/bin/vllm serve "/models/My Model" --max-num-seqs 128 --api-key "p%%s$$w"',
         "",
     ]
+
+
+def test_a_drop_in_for_a_vllm_that_drains_says_how_systemd_stops_it() -> None:
+    stop = {"KillMode": "mixed", "TimeoutStopSec": "150"}
+    text = render_dropin("vllm.service", ARGV, source_hash=SOURCE, stop=stop)
+    assert text.endswith("\nTimeoutStopSec=150\nKillMode=mixed\n")  # in STOP_KEYS' order
+    assert not is_foreign_edit(text)
+    assert other_settings(text) == []  # vkvagent's own: adopt keeps them
+    assert other_settings(text + "Environment=A=1\n") == ["Service.Environment"]
+    for bad in ({"User": "root"}, {"KillMode": "none\nExecStartPre=/bin/evil"}):
+        with pytest.raises(ValueError, match="not stop settings vkvagent writes"):
+            render_dropin("vllm.service", ARGV, source_hash=SOURCE, stop=bad)
 
 
 def test_parse_dropin_round_trip() -> None:

@@ -25,6 +25,17 @@ def test_an_action_its_steps_and_its_outcome_are_kept_across_opens(tmp_path: Pat
         assert (kept.kind, kept.outcome, kept.detail) == ("restart", "aborted", {"drain": False})
 
 
+def test_what_an_action_cost_joins_its_detail_when_it_ends(tmp_path: Path) -> None:
+    with Ledger(tmp_path) as ledger:
+        action = ledger.begin("restart", "manual: test", 100.0, {"previous_dropin": None})
+        costs = {"drain": "vllm", "in_flight": 3.0, "aborted": 0.0}
+        ledger.end(action, "done", 140.0, {"costs": costs})
+        ledger.end(action, "failed", 150.0, {"costs": {}})  # an ended action stays as it ended
+        kept = ledger.action(action)
+        assert (kept.outcome, kept.ended) == ("done", 140.0)
+        assert kept.detail == {"previous_dropin": None, "costs": costs}
+
+
 def test_a_ledger_from_a_newer_vkvagent_is_refused_and_left_alone(tmp_path: Path) -> None:
     with Ledger(tmp_path) as ledger:
         ledger.begin("restart", "uptime_decline: restart: in window", 100.0, {})

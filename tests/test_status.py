@@ -11,6 +11,7 @@ import pytest
 from vkvagent.status import (
     StatusCode,
     add_trend,
+    costs_line,
     exit_code,
     is_stale,
     render,
@@ -118,3 +119,28 @@ def test_render_shows_the_probe() -> None:
     assert "cannot be sent: unusable: vLLM names several" in line(unsent)
     assert "none sent yet" in line({"enabled": True})
     assert "probe" not in render(report("healthy"), NOW)  # a status from before the probe
+
+
+def test_render_shows_the_restart_in_progress_and_what_the_last_one_cost() -> None:
+    last = {
+        "id": 4, "kind": "apply", "reason": "manual: test", "started": NOW - 60,
+        "ended": NOW - 10, "outcome": "done", "recovered": None,
+        "costs": {"drain": "vllm", "in_flight": 3.0, "aborted": 0.0, "drain_seconds": 0.885,
+                  "down_seconds": 55.173, "missed": 19.1},
+        "hooks": [{"name": "post_ready", "problem": "exited with status 1"}],
+    }  # fmt: skip
+    progress = "stopping: vLLM finishing 2 requests in flight (3 s of at most 120 s)"
+    lines = render(report("acting", last_restart=last, progress=progress), NOW).splitlines()
+    assert f"  restarting  {progress}" in lines
+    at = lines.index(next(x for x in lines if x.startswith("  last action apply")))
+    assert lines[at + 1 : at + 3] == [
+        "              drained by vLLM in 0.9 s, 0 of 3 in flight cut off, down 55.2 s (about "
+        "19 requests turned away)",
+        "              post_ready failed: exited with status 1",
+    ]
+    cut = {"drain": "none", "in_flight": 4.0, "aborted": 4.0, "drain_seconds": None,
+           "down_seconds": 37.4, "missed": None}  # fmt: skip
+    assert costs_line(cut) == "not drained, 4 of 4 in flight cut off, down 37.4 s"
+    busy = {"drain": "busy", "in_flight": 9.0, "aborted": 9.0, "drain_seconds": 120.0,
+            "down_seconds": None, "missed": None}  # fmt: skip
+    assert costs_line(busy) == "no quiet moment came in 120.0 s, 9 of 9 in flight cut off"

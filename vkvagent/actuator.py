@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import signal
 import time
@@ -42,12 +43,19 @@ from vkvagent.dropin import (
     write_atomically,
 )
 from vkvagent.gpu import GpuReader, describe_xid
+from vkvagent.hooks import HookResult, run_hook
 from vkvagent.ledger import Action, Ledger
 from vkvagent.metrics import VllmMetrics
 from vkvagent.systemd import TIMEOUT, Systemd, SystemdError, UnitState
 from vkvagent.vllm import ScrapeError, VllmClient
 
-STEPS = ("preflight", "drain", "write", "reload", "restart", "ready", "attest")
+STEPS = (
+    "preflight", "pre_stop", "drain", "write", "reload", "restart", "ready", "attest",
+    "post_ready",
+)  # fmt: skip
+# TimeoutStopSec= beyond vLLM's --shutdown-timeout: its teardown after the drain (the worker's
+# exit took 8 s on 0.32's CPU build), so that systemd's SIGKILL never cuts the drain short.
+STOP_MARGIN = 30
 
 
 class ActuatorError(Exception):
@@ -63,6 +71,11 @@ class _JobRefused(ActuatorError):
 class RestartSettings:
     drain_max_in_flight: int = 0  # running + waiting requests allowed when the restart begins
     drain_timeout: float = 120.0
+    graceful_shutdown: bool = True  # drain through vLLM's --shutdown-timeout where it has one
+    when_busy: str = "proceed"  # still busy after a quiet-moment wait: proceed | give-up
+    pre_stop: tuple[str, ...] = ()
+    post_ready: tuple[str, ...] = ()
+    hook_timeout: float = 60.0
     job_timeout: float = 120.0  # for systemd's restart job
     ready_timeout: float = 600.0  # real cold starts take minutes (weights, compile, graphs)
     # Between two looks at the unit and /metrics while draining and waiting. Readiness is
@@ -85,6 +98,27 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Costs:
+    """What a restart cost vLLM's clients, as /metrics showed it. ``drain``: how the requests
+    in flight were let finish: ``vllm`` (its graceful shutdown), ``quiet`` (a wait for a quiet
+    moment), ``busy`` (no quiet moment came within drain_timeout: restarted anyway, as
+    when_busy = proceed says), ``none`` (cut off: an emergency, or --no-drain)."""
+
+    drain: str
+    in_flight: float | None  # requests running + waiting when the stop was requested
+    aborted: float | None  # of those, cut off by the stop (None: vLLM did not say)
+    drain_seconds: float | None  # the stop until nothing was in flight (or vLLM went away)
+    down_seconds: float | None  # the stop until ready again: no new request was admitted
+    missed: float | None  # requests estimated to have arrived meanwhile (the run's mean rate)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            key: round(value, 3) if isinstance(value, float) else value
+            for key, value in self.__dict__.items()
+        }
+
+
+@dataclass(frozen=True)
 class Outcome:
     action_id: int
     result: str  # done | rolled-back | failed | aborted
@@ -93,6 +127,8 @@ class Outcome:
     service_seconds: float | None  # restart job requested to service ready: vLLM's own start
     flags: Mapping[str, vflags.FlagValue] = field(default_factory=dict)  # the flags it changed
     vllm_error: str | None = None  # vLLM's own reason for not starting, from its journal
+    costs: Costs | None = None  # None: vLLM was never stopped
+    hooks: tuple[HookResult, ...] = ()  # pre_stop and post_ready, as they ran
 
     def event(self, unit: str, cause: str) -> tuple[str, str, dict[str, Any]]:
         """The event that reports this outcome: (name, message, fields), for the daemon's
@@ -110,6 +146,8 @@ class Outcome:
             ]
         if self.vllm_error is not None:
             fields["vllm_error"] = self.vllm_error
+        if self.costs is not None:
+            fields.update(self.costs.to_json())
         if self.result == "done":
             return (
                 "restart.completed",
@@ -177,6 +215,11 @@ class Actuator:
             settings=RestartSettings(
                 drain_max_in_flight=r.drain_max_in_flight,
                 drain_timeout=r.drain_timeout,
+                graceful_shutdown=r.graceful_shutdown,
+                when_busy=r.when_busy,
+                pre_stop=r.pre_stop,
+                post_ready=r.post_ready,
+                hook_timeout=r.hook_timeout,
                 job_timeout=r.job_timeout,
                 ready_timeout=r.ready_timeout,
             ),
@@ -188,10 +231,11 @@ class Actuator:
     # -- planning ---------------------------------------------------------------------------
 
     def plan(self, wanted: Mapping[str, object], vllm_version: str | None) -> Plan:
+        """The command line ``wanted`` (with the drain's flags, ``drain_flags``) makes."""
         state = self._unit()
         current = _argv(state)
         base = self._base(state)
-        values = vflags.validate(wanted, vllm_version)
+        values = vflags.validate({**self.drain_flags(vllm_version), **wanted}, vllm_version)
         try:
             after = tuple(vflags.apply_flags(base, values, vllm_version=vllm_version))
         except ValueError as exc:  # CommandError: not a vllm serve command line
@@ -203,6 +247,39 @@ class Actuator:
         except vflags.CommandError:
             changes = dict(values)
         return Plan(self.unit, current, after, values, attestable, after != current, changes)
+
+    def drain_flags(self, vllm_version: str | None) -> dict[str, vflags.FlagValue]:
+        """The flags that make vLLM drain when systemd stops it: ``--shutdown-timeout`` (the
+        drain's budget) on a version known to have it, unless graceful_shutdown is off.
+        [vllm.flags] may set it otherwise."""
+        flag = vflags.CATALOGUE["shutdown-timeout"]
+        if not self.settings.graceful_shutdown or vllm_version is None:
+            return {}
+        try:
+            version = vflags.parse_version(vllm_version)
+        except ValueError:
+            return {}
+        if not flag.available(version):
+            return {}
+        return {flag.name: math.ceil(self.settings.drain_timeout)}
+
+    def drain_plan(self, vllm_version: str | None) -> Plan | None:
+        """The change a plain restart carries so that vLLM drains by itself from then on: the
+        running command line with ``drain_flags`` set. None when it has them already (or the
+        version lacks them)."""
+        wanted = self.drain_flags(vllm_version)
+        if not wanted:
+            return None
+        current = _argv(self._unit())
+        try:
+            running = vflags.parse_command(current)
+        except vflags.CommandError:
+            return None  # not vLLM's command line: plan() would refuse it, a restart need not
+        changes = {n: v for n, v in wanted.items() if running.value(n) != v}
+        if not changes:
+            return None
+        after = tuple(vflags.apply_flags(current, wanted, vllm_version=vllm_version))
+        return Plan(self.unit, current, after, wanted, (), True, changes)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -236,8 +313,15 @@ class Actuator:
         *,
         plan: Plan | None = None,
         drain: bool = True,
+        cause: str = "manual",
     ) -> Outcome:
-        """Restart the unit, applying ``plan``'s command line first if it changes anything."""
+        """Restart the unit, applying ``plan``'s command line first if it changes anything.
+
+        With ``drain``, requests in flight finish first: by vLLM's graceful shutdown when the
+        running vLLM has ``--shutdown-timeout`` (systemd's stop then drains), else by a wait
+        for a quiet moment. Without it, they are cut off at once. ``pre_stop`` runs before
+        anything else touches vLLM and ``post_ready`` once it serves again; ``cause`` is
+        handed to them."""
         started = self._clock()
         change = plan is not None and plan.changed
         detail: dict[str, Any] = {"previous_dropin": self.dropin.read()}
@@ -246,12 +330,21 @@ class Actuator:
         action = self.ledger.begin(
             "apply" if change else "restart", reason, self._wall(), detail, mono=started
         )
+        ran: list[HookResult] = []
+        stop: _Stop | None = None
         try:
             with self._step(action, "preflight"):
                 before = self._preflight(change)
-            if drain:
+            if self.settings.pre_stop:
+                with self._step(action, "pre_stop"):
+                    self._hook("pre_stop", action, cause, ran)
+            shutdown = self._shutdown_timeout(before) if drain else 0
+            how, waited = ("vllm" if shutdown else "quiet") if drain else "none", None
+            if how == "quiet":
                 with self._step(action, "drain"):
-                    self._drain()
+                    waiting = self._clock()
+                    how = "quiet" if self._drain() else "busy"
+                    waited = self._clock() - waiting
             if change and plan is not None:
                 with self._step(action, "write"):
                     self._write(plan.after, before)
@@ -262,8 +355,9 @@ class Actuator:
                             "after the reload systemd shows another command "
                             "line: another drop-in overrides vkvagent's"
                         )
-            requested = self._clock()
-            self._restart_step(action, before)
+            stop = _Stop(self, before, how)
+            stop.begin(waited, shutdown)
+            self._restart_step(action, before, stop)
             with self._step(action, "ready"):
                 after = self._wait_ready(before.invocation_id)
             ready_at = self._clock()
@@ -271,15 +365,25 @@ class Actuator:
                 with self._step(action, "attest"):
                     self._attest(plan.after, plan.flags, after)
         except ActuatorError as exc:
-            return self._fail(action, exc, change, started)
-        self.ledger.end(action, "done", self._wall())
+            stopped = stop is not None and stop.requested is not None
+            # A refused job stopped nothing: nothing was cut off, and vLLM was never down.
+            costs = (
+                stop.costs(None) if stop and stopped and not isinstance(exc, _JobRefused) else None
+            )
+            return self._fail(action, exc, change, started, costs, tuple(ran), cause)
+        costs = stop.costs(ready_at)
+        self._post_ready(action, "done", cause, ran)
+        self._end(action, "done", costs, tuple(ran))
+        assert stop.requested is not None
         return Outcome(
             action,
             "done",
             "restarted" + (" with the new flags" if change else ""),
             ready_at - started,
-            ready_at - requested,
+            ready_at - stop.requested,
             flags=plan.changes if change and plan is not None else {},
+            costs=costs,
+            hooks=tuple(ran),
         )
 
     def check_rollback(self) -> None:
@@ -330,8 +434,12 @@ class Actuator:
                 f"the interrupted {action.kind} (action {action.id}) could not be completed "
                 f"or undone: {exc}"
             ) from None
-        self.ledger.end(action.id, result, self._wall())
-        return Outcome(action.id, result, message, self._clock() - started, None)
+        ran: list[HookResult] = []
+        if action.finished("pre_stop") and not action.reached("post_ready"):
+            # The host left the load balancer's rotation before the crash: put it back.
+            self._post_ready(action.id, result, action.reason.split(":", 1)[0], ran)
+        self._end(action.id, result, None, tuple(ran))
+        return Outcome(action.id, result, message, self._clock() - started, None, hooks=tuple(ran))
 
     def _recover(self, action: Action) -> tuple[str, str]:
         detail = action.detail
@@ -411,6 +519,7 @@ class Actuator:
                         current,
                         source_hash=argv_hash(own or current),
                         escape_dollar=False,
+                        stop=_stop_settings(current),
                     ),
                     keep=False,  # the same command line: nothing for a rollback to go back to
                 )
@@ -532,20 +641,64 @@ class Actuator:
                 f"(StartLimitIntervalSec={window:g}) and leave it failed: try again later"
             )
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Wait for a quiet moment (at most drain_max_in_flight requests in flight), for a vLLM
+        that cannot drain by itself. Past drain_timeout, go on (False) or give up as when_busy
+        says."""
         deadline = self._clock() + self.settings.drain_timeout
         while True:
             metrics = self._scrape()
             in_flight = _in_flight(metrics)
             if in_flight is None or in_flight <= self.settings.drain_max_in_flight:
-                return
+                return True
             if self._clock() >= deadline:
-                raise ActuatorError(
+                busy = (
                     f"still {in_flight:.0f} requests in flight after "
-                    f"{self.settings.drain_timeout:g} s (use --no-drain)"
+                    f"{self.settings.drain_timeout:g} s"
                 )
+                if self.settings.when_busy == "give-up":
+                    raise ActuatorError(f"{busy} (when_busy = give-up; --no-drain restarts now)")
+                self._progress(f"{busy}: restarting anyway (when_busy = proceed)")
+                return False
             self._progress(f"draining: {in_flight:.0f} requests in flight")
             self._sleep(self.settings.poll_interval)
+
+    def _hook(self, name: str, action: int, cause: str, ran: list[HookResult]) -> None:
+        """Run the pre_stop or post_ready hook and add it to ``ran``; ActuatorError when it
+        failed."""
+        argv = getattr(self.settings, name)
+        self._progress(f"running {name}: {' '.join(argv)}")
+        env = {"VKVAGENT_UNIT": self.unit, "VKVAGENT_CAUSE": cause, "VKVAGENT_ACTION": str(action)}
+        result = run_hook(name, argv, env, self.settings.hook_timeout)
+        ran.append(result)
+        if not result.ok:
+            said = result.output.strip().splitlines()[-1:] or [""]
+            raise ActuatorError(
+                f"{name} {argv[0]} {result.problem}" + (f": {said[0][:200]}" if said[0] else "")
+            )
+
+    def _post_ready(self, action: int, result: str, cause: str, ran: list[HookResult]) -> None:
+        """Run post_ready when vLLM serves at the end of the action: restarted (``done``),
+        put back (``rolled-back``), or never stopped after pre_stop ran (``aborted``). A
+        failure is reported (``Outcome.hooks``) and changes nothing about the result."""
+        if not self.settings.post_ready or result == "failed":
+            return
+        if result == "aborted" and not self.ledger.action(action).finished("pre_stop"):
+            return
+        with contextlib.suppress(ActuatorError), self._step(action, "post_ready"):
+            self._hook("post_ready", action, cause, ran)
+
+    def _shutdown_timeout(self, state: UnitState) -> int:
+        """The running vLLM's --shutdown-timeout (the process's own command line, else the
+        unit's): seconds it drains after SIGTERM; 0 when it aborts or is not running."""
+        if state.active_state != "active":
+            return 0
+        argv = _cmdline(self.proc, state.main_pid) or _argv(state)
+        try:
+            value = vflags.parse_command(argv).value("shutdown-timeout")
+        except vflags.CommandError:
+            return 0
+        return value if isinstance(value, int) and value > 0 else 0
 
     def _write(self, argv: tuple[str, ...], state: UnitState) -> None:
         if self._stored_base() is None or self.dropin.read() is None:
@@ -569,6 +722,7 @@ class Actuator:
                     path=path,
                     prefix=prefix,
                     escape_dollar=False,
+                    stop=_stop_settings(argv),
                 )
             )
         except OSError as exc:
@@ -580,15 +734,32 @@ class Actuator:
         except SystemdError as exc:
             raise ActuatorError(str(exc)) from None
 
-    def _restart_step(self, action: int, before: UnitState) -> None:
+    def _restart_step(self, action: int, before: UnitState, stop: _Stop | None = None) -> None:
         # The note is the invocation being replaced: recover() compares it with the unit's to
         # tell a restart systemd received from one that was only about to be requested.
         with self._step(action, "restart", note=before.invocation_id):
-            self._restart_job()
+            if stop is not None and stop.drain == "none" and self._shutdown_timeout(before):
+                # This vLLM would drain on SIGTERM, however long a hung engine takes.
+                self._kill()
+            self._restart_job(stop)
 
-    def _restart_job(self) -> None:
+    def _kill(self) -> None:
         try:
-            result = self.systemd.restart(self.unit, timeout=self.settings.job_timeout)
+            self.systemd.kill(self.unit, signal.SIGKILL)
+        except SystemdError as exc:
+            raise _JobRefused(str(exc)) from None
+
+    def _restart_job(self, stop: _Stop | None = None) -> None:
+        draining = stop is not None and stop.drain == "vllm"
+        timeout = self.settings.job_timeout
+        if draining and stop is not None:
+            timeout += stop.shutdown + STOP_MARGIN
+        try:
+            result = self.systemd.restart(
+                self.unit, timeout=timeout, tick=stop.tick if draining and stop else None
+            )
+            if stop is not None:
+                stop.stopped_at = self._clock()
         except SystemdError as exc:
             if exc.reason == TIMEOUT:  # the job goes on
                 raise ActuatorError(str(exc)) from None
@@ -688,7 +859,26 @@ class Actuator:
             raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
         self._reload()
 
-    def _fail(self, action: int, error: ActuatorError, change: bool, started: float) -> Outcome:
+    def _end(
+        self, action: int, result: str, costs: Costs | None, hooks: tuple[HookResult, ...]
+    ) -> None:
+        notes: dict[str, Any] = {}
+        if costs is not None:
+            notes["costs"] = costs.to_json()
+        if hooks:
+            notes["hooks"] = [hook.to_json() for hook in hooks]
+        self.ledger.end(action, result, self._wall(), notes)
+
+    def _fail(
+        self,
+        action: int,
+        error: ActuatorError,
+        change: bool,
+        started: float,
+        costs: Costs | None = None,
+        hooks: tuple[HookResult, ...] = (),
+        cause: str = "manual",
+    ) -> Outcome:
         message = str(error)
         progress = self.ledger.action(action)
         previous = progress.detail.get("previous_dropin")
@@ -709,29 +899,26 @@ class Actuator:
             try:
                 self._restore(action, previous, restart=restarted)
             except ActuatorError as exc:
-                self.ledger.end(action, "failed", self._wall())
-                return Outcome(
-                    action,
-                    "failed",
-                    f"{message}; the rollback failed too: {exc}",
-                    self._clock() - started,
-                    None,
-                    flags,
-                    vllm_error,
-                )
-            self.ledger.end(action, "rolled-back", self._wall())
-            return Outcome(
-                action,
-                "rolled-back",
-                f"{message}; previous command line restored",
-                self._clock() - started,
-                None,
-                flags,
-                vllm_error,
-            )
-        result = "failed" if restarted else "aborted"
-        self.ledger.end(action, result, self._wall())
-        return Outcome(action, result, message, self._clock() - started, None, flags, vllm_error)
+                result, message = "failed", f"{message}; the rollback failed too: {exc}"
+            else:
+                result, message = "rolled-back", f"{message}; previous command line restored"
+        else:
+            result = "failed" if restarted else "aborted"
+        ran = list(hooks)
+        self._post_ready(action, result, cause, ran)
+        hooks = tuple(ran)
+        self._end(action, result, costs, hooks)
+        return Outcome(
+            action,
+            result,
+            message,
+            self._clock() - started,
+            None,
+            flags,
+            vllm_error,
+            costs,
+            hooks,
+        )
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -787,6 +974,92 @@ class Actuator:
             write_atomically(self._base_file, json.dumps(record), 0o640)
         except OSError as exc:
             raise ActuatorError(_write_problem(self._base_file, exc)) from None
+
+
+class _Stop:
+    """One stop of vLLM, watched through /metrics: the requests in flight when it was asked
+    for, how long vLLM's own drain took, and what was cut off (``Costs``)."""
+
+    def __init__(self, actuator: Actuator, before: UnitState, drain: str) -> None:
+        self.actuator, self.before, self.drain = actuator, before, drain
+        self.shutdown = 0  # the running vLLM's --shutdown-timeout (drain "vllm")
+        self.requested: float | None = None  # when the restart job was asked for
+        self.waited: float | None = None  # the quiet-moment wait (drain "quiet")
+        self.in_flight: float | None = None  # when the stop was asked for
+        self.last: float | None = None  # at vLLM's last answer since
+        self.busy = 0.0  # the last non-zero count seen
+        self.drained_at: float | None = None  # when none were left in flight
+        self.gone_at: float | None = None  # when vLLM stopped answering
+        self.stopped_at: float | None = None  # when systemd's job (stop and start) ended
+        self.rate: float | None = None  # the run's mean requests/s until the stop
+
+    def begin(self, waited: float | None, shutdown: int) -> None:
+        """Just before the restart job: what is in flight now."""
+        a = self.actuator
+        metrics = a._scrape()
+        self.in_flight = self.last = _in_flight(metrics)
+        self.busy = self.in_flight or 0.0
+        start = self.before.exec_main_start_timestamp / 1e6
+        if metrics is not None and metrics.request_success_total is not None and start:
+            uptime = a._wall() - start
+            self.rate = metrics.request_success_total / uptime if uptime >= 60 else None
+        self.waited, self.shutdown = waited, shutdown
+        self.requested = a._clock()
+
+    def tick(self) -> None:
+        """While systemd stops a vLLM that drains: watch the requests in flight fall."""
+        a = self.actuator
+        if self.gone_at is not None or self.requested is None:
+            return
+        metrics = a._scrape()
+        now = a._clock()
+        if metrics is None:
+            self.gone_at = now
+            return
+        self.last = _in_flight(metrics) or 0.0
+        if self.last:
+            self.busy = self.last
+            a._progress(
+                f"stopping: vLLM finishing {self.last:.0f} requests in flight "
+                f"({now - self.requested:.0f} s of at most {self.shutdown} s)"
+            )
+        elif self.drained_at is None:
+            self.drained_at = now
+
+    def costs(self, ready_at: float | None) -> Costs:
+        assert self.requested is not None
+        drained: float | None = self.waited
+        aborted: float | None = self.in_flight  # stopped without a drain: all of them
+        if self.drain == "vllm":
+            # None left in flight; vLLM went away with some; or it was gone before a first
+            # look (vLLM exits once its drain is over).
+            end, left = (
+                (self.drained_at, 0.0)
+                if self.drained_at is not None
+                else (self.gone_at, self.last)
+                if self.gone_at is not None
+                else (self.stopped_at, 0.0)
+            )
+            drained = None if end is None else end - self.requested
+            # Past its --shutdown-timeout, vLLM aborts what is left.
+            aborted = self.busy if drained is not None and drained >= self.shutdown else left
+        down = None if ready_at is None else ready_at - self.requested
+        missed = None if self.rate is None or down is None else self.rate * down
+        return Costs(self.drain, self.in_flight, aborted, drained, down, missed)
+
+
+def _stop_settings(argv: tuple[str, ...]) -> dict[str, str]:
+    """How systemd must stop a command line whose vLLM drains on SIGTERM: wait the drain out
+    (TimeoutStopSec=), and signal the API server alone (KillMode=mixed). A SIGTERM of their own
+    kills the engine and its workers at once, failing the requests in flight (measured on 0.32);
+    from the API server they get the drain."""
+    try:
+        value = vflags.parse_command(argv).value("shutdown-timeout")
+    except vflags.CommandError:
+        return {}
+    if not isinstance(value, int) or value <= 0:
+        return {}
+    return {"TimeoutStopSec": str(value + STOP_MARGIN), "KillMode": "mixed"}
 
 
 def _index(action: Action, step: str) -> int | None:

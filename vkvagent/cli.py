@@ -311,7 +311,10 @@ def _usage(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace, Tex
 def _action_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reason", default="manual", help="recorded in the ledger and events")
     parser.add_argument(
-        "--no-drain", action="store_true", help="do not wait for requests in flight to finish"
+        "--no-drain",
+        action="store_true",
+        help="cut off the requests in flight: no wait for a quiet moment, and a vLLM that "
+        "would drain by itself is killed",
     )
     _fleet_option(parser)
     _config_option(parser)
@@ -542,12 +545,11 @@ def _gpu(args: argparse.Namespace, out: TextIO) -> int:
 
 def _actuator(settings: config.Config, err: TextIO) -> Actuator:
     state_dir = Path(settings.agent.state_dir)
-    last = [""]
 
     def progress(message: str) -> None:
-        if message != last[0]:
-            print(f"vkvagent: {message}", file=err, flush=True)
-            last[0] = message
+        # One line that updates on a terminal (the drain, the start); nothing in a log.
+        if err.isatty():
+            print(f"\r\033[Kvkvagent: {message}", end="", file=err, flush=True)
 
     return Actuator.for_config(
         settings,
@@ -574,13 +576,23 @@ def _recovered(actuator: Actuator, out: TextIO) -> None:
 def _report(unit: str, outcome: Outcome, out: TextIO) -> int:
     events = Events.for_command()
     if events is not None:
+        for hook in outcome.hooks:
+            hook_name, said, hook_fields = hook.event(outcome.action_id)
+            events.emit(hook_name, said, **hook_fields)
         name, message, fields = outcome.event(unit, "manual")
         events.emit(name, message, **fields)
+    if sys.stderr.isatty():
+        print("\r\033[K", end="", file=sys.stderr, flush=True)  # the progress line, done
+    for hook in outcome.hooks:
+        if not hook.ok:
+            print(f"vkvagent: {hook.name} {hook.problem}:\n{hook.output}", file=sys.stderr)
     timing = f"{outcome.seconds:.1f} s"
     if outcome.service_seconds is not None:
         overhead = outcome.seconds - outcome.service_seconds
         timing += f"; vLLM's own start {outcome.service_seconds:.1f} s, vkvagent's {overhead:.2f} s"
     line = f"{outcome.result}: {outcome.message} (action {outcome.action_id}, {timing})"
+    if outcome.costs is not None:
+        line += f"\n  {status.costs_line(outcome.costs.to_json())}"
     if outcome.result == "done":
         print(line, file=out)
         return ExitCode.OK
@@ -588,9 +600,13 @@ def _report(unit: str, outcome: Outcome, out: TextIO) -> int:
     return ExitCode.FAILURE
 
 
+def _version(actuator: Actuator, settings: config.Config) -> str | None:
+    """The running vLLM's version: as it says, else as [vllm] version says."""
+    return actuator.probe.version() or settings.vllm.version or None
+
+
 def _plan_for(actuator: Actuator, settings: config.Config) -> Plan:
-    version = actuator.probe.version() or settings.vllm.version or None
-    return actuator.plan(settings.vllm.flags, version)
+    return actuator.plan(settings.vllm.flags, _version(actuator, settings))
 
 
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
@@ -600,10 +616,13 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     print(f"unit:   {plan.unit}", file=out)
     print(f"before: {shlex.join(plan.before)}", file=out)
     print(f"after:  {shlex.join(plan.after)}", file=out)
-    if not plan.flags:
-        print("no [vllm.flags] configured: nothing to change", file=out)
-    elif not plan.changed:
-        print("the unit already runs with these flags", file=out)
+    if not plan.changed:
+        said = "already runs with these flags" if settings.vllm.flags else "needs no change"
+        print(f"the unit {said}", file=out)
+    drains = actuator.drain_flags(_version(actuator, settings))
+    if drains:
+        shown = " ".join(f"--{name} {value}" for name, value in drains.items())
+        print(f"{shown}: vLLM drains when stopped ([restart] graceful_shutdown)", file=out)
     attestable = ", ".join(plan.attestable) or "none"
     unproven = ", ".join(f for f in plan.flags if f not in plan.attestable) or "none"
     print(
@@ -658,7 +677,11 @@ def _restart(args: argparse.Namespace, out: TextIO) -> int:
     with actuator.exclusive():
         _recovered(actuator, out)
         drain = not args.no_drain
-        return _in_slot(settings, args, lambda: actuator.restart(args.reason, drain=drain), out)
+        # A drained restart also gives vLLM the flags to drain by itself next time.
+        plan = actuator.drain_plan(_version(actuator, settings)) if drain else None
+        return _in_slot(
+            settings, args, lambda: actuator.restart(args.reason, plan=plan, drain=drain), out
+        )
 
 
 def _rollback(args: argparse.Namespace, out: TextIO) -> int:

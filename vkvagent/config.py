@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from vkvagent import flags, policy
+from vkvagent import flags, hooks, policy
 from vkvagent.baseline import BaselineSettings
 from vkvagent.diagnosis import FIXABLE, DiagnosisSettings
 from vkvagent.policy import PolicySettings
@@ -185,11 +185,45 @@ class RestartConfig:
         max=100000,
     )  # fmt: skip
     drain_timeout: float = setting(
-        120.0, "Seconds to wait for the drain before giving the restart up.", min=0, max=3600
+        120.0,
+        "Seconds a drain may take: vLLM's own graceful shutdown (its --shutdown-timeout), or "
+        "the wait for a quiet moment where vLLM cannot drain by itself.",
+        min=0, max=3600,
+    )  # fmt: skip
+    graceful_shutdown: bool = setting(
+        True,
+        "Where vLLM has --shutdown-timeout (0.18 and newer), set it to drain_timeout in "
+        "vkvagent's drop-in, with TimeoutStopSec= above it and KillMode=mixed, so that "
+        "stopping vLLM finishes the requests in flight and admits no new ones.",
+    )
+    when_busy: str = setting(
+        "proceed",
+        "Where vLLM cannot drain by itself and requests are still in flight after "
+        "drain_timeout: proceed (the requests in flight are cut off, and counted) or give-up "
+        "(the restart is abandoned; the policy asks again later).",
+        choices=("proceed", "give-up"),
+    )
+    pre_stop: tuple[str, ...] = setting(
+        (),
+        "Command run before vLLM is stopped (e.g. take this host out of the load balancer), "
+        "as an argv list without a shell, program by absolute path. A failure abandons the "
+        "restart before anything changed.",
+        item=str,
+    )
+    post_ready: tuple[str, ...] = setting(
+        (),
+        "Command run once vLLM serves again (e.g. put the host back). A failure is reported; "
+        "the restart still counts as done.",
+        item=str,
+    )
+    hook_timeout: float = setting(
+        60.0, "Seconds pre_stop or post_ready may run before it is killed.", min=1, max=3600
     )
     job_timeout: float = setting(
-        120.0, "Seconds systemd's restart job may take (stopping included).", min=1, max=3600
-    )
+        120.0,
+        "Seconds systemd's restart job may take (stopping included), besides vLLM's own drain.",
+        min=1, max=3600,
+    )  # fmt: skip
     ready_timeout: float = setting(
         600.0,
         "Seconds for vLLM to answer again and make progress after a restart; real cold "
@@ -197,6 +231,13 @@ class RestartConfig:
         min=5,
         max=7200,
     )
+
+    def check(self) -> None:
+        """ValueError when a hook cannot run."""
+        for name in ("pre_stop", "post_ready"):
+            problem = hooks.check_argv(getattr(self, name))
+            if problem:
+                raise ValueError(f"restart: the {name} program {problem}")
 
 
 # -- the decision engine (vkvagent.engine): one section per stage, mirroring its settings --------
@@ -643,6 +684,7 @@ def _engine_problems(built: Config, origins: Mapping[tuple[str, ...], str]) -> l
         "diagnosis": built.diagnosis.settings,
         "policy": lambda: built.policy.settings(built.restart.drain_max_in_flight),
         "fleet": built.fleet.check,
+        "restart": built.restart.check,
     }
     for name, make in parts.items():
         try:

@@ -30,7 +30,7 @@ import sdnotify
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from vkvagent import __version__, config, controls, fleet, replay, status
-from vkvagent.actuator import Actuator, ActuatorError, Outcome
+from vkvagent.actuator import STOP_MARGIN, Actuator, ActuatorError, Outcome
 from vkvagent.diagnosis import ProbeFacts
 from vkvagent.dropin import write_atomically
 from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
@@ -125,9 +125,11 @@ class Parts:
 
     @property
     def action_seconds(self) -> float:
-        """The longest a restart may take, all of its timeouts added."""
+        """The longest a restart may take, all of its timeouts added (vLLM drains once: by
+        itself during the stop, or in a wait for a quiet moment before it)."""
         r = self.config.restart
-        return r.drain_timeout + r.job_timeout + r.ready_timeout + 60.0
+        hooks = r.hook_timeout * (bool(r.pre_stop) + bool(r.post_ready))
+        return hooks + r.drain_timeout + STOP_MARGIN + r.job_timeout + r.ready_timeout + 60.0
 
     def close(self) -> None:
         for closing in (self.history.close, self.ledger.close):
@@ -157,6 +159,8 @@ class Daemon:
             cfg, clock, use_systemd=use_systemd, progress=self._progress, emit=self.events.emit
         )
         self._slot: fleet.Slot | None = None  # the fleet slot held while restarting
+        self._acting: dict[str, Any] | None = None  # the status while restarting
+        self._progress_at = 0.0  # when the restart's progress was last written to it
         self.exporter = Exporter(self.metrics, cfg.metrics.listen, cfg.metrics.textfile)
         self.lock = threading.Lock()  # one tick or reload at a time
         self.stopping = threading.Event()
@@ -355,7 +359,11 @@ class Daemon:
                 acting = self._status(sample, decision, restarts, None)
                 acting["stale_after"] = p.action_seconds
                 self._write_state("status", lambda: self._write_status(acting))
-                outcome = self._restart(p.actuator, decision)
+                self._acting = acting
+                try:
+                    outcome = self._restart(p.actuator, decision)
+                finally:
+                    self._acting = None
                 restarts = self._restarts(sample.time, sample.mono)
                 self._pending = None
             self.last = decision
@@ -639,7 +647,10 @@ class Daemon:
             self.notify(f"WATCHDOG_USEC={int(self.parts.action_seconds * 1e6)}")
         try:
             with actuator.exclusive():
-                outcome = actuator.restart(reason, drain=drain)
+                # A drained restart also gives vLLM the flags to drain by itself next time.
+                version = actuator.probe.version() or self.parts.config.vllm.version or None
+                plan = actuator.drain_plan(version) if drain else None
+                outcome = actuator.restart(reason, plan=plan, drain=drain, cause=cause)
         except (ActuatorError, LedgerError) as exc:
             self.metrics.count_restart(cause, "failed")
             self.events.emit(
@@ -651,6 +662,9 @@ class Daemon:
                 self.notify(f"WATCHDOG_USEC={watchdog}")
             self.notify("WATCHDOG=1")
         self.metrics.count_restart(cause, outcome.result)
+        for hook in outcome.hooks:
+            name, message, fields = hook.event(outcome.action_id)
+            self.events.emit(name, message, **fields)
         name, message, fields = outcome.event(actuator.unit, cause)
         self.events.emit(name, message, **fields)
         return outcome
@@ -660,6 +674,11 @@ class Daemon:
         while draining abandons the restart before anything changed, as does the loss of the
         fleet slot (past the drain, the restart goes on: a unit left stopped is worse)."""
         self.notify(f"WATCHDOG=1\nSTATUS={message}")
+        acting, now = self._acting, time.monotonic()
+        if acting is not None and now - self._progress_at >= 1.0:
+            self._progress_at = now
+            acting["progress"] = message  # `vkvagent status` shows how the restart goes
+            self._write_state("status", lambda: self._write_status(acting))
         if self.stopping.is_set() and message.startswith("draining"):
             raise ActuatorError("vkvagent is stopping: restart abandoned while draining")
         gate, slot = self.parts.fleet, self._slot
@@ -839,6 +858,8 @@ class Daemon:
                 "ended": last.ended,
                 "outcome": last.outcome,
                 "recovered": self.judged.get(last.id),
+                "costs": last.detail.get("costs"),
+                "hooks": last.detail.get("hooks"),
             },
             "probe": self._probe_status(sample, decision),
             "pending_flags": self._pending_flags(m.version if m else None),

@@ -50,6 +50,9 @@ _WHITESPACE = " \t\n\r"  # systemd's WHITESPACE
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-+=:,./@")
 _PREFIX_CHARS = "-@:+!"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# How systemd stops a vLLM that drains, in the drop-in beside its ExecStart= (actuator.py).
+STOP_KEYS = ("TimeoutStopSec", "KillMode")
+_STOP_VALUE = re.compile(r"[0-9a-z]+")
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]+\.[a-z]+")
 
 
@@ -232,12 +235,14 @@ def render_dropin(
     path: str | None = None,
     prefix: str = "",
     escape_dollar: bool = True,
+    stop: Mapping[str, str] | None = None,
 ) -> str:
     """The whole drop-in file that replaces ``unit``'s ExecStart with ``argv``.
 
     ``source_hash``: 64 hex digits identifying what the drop-in was derived from (``argv_hash``
     of the unit's own command line). ``path``, ``prefix``, ``escape_dollar``: as
-    ``render_exec_start``. The file ends in a newline and carries its own hash.
+    ``render_exec_start``. ``stop``: how systemd stops it (``STOP_KEYS``: ``TimeoutStopSec``,
+    ``KillMode``), for a vLLM that drains. The file ends in a newline and carries its own hash.
     """
     if not _UNIT_NAME.fullmatch(unit):
         raise ValueError(f"not a unit name: {unit!r}")
@@ -245,7 +250,12 @@ def render_dropin(
         raise ValueError(f"source_hash must be 64 lowercase hex digits, got {source_hash!r}")
     exec_start = render_exec_start(argv, path=path, prefix=prefix, escape_dollar=escape_dollar)
     head = f"{HEADER}\n{UNIT_KEY}{unit}\n{SOURCE_KEY}{source_hash}\n"
-    body = f"[Service]\nExecStart=\nExecStart={exec_start}\n"
+    stop = stop or {}
+    if set(stop) - set(STOP_KEYS) or any(not _STOP_VALUE.fullmatch(v) for v in stop.values()):
+        raise ValueError(f"not stop settings vkvagent writes: {dict(stop)!r}")
+    body = f"[Service]\nExecStart=\nExecStart={exec_start}\n" + "".join(
+        f"{key}={stop[key]}\n" for key in STOP_KEYS if key in stop
+    )
     digest = hashlib.sha256((head + body).encode("utf-8")).hexdigest()
     return f"{head}{HASH_KEY}{digest}\n{body}"
 
@@ -310,12 +320,12 @@ def is_foreign_edit(text: str) -> bool:
 
 
 def other_settings(text: str) -> list[str]:
-    """The ``Section.Key`` of every assignment besides ``[Service] ExecStart=`` (what a
-    re-rendered vkvagent drop-in would drop)."""
+    """The ``Section.Key`` of every assignment besides ``[Service] ExecStart=`` and the stop
+    settings vkvagent writes itself (what a re-rendered vkvagent drop-in would drop)."""
     return [
         f"{section}.{key}"
         for section, key, _value in _assignments(text)
-        if (section, key) != ("Service", "ExecStart")
+        if section != "Service" or (key != "ExecStart" and key not in STOP_KEYS)
     ]
 
 

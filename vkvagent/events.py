@@ -60,6 +60,10 @@ CATALOGUE: Mapping[str, EventType] = {
     "restart.completed": EventType(NOTICE, "the unit restarted and answers again"),
     "restart.failed": EventType(ERR, "a restart failed or was aborted"),
     "restart.rolled_back": EventType(WARNING, "a flag change failed and was rolled back"),
+    "restart.hook": EventType(INFO, "a pre_stop or post_ready command ran; its output is here"),
+    "restart.hook_failed": EventType(
+        WARNING, "a pre_stop (restart abandoned) or post_ready (restart done) command failed"
+    ),
     "restart.recovered": EventType(INFO, "after a restart the fresh speed came back"),
     "restart.not_recovered": EventType(WARNING, "a restart did not restore the fresh speed"),
     "policy.escalated": EventType(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,8 +160,20 @@ class Ledger:
                 (action_id, now, step, state, note),
             )
 
-    def end(self, action_id: int, outcome: str, now: float) -> None:
+    def end(
+        self, action_id: int, outcome: str, now: float, notes: Mapping[str, Any] | None = None
+    ) -> None:
+        """End the action; ``notes`` (what it cost, the hooks' output) join its detail."""
         with self._transaction():
+            if notes:
+                row = self._db.execute(
+                    "SELECT detail FROM actions WHERE id = ?", (action_id,)
+                ).fetchone()
+                detail = {**json.loads(row[0]), **notes} if row else dict(notes)
+                self._db.execute(
+                    "UPDATE actions SET detail = ? WHERE id = ? AND outcome IS NULL",
+                    (json.dumps(detail, sort_keys=True), action_id),
+                )
             self._db.execute(
                 "UPDATE actions SET outcome = ?, ended = ? WHERE id = ? AND outcome IS NULL",
                 (outcome, now, action_id),

@@ -195,6 +195,8 @@ def render(status: Mapping[str, Any] | None, now: float, *, explain: bool = Fals
     )
     if status.get("fleet"):
         lines.append(f"  fleet       {fleet_line(status['fleet'])}")
+    if status.get("progress"):
+        lines.append(f"  restarting  {status['progress']}")
     last = status.get("last_restart")
     if last:
         judged = {True: "recovered", False: "did not recover", None: "not judged yet"}
@@ -202,6 +204,11 @@ def render(status: Mapping[str, Any] | None, now: float, *, explain: bool = Fals
             f"  last action {last['kind']} {_iso(last['started'])} ({last['reason']}): "
             f"{last['outcome'] or 'in progress'}, {judged[last.get('recovered')]}"
         )
+        if last.get("costs"):
+            lines.append(f"              {costs_line(last['costs'])}")
+        for hook in last.get("hooks") or ():
+            if hook.get("problem"):
+                lines.append(f"              {hook['name']} failed: {hook['problem']}")
     pending = status.get("pending_flags")
     if pending:
         lines.append(f"  flags       pending: {pending}")
@@ -214,6 +221,27 @@ def render(status: Mapping[str, Any] | None, now: float, *, explain: bool = Fals
         for key, value in sorted((v.get("evidence") or {}).items()):
             lines.append(f"    {key:34} {value}")
     return "\n".join(lines) + "\n"
+
+
+def costs_line(costs: Mapping[str, Any]) -> str:
+    """What the last restart cost the clients (``actuator.Costs`` as the ledger keeps it)."""
+    how = {
+        "vllm": "drained by vLLM",
+        "quiet": "waited for a quiet moment",
+        "busy": "no quiet moment came",
+        "none": "not drained",
+    }.get(costs.get("drain", ""), "drain unknown")
+    if costs.get("drain_seconds") is not None:
+        how += f" in {costs['drain_seconds']:.1f} s"
+    parts = [how]
+    if costs.get("aborted") is not None and costs.get("in_flight") is not None:
+        parts.append(f"{costs['aborted']:.0f} of {costs['in_flight']:.0f} in flight cut off")
+    if costs.get("down_seconds") is not None:
+        down = f"down {costs['down_seconds']:.1f} s"
+        if costs.get("missed") is not None:
+            down += f" (about {costs['missed']:.0f} requests turned away)"
+        parts.append(down)
+    return ", ".join(parts)
 
 
 def probe_line(probe: Mapping[str, Any]) -> str:

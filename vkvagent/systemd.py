@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -110,6 +111,9 @@ class UnitState:
     control_group: str = ""
     # When the unit last became active (CLOCK_REALTIME, µs since the epoch); 0: never.
     active_enter_timestamp: int = 0
+    # TimeoutStopSec= in µs (UINT64_MAX: infinity) and KillMode= ("" for a non-service).
+    timeout_stop_usec: int = 0
+    kill_mode: str = ""
 
 
 class Systemd:
@@ -175,19 +179,29 @@ class Systemd:
             start_limit_interval_usec=unit["StartLimitIntervalUSec"],
             control_group=service.get("ControlGroup", ""),
             active_enter_timestamp=unit.get("ActiveEnterTimestamp", 0),
+            timeout_stop_usec=service.get("TimeoutStopUSec", 0),
+            kill_mode=service.get("KillMode", ""),
         )
 
     def reload(self, timeout: float | None = None) -> None:
         """Reload every unit file (``systemctl daemon-reload``); returns once systemd has."""
         self._call("reload", None, _manager("Reload"), timeout)
 
-    def restart(self, name: str, timeout: float = 90.0) -> str:
+    def restart(
+        self,
+        name: str,
+        timeout: float = 90.0,
+        *,
+        tick: Callable[[], None] | None = None,
+        every: float = 0.5,
+    ) -> str:
         """Restart the unit (mode "replace") and wait for the job to end. Returns the job's
         result: done, failed, timeout, canceled, dependency or skipped.
 
         "done" means the start command ran (for Type=simple, that the process was forked), not
         that the service is ready. Raises ``SystemdError`` (reason ``timeout``) when the job
-        has not ended within ``timeout`` seconds; the job itself goes on."""
+        has not ended within ``timeout`` seconds; the job itself goes on. ``tick`` is called
+        about every ``every`` seconds while the job runs (a stop that drains takes long)."""
         operation = "restart"
         deadline = time.monotonic() + timeout
         connection = self._connect(operation, name)
@@ -200,11 +214,17 @@ class Systemd:
         try:
             with connection.filter(rule, queue=deque()) as removed:
                 job = self._call(operation, name, _manager("RestartUnit", "ss", (name, "replace")))
-                return self._wait_job(operation, name, job[0], removed, deadline, timeout)
+                return self._wait_job(
+                    operation, name, job[0], removed, deadline, timeout, tick, every
+                )
         finally:
             if self._connection is connection:
                 with contextlib.suppress(SystemdError):  # a match left behind does no harm
                     self._call(operation, name, _bus("RemoveMatch", rule.serialise()))
+
+    def kill(self, name: str, signal: int) -> None:
+        """Send ``signal`` to every process of the unit (``systemctl kill --kill-whom=all``)."""
+        self._call("kill", name, _manager("KillUnit", "ssi", (name, "all", signal)))
 
     def reset_failed(self, name: str) -> None:
         """Clear the unit's failed state and its start-limit counter."""
@@ -260,6 +280,8 @@ class Systemd:
         removed: deque[Message],
         deadline: float,
         timeout: float,
+        tick: Callable[[], None] | None,
+        every: float,
     ) -> str:
         connection = self._connect(operation, unit)
         while True:
@@ -267,9 +289,12 @@ class Systemd:
             if left <= 0 and not removed:
                 detail = f"job {job} had not ended after {timeout:g} s"
                 raise SystemdError(operation, unit, TIMEOUT, detail)
+            wait = max(left, 0.0) if tick is None else min(max(left, 0.0), every)
             try:
-                message = connection.recv_until_filtered(removed, timeout=max(left, 0.0))
+                message = connection.recv_until_filtered(removed, timeout=wait)
             except TimeoutError:
+                if tick is not None:
+                    tick()
                 continue
             except OSError as exc:
                 self.close()

@@ -313,6 +313,7 @@ class Cluster:
     scenario: Scenario = field(default_factory=Scenario)
     now: float = 0.0  # simulated seconds since the process started (its uptime)
     world_offset: float = 0.0  # simulated seconds the world had run when the process started
+    admitting: bool = True  # False while it drains for a shutdown: no new request comes in
     _next_engine: int = 0
 
     def scenario_time(self, uptime: float) -> float:
@@ -328,7 +329,8 @@ class Cluster:
     def _step(self) -> None:
         scenario, now = self.scenario, self.now
         t = self.scenario_time(now)
-        for request in self.workload.arrivals(now, now + STEP, scenario.demand_multiplier(t)):
+        arriving = self.workload.arrivals(now, now + STEP, scenario.demand_multiplier(t))
+        for request in arriving if self.admitting else ():
             self.engines[self._next_engine].submit(request)
             self._next_engine = (self._next_engine + 1) % len(self.engines)
         for engine in self.engines:
@@ -343,6 +345,10 @@ class Cluster:
     @property
     def served(self) -> int:
         return sum(engine.served for engine in self.engines)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(e.running) + len(e.waiting) for e in self.engines)
 
     @property
     def stalled(self) -> bool:

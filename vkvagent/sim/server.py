@@ -136,6 +136,28 @@ class Simulation:
                 self._page = (self.cluster.now, now, page)
             return page
 
+    def drain(self, timeout: float, log: Callable[[str], None]) -> None:
+        """vLLM 0.18+'s SIGTERM with ``--shutdown-timeout``: admit nothing more (a completion
+        gets HTTP 500), let what is in flight finish for up to ``timeout`` real seconds while
+        /metrics still answers, then go."""
+        with self.lock:
+            self.cluster.admitting = False
+            left = self.cluster.in_flight
+        log(f"[shutdown] EngineCore: draining in-flight requests count={left} timeout={timeout}s")
+        deadline = self._clock() + timeout
+        while left and self._clock() < deadline:
+            time.sleep(TICK)
+            self.advance()
+            with self.lock:
+                left = self.cluster.in_flight
+        log("[shutdown] EngineCore: request processing complete" if not left else
+            f"[shutdown] EngineCore: aborting in-flight requests count={left}")  # fmt: skip
+
+    @property
+    def admitting(self) -> bool:
+        with self.lock:
+            return self.cluster.admitting
+
     def busy(self) -> bool:
         """Whether the engine serves nothing now (stalled, hung or dead)."""
         self.advance()
@@ -226,6 +248,8 @@ def serve(args: ServeArgs, options: SimOptions, version: str) -> int:
                 stop.wait(5.0 / options.time_scale)  # vLLM's launcher checks every 5 s
                 status = 1
                 break
+        if status == 0 and args.shutdown_timeout:
+            simulation.drain(args.shutdown_timeout, log)
     finally:
         log("Shutting down")
         server.shutdown()
@@ -305,6 +329,11 @@ def _handler(simulation: Simulation) -> type[http.server.BaseHTTPRequestHandler]
                 message = f"The model `{model}` does not exist."
                 self._json({"error": {"message": message, "type": "NotFoundError",
                                       "code": 404}}, 404)  # fmt: skip
+                return
+            if not simulation.admitting:  # what vLLM 0.32 answers while it drains
+                refused = "cannot schedule new futures after shutdown"
+                self._json({"error": {"message": refused, "type": "InternalServerError",
+                                      "code": 500}}, 500)  # fmt: skip
                 return
             # A stalled or hung engine answers nobody until it recovers (the client gives up
             # first); a dead one answers 500, as vLLM's EngineDeadError.

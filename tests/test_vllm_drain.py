@@ -1,0 +1,198 @@
+"""Restarting the real vLLM 0.32 (CPU build, tests/realvllm.py) as vllm.service under a real
+systemd 252 (tests/sandbox.py) while clients stream completions, with vkvagent's drain:
+
+- the first restart gives vLLM its own graceful shutdown: ``--shutdown-timeout`` in vkvagent's
+  drop-in, with ``TimeoutStopSec=`` above it and ``KillMode=mixed``;
+- from then on a restart lets every request in flight finish (checked on the client side), and
+  the ledger and the output say what it cost: 0 cut off, the drain's and the outage's seconds;
+- with a ``pre_stop`` hook that takes the host out of rotation (the clients stop sending) and a
+  ``post_ready`` that puts it back, no request fails at all;
+- ``--no-drain`` cuts the requests in flight off, and says how many;
+- a failing ``pre_stop`` leaves vLLM untouched.
+
+One container for the module; the tests run in file order and each leaves vLLM serving. About
+5 minutes in all (each restart costs a 40 s vLLM start)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from tests.realvllm import (
+    START_TIMEOUT,
+    VERSION,
+    Streams,
+    vllm_box_fixture,  # noqa: F401 - the `vllm_box` fixture
+    wait_until,
+)
+from tests.sandbox import Sandbox
+from tests.test_actuator import CONFIG, DROPIN, actions, output, running_argv, unit, vkvagent
+
+pytestmark = [pytest.mark.vllm, pytest.mark.systemd]
+
+DRAIN = 30  # [restart] drain_timeout: vLLM's --shutdown-timeout
+COMMAND_TIMEOUT = 3 * START_TIMEOUT
+MARK = "/var/lib/lb/out"  # what the hooks below make of "out of the load balancer's rotation"
+
+
+def configure(box: Sandbox, *restart: str) -> None:
+    """vkvagent's config in the container, with the drain's defaults and ``restart``'s lines
+    added to [restart]."""
+    file = box.root / CONFIG.lstrip("/")
+    file.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    file.write_text(
+        "[agent]\n"
+        'state_dir = "/var/lib/vkvagent"\n'
+        "[vllm]\n"
+        'url = "http://127.0.0.1:8000"\n'
+        "[gpu]\n"
+        "enabled = false\n"
+        "[restart]\n"
+        f"drain_timeout = {DRAIN}\n"
+        f"ready_timeout = {START_TIMEOUT:g}\n"
+        f"job_timeout = {START_TIMEOUT:g}\n" + "".join(f"{line}\n" for line in restart)
+    )
+    file.chmod(0o644)
+
+
+def restart(box: Sandbox, *args: str) -> tuple[str, dict[str, Any]]:
+    """``vkvagent restart ARGS``: its output, and the costs the ledger recorded."""
+    done = vkvagent(box, "restart", "--reason", "test", *args, timeout=COMMAND_TIMEOUT)
+    assert done.returncode == 0, output(done)
+    costs = actions(box)[-1].detail["costs"]
+    assert isinstance(costs, dict)
+    return done.stdout, costs
+
+
+def stop_requested(box: Sandbox) -> float:
+    """When the last action asked systemd for the restart (wall clock)."""
+    action = actions(box)[-1]
+    return next(s.at for s in action.steps if (s.step, s.state) == ("restart", "begin"))
+
+
+def test_the_first_restart_gives_vllm_its_own_graceful_shutdown(vllm_box: Sandbox) -> None:
+    configure(vllm_box)
+    said, costs = restart(vllm_box)
+    # It could not drain by itself yet: a wait for a quiet moment (no traffic here).
+    assert costs["drain"] == "quiet", said
+    action = actions(vllm_box)[-1]
+    assert action.kind == "apply"
+    assert action.detail["changes"] == {"shutdown-timeout": DRAIN}
+    text = (vllm_box.root / DROPIN).read_text()
+    assert f"--shutdown-timeout {DRAIN}" in text
+    assert f"\nTimeoutStopSec={DRAIN + 30}\nKillMode=mixed\n" in text
+    shown = vllm_box.run("systemctl", "show", "-P", "TimeoutStopUSec", "vllm.service").stdout
+    assert shown.strip() == "1min"
+    shown = vllm_box.run("systemctl", "show", "-P", "KillMode", "vllm.service").stdout
+    assert shown.strip() == "mixed"
+    argv = running_argv(vllm_box)
+    assert argv[argv.index("--shutdown-timeout") + 1] == str(DRAIN)
+
+    # Applied once: the next plan changes nothing.
+    planned = vkvagent(vllm_box, "plan")
+    assert "the unit needs no change" in planned.stdout, output(planned)
+
+
+def test_a_drained_restart_under_streaming_traffic_cuts_off_nothing(vllm_box: Sandbox) -> None:
+    configure(vllm_box)
+    with Streams(vllm_box, clients=3) as streams:
+        wait_until(lambda: streams.count("ok") >= 6, 60, "streams before the restart")
+        said, costs = restart(vllm_box)
+        served = streams.count("ok")
+        wait_until(lambda: streams.count("ok") >= served + 3, 60, "streams after the restart")
+    stop = stop_requested(vllm_box)
+    spanning = streams.spanning(stop)
+    print(
+        f"\nreal vLLM {VERSION}, a restart drained by its --shutdown-timeout under 3 streaming "
+        f"clients: {json.dumps(costs)}; clients: {streams.outcomes()}; "
+        f"in flight at the stop: {[s.outcome for s in spanning]}"
+    )
+    assert costs["drain"] == "vllm", said
+    assert costs["aborted"] == 0, said
+    assert costs["in_flight"] is not None and costs["drain_seconds"] is not None
+    assert 0 < costs["drain_seconds"] <= DRAIN
+    assert costs["down_seconds"] > costs["drain_seconds"]
+    assert re.search(r"drained by vLLM in [0-9.]+ s, 0 of [0-9]+ in flight cut off", said)
+    # Every request vLLM had taken finished; those sent after the stop were turned away.
+    assert streams.count("cut") == 0, streams.outcomes()
+    assert spanning and all(s.outcome in ("ok", "rejected") for s in spanning)
+    assert any(s.outcome == "ok" for s in spanning), "no request was in flight at the stop"
+
+
+def test_with_a_pre_stop_hook_that_stops_the_clients_no_request_fails(vllm_box: Sandbox) -> None:
+    env_file = "/var/lib/lb/env"
+    vllm_box.run("mkdir", "-p", "/var/lib/lb")
+    pre_stop = [
+        "/bin/sh", "-c",
+        f'echo "$VKVAGENT_HOOK $VKVAGENT_UNIT $VKVAGENT_CAUSE $VKVAGENT_ACTION" > {env_file}; '
+        f"touch {MARK}; echo out of rotation",
+    ]  # fmt: skip
+    post_ready = ["/bin/rm", "-f", MARK]
+    configure(
+        vllm_box, f"pre_stop = {json.dumps(pre_stop)}", f"post_ready = {json.dumps(post_ready)}"
+    )
+    marker = vllm_box.root / MARK.lstrip("/")
+    with Streams(vllm_box, clients=3, paused=marker.exists) as streams:
+        wait_until(lambda: streams.count("ok") >= 6, 60, "streams before the restart")
+        said, costs = restart(vllm_box)
+        served = streams.count("ok")
+        wait_until(lambda: streams.count("ok") >= served + 3, 60, "streams after the restart")
+    print(f"\nwith pre_stop and post_ready: {json.dumps(costs)}; clients: {streams.outcomes()}")
+    assert set(streams.outcomes()) == {"ok"}, streams.outcomes()
+    assert not marker.exists()  # post_ready put the host back
+    action = actions(vllm_box)[-1]
+    hooks = {hook["name"]: hook for hook in action.detail["hooks"]}
+    assert hooks["pre_stop"]["status"] == 0 and hooks["post_ready"]["status"] == 0
+    assert hooks["pre_stop"]["output"] == "out of rotation\n"
+    said_env = (vllm_box.root / env_file.lstrip("/")).read_text()
+    assert said_env == f"pre_stop vllm.service manual {action.id}\n"
+    assert costs["aborted"] == 0, said
+
+
+def test_without_the_drain_the_requests_cut_off_are_counted(vllm_box: Sandbox) -> None:
+    """``--no-drain`` kills a vLLM that would drain. The requests in flight fail, and the
+    ledger counts those vLLM's engine held: its gauges miss a response the API server is
+    still streaming after the engine finished it (a second or two on this 2-core host), so
+    the client's count is the truth the figures are printed against."""
+    configure(vllm_box)
+    before = unit(vllm_box)
+    with Streams(vllm_box, clients=4) as streams:
+        wait_until(lambda: streams.count("ok") >= 8, 60, "streams before the restart")
+        said, costs = restart(vllm_box, "--no-drain")
+        served = streams.count("ok")
+        wait_until(lambda: streams.count("ok") >= served + 3, 60, "streams after the restart")
+    spanning = streams.spanning(stop_requested(vllm_box))
+    failed = [s for s in spanning if s.outcome != "ok"]
+    print(
+        f"\n--no-drain under 4 streaming clients: {json.dumps(costs)}; clients: "
+        f"{streams.outcomes()}; in flight at the stop: {[s.outcome for s in spanning]}"
+    )
+    assert costs["drain"] == "none"
+    assert costs["aborted"] == costs["in_flight"] is not None, said
+    assert re.search(r"not drained, [0-9]+ of [0-9]+ in flight cut off", said), said
+    assert failed, f"no request in flight failed: {[s.outcome for s in spanning]}"
+    after = unit(vllm_box)
+    assert after.invocation_id != before.invocation_id
+    assert (after.active_state, after.n_restarts) == ("active", 0)
+
+
+def test_a_failing_pre_stop_leaves_vllm_untouched(vllm_box: Sandbox) -> None:
+    configure(vllm_box, 'pre_stop = ["/bin/sh", "-c", "echo the balancer said no; exit 3"]')
+    before = unit(vllm_box)
+    dropin = (vllm_box.root / DROPIN).read_text()
+    done = vkvagent(vllm_box, "restart", "--reason", "test", timeout=COMMAND_TIMEOUT)
+    assert done.returncode == 1, output(done)
+    assert "pre_stop /bin/sh exited with status 3: the balancer said no" in done.stderr
+    after = unit(vllm_box)
+    assert (after.invocation_id, after.main_pid) == (before.invocation_id, before.main_pid)
+    assert (vllm_box.root / DROPIN).read_text() == dropin
+    action = actions(vllm_box)[-1]
+    assert action.outcome == "aborted"
+    assert [s.step for s in action.steps] == ["preflight", "preflight", "pre_stop", "pre_stop"]
+    assert "costs" not in action.detail
+    status, _ = vllm_box.http_get(8000, "/health")
+    assert status == 200
+    assert "Traceback" not in done.stderr
