@@ -58,15 +58,20 @@ VLLM = "vllm.service"
 # tests/test_packaging.py installs the .deb for a while (another run's state would show here).
 CONFIG = "/etc/vkvagent-reliability/config.toml"
 STATE_DIR = "/var/lib/vkvagent-reliability"
-RESTART_STEPS = ("preflight", "drain", "restart", "ready")
+RESTART_STEPS = ("preflight", "pre_stop", "drain", "restart", "ready", "post_ready")
+HOOKS = {"pre_stop": ["/bin/true"], "post_ready": ["/bin/true"]}  # so that every step is taken
 # What recover() makes of an action killed as the step began (tests/test_actuator.py RECOVERED,
 # and for a plain restart: nothing changed before systemd had it, it was waited for after).
 RECOVERED = {
     "apply": {
-        "preflight": "aborted", "drain": "aborted", "write": "rolled-back",
-        "reload": "rolled-back", "restart": "rolled-back", "ready": "done", "attest": "done",
+        "preflight": "aborted", "pre_stop": "aborted", "drain": "aborted",
+        "write": "rolled-back", "reload": "rolled-back", "restart": "rolled-back",
+        "ready": "done", "attest": "done", "post_ready": "done",
     },
-    "restart": {"preflight": "aborted", "drain": "aborted", "restart": "aborted", "ready": "done"},
+    "restart": {
+        "preflight": "aborted", "pre_stop": "aborted", "drain": "aborted", "restart": "aborted",
+        "ready": "done", "post_ready": "done",
+    },
 }  # fmt: skip
 MAX_DELAY = 2.0  # seconds, until a run that finished says how long one takes
 
@@ -202,7 +207,7 @@ class Trials:
         wanted = random_flags(rng, self.flags) if kind == "apply" else {}
         if kind == "restart":
             wanted = dict(self.flags)  # nothing to change: `apply --now` then only recovers
-        write_config(box, wanted, path=CONFIG, state_dir=STATE_DIR)
+        write_config(box, wanted, path=CONFIG, state_dir=STATE_DIR, restart=HOOKS)
         before = {a.id: a for a in actions(box, STATE_DIR)}
         started = starts(box)
         old_text = dropin_text(box)

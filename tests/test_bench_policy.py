@@ -36,10 +36,11 @@ FAST = (
 
 
 def brute_force(model: Model) -> float:
+    """The best reward of every schedule, each restart drained or cut off as costs less."""
     best = 0.0
     for pattern in itertools.product((False, True), repeat=model.steps):
         restarts = [k for k, on in enumerate(pattern) if on]
-        best = max(best, walk(model, restarts).reward)
+        best = max(best, walk(model, restarts, drained=None).reward)
     return best
 
 
@@ -48,7 +49,7 @@ def test_the_oracle_is_the_best_of_every_schedule_on_small_instances(world: Worl
     model = Model(world, Server(kv_blocks=2500), steps=10)
     best = oracle(model)
     assert best.value == pytest.approx(brute_force(model), rel=1e-12)
-    assert walk(model, best.restarts).reward == pytest.approx(best.value, rel=1e-12)
+    assert walk(model, best.restarts, drained=None).reward == pytest.approx(best.value, rel=1e-12)
 
 
 def test_the_oracle_respects_oom_kills_it_cannot_avoid() -> None:
@@ -64,17 +65,41 @@ def test_the_oracle_respects_oom_kills_it_cannot_avoid() -> None:
 
 def test_a_score_is_the_reward_of_its_restart_times_over_the_demand() -> None:
     # The first ten minutes of ServeGen are one window: constant demand. A restart at step 2
-    # loses steps 2, 3 and 4 (the cold start) of six.
+    # loses steps 2, 3 and 4 (the cold start) of six, and what it cut off.
     model = Model(World("steady", ""), steps=6)
     assert walk(model, []).score() == pytest.approx(1.0)
     path = walk(model, [2])
-    assert path.score() == pytest.approx(3 / 6)
+    lost, _ = model.restart_cost(model.evaluate(2, COLD_STEPS + 2), False)
+    assert path.score() == pytest.approx(3 / 6 - float(lost) / model.total_demand())
     assert list(path.uptime) == [COLD_STEPS, COLD_STEPS + 1, 0, 1, 2, 3]
     assert path.restarts == [2] and path.served[2:5].sum() == 0
     # Speed weighs the reward: throttled (0.6) for the first minute.
     hot = Model(World("hot", "", hot=((0.0, 1 / 60),)), steps=6)
     assert walk(hot, []).score() == pytest.approx((0.6 + 5) / 6)
-    assert walk(hot, [0]).score() == pytest.approx(3 / 6)
+    lost, _ = hot.restart_cost(hot.evaluate(0, COLD_STEPS), False)
+    assert walk(hot, [0]).score() == pytest.approx(3 / 6 - float(lost) / hot.total_demand())
+
+
+def test_a_restart_pays_for_its_requests_in_flight_cut_off_or_drained() -> None:
+    model = Model(World("steady", ""), Server(peak_rate=120.0), steps=6)
+    at = model.evaluate(2, COLD_STEPS + 2)  # what the restart at step 2 finds
+    running, speed, demand = float(at.running), float(at.speed), float(at.demand)
+    s = model.server
+    cut, drained, cheaper = (walk(model, [2], drained=d) for d in (False, True, None))
+    free = float(cut.served.sum()) * STEP  # the reward with nothing to pay for (speed 1)
+    assert running > 1 and cut.cut_off == pytest.approx(running) and drained.cut_off == 0
+    # Cut off: half of each running answer's tokens, wasted.
+    assert cut.reward == pytest.approx(free - running * s.output_tokens / 2 * speed)
+    # Drained: nothing new admitted until the longest answer (451 tokens) is done.
+    drain_seconds = 451 * float(at.itl)
+    assert 0 < drain_seconds < 120
+    assert drained.reward == pytest.approx(free - demand * drain_seconds * speed)
+    assert cheaper.reward == pytest.approx(max(cut.reward, drained.reward))
+    # A hung engine finishes nothing: drained or not, its requests are cut off.
+    hung = Model(World("hang", "", hangs=(1 / 60,)), steps=6)
+    assert walk(hung, [2], drained=True).cut_off == pytest.approx(
+        float(hung.evaluate(2, COLD_STEPS + 2).running)
+    )
 
 
 def test_degraded_runs_and_their_delays() -> None:

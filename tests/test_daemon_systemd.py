@@ -146,6 +146,41 @@ def test_the_closed_loop_restarts_a_stalled_vllm_through_dbus() -> None:
         assert shown["exit_code"] == done.returncode
 
 
+def test_a_drained_restart_gives_vllm_its_drain_and_runs_the_hooks() -> None:
+    """A stall outside the emergencies is restarted in the window, drained: the daemon's
+    first restart gives vLLM --shutdown-timeout in the drop-in, runs pre_stop and post_ready
+    around it, and reports what it cost."""
+    vllm = sim_unit("--scenario", "stall", "--scenario-onset", "600", "--rate", "4")
+    with boot({"vllm.service": vllm}) as box:
+        write_config(
+            box,
+            CONFIG.format(read_timeout=5.0).replace(
+                "graceful_shutdown = false\n",
+                'pre_stop = ["/bin/sh", "-c", "echo out of rotation"]\n'
+                'post_ready = ["/bin/true"]\n',
+            )
+            + 'windows = ["daily 00:00-24:00"]\nemergency = []\n',  # [policy]'s
+        )
+        box.run("systemctl", "start", AGENT)
+        completed = wait_event(box, "restart.completed", timeout=90)
+        assert completed["VKV_CAUSE"] == "stall" and completed["VKV_DRAIN"] == "quiet"
+        assert float(completed["VKV_IN_FLIGHT"]) >= 0 and "VKV_DOWN_SECONDS" in completed
+        hooks = {event["VKV_HOOK"]: event for event in events(box, "restart.hook")}
+        assert hooks["pre_stop"]["VKV_OUTPUT"] == "out of rotation\n"
+        assert hooks["pre_stop"]["VKV_STATUS"] == hooks["post_ready"]["VKV_STATUS"] == "0"
+        (action,) = actions(box)
+        assert (action.kind, action.outcome) == ("apply", "done")
+        assert action.detail["changes"] == {"shutdown-timeout": 5}
+        dropin = box.root / "etc/systemd/system/vllm.service.d/90-vkvagent.conf"
+        assert dropin.read_text().endswith("\nTimeoutStopSec=35\nKillMode=mixed\n")
+        done = box.run(
+            sys.executable, "-m", "vkvagent", "status", "--json", "--config", CONFIG_DIR,
+            check=False,
+        )  # fmt: skip
+        costs = json.loads(done.stdout)["last_restart"]["costs"]
+        assert costs["drain"] == "quiet" and costs["down_seconds"] > 0
+
+
 def test_a_refused_restart_backs_off_instead_of_retrying_every_tick() -> None:
     # StartLimitBurst=1: the start at boot used it up, so the actuator refuses to restart
     # (it would leave the unit failed). The agent ticks every second; it must not ask again

@@ -130,6 +130,10 @@ class Outcome:
     costs: Costs | None = None  # None: vLLM was never stopped
     hooks: tuple[HookResult, ...] = ()  # pre_stop and post_ready, as they ran
 
+    def events(self, unit: str, cause: str) -> list[tuple[str, str, dict[str, Any]]]:
+        """Every event this outcome reports, in order: its hooks' runs, then ``event``."""
+        return [hook.event(self.action_id) for hook in self.hooks] + [self.event(unit, cause)]
+
     def event(self, unit: str, cause: str) -> tuple[str, str, dict[str, Any]]:
         """The event that reports this outcome: (name, message, fields), for the daemon's
         restarts and the operator's alike."""
@@ -365,11 +369,9 @@ class Actuator:
                 with self._step(action, "attest"):
                     self._attest(plan.after, plan.flags, after)
         except ActuatorError as exc:
-            stopped = stop is not None and stop.requested is not None
-            # A refused job stopped nothing: nothing was cut off, and vLLM was never down.
-            costs = (
-                stop.costs(None) if stop and stopped and not isinstance(exc, _JobRefused) else None
-            )
+            costs = None  # until systemd has the restart (a refused job stopped nothing)
+            if stop is not None and not isinstance(exc, _JobRefused):
+                costs = stop.costs(None)
             return self._fail(action, exc, change, started, costs, tuple(ran), cause)
         costs = stop.costs(ready_at)
         self._post_ready(action, "done", cause, ran)
@@ -750,14 +752,11 @@ class Actuator:
             raise _JobRefused(str(exc)) from None
 
     def _restart_job(self, stop: _Stop | None = None) -> None:
-        draining = stop is not None and stop.drain == "vllm"
-        timeout = self.settings.job_timeout
-        if draining and stop is not None:
-            timeout += stop.shutdown + STOP_MARGIN
+        timeout, tick = self.settings.job_timeout, None
+        if stop is not None and stop.drain == "vllm":  # systemd's stop is vLLM's drain
+            timeout, tick = timeout + stop.shutdown + STOP_MARGIN, stop.tick
         try:
-            result = self.systemd.restart(
-                self.unit, timeout=timeout, tick=stop.tick if draining and stop else None
-            )
+            result = self.systemd.restart(self.unit, timeout=timeout, tick=tick)
             if stop is not None:
                 stop.stopped_at = self._clock()
         except SystemdError as exc:

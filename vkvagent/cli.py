@@ -576,11 +576,8 @@ def _recovered(actuator: Actuator, out: TextIO) -> None:
 def _report(unit: str, outcome: Outcome, out: TextIO) -> int:
     events = Events.for_command()
     if events is not None:
-        for hook in outcome.hooks:
-            hook_name, said, hook_fields = hook.event(outcome.action_id)
-            events.emit(hook_name, said, **hook_fields)
-        name, message, fields = outcome.event(unit, "manual")
-        events.emit(name, message, **fields)
+        for name, message, fields in outcome.events(unit, "manual"):
+            events.emit(name, message, **fields)
     if sys.stderr.isatty():
         print("\r\033[K", end="", file=sys.stderr, flush=True)  # the progress line, done
     for hook in outcome.hooks:

@@ -662,11 +662,8 @@ class Daemon:
                 self.notify(f"WATCHDOG_USEC={watchdog}")
             self.notify("WATCHDOG=1")
         self.metrics.count_restart(cause, outcome.result)
-        for hook in outcome.hooks:
-            name, message, fields = hook.event(outcome.action_id)
+        for name, message, fields in outcome.events(actuator.unit, cause):
             self.events.emit(name, message, **fields)
-        name, message, fields = outcome.event(actuator.unit, cause)
-        self.events.emit(name, message, **fields)
         return outcome
 
     def _progress(self, message: str) -> None:
