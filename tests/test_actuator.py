@@ -664,7 +664,7 @@ def test_a_drained_restart_gives_vllm_its_shutdown_timeout_then_lets_it_drain(
     assert (action.kind, action.outcome) == ("apply", "done")
     # The simulator's traffic never stops, and the running vLLM could not drain by itself yet.
     costs = action.detail["costs"]
-    assert costs["drain"] == "quiet" and costs["aborted"] == costs["in_flight"] > 0
+    assert costs["drain_mode"] == "quiet" and costs["aborted"] == costs["in_flight"] > 0
     assert re.search(r"\n  waited for a quiet moment in [0-9.]+ s, [1-9][0-9]* of", first.stdout)
 
     second = vkvagent(sandbox, "restart", "--reason", "test")
@@ -673,7 +673,7 @@ def test_a_drained_restart_gives_vllm_its_shutdown_timeout_then_lets_it_drain(
     assert (latest.kind, latest.outcome) == ("restart", "done")  # nothing more to change
     assert [s for s, _ in steps(latest)] == ["preflight"] * 2 + ["restart"] * 2 + ["ready"] * 2
     costs = latest.detail["costs"]
-    assert costs["drain"] == "vllm" and costs["in_flight"] > 0 and costs["aborted"] == 0
+    assert costs["drain_mode"] == "vllm" and costs["in_flight"] > 0 and costs["aborted"] == 0
     assert 0 < costs["drain_seconds"] < 10 < costs["down_seconds"] + 10
     said = "\n".join(sandbox.messages(VLLM))
     assert "[shutdown] EngineCore: draining in-flight requests count=" in said
@@ -689,7 +689,7 @@ def test_no_drain_kills_a_vllm_that_would_drain_and_counts_what_it_cut_off(
     done = vkvagent(sandbox, "restart", "--no-drain", "--reason", "test")
     assert done.returncode == 0, output(done)
     costs = actions(sandbox)[-1].detail["costs"]
-    assert costs["drain"] == "none" and costs["aborted"] == costs["in_flight"] > 0
+    assert costs["drain_mode"] == "none" and costs["aborted"] == costs["in_flight"] > 0
     assert costs["drain_seconds"] is None and costs["down_seconds"] < 30  # no 60 s drain
     said = "\n".join(sandbox.messages(VLLM)[-30:])
     assert "draining in-flight requests" not in said.split("Starting vLLM API server")[-2]
@@ -718,6 +718,6 @@ def test_a_vllm_that_cannot_drain_waits_for_a_quiet_moment_then_does_as_when_bus
     else:
         assert done.returncode == 0, output(done)
         costs = action.detail["costs"]
-        assert costs["drain"] == "busy" and costs["aborted"] == costs["in_flight"] > 0
+        assert costs["drain_mode"] == "busy" and costs["aborted"] == costs["in_flight"] > 0
         assert costs["drain_seconds"] >= 2
         assert unit(sandbox).invocation_id != before.invocation_id

@@ -22,12 +22,13 @@ import pytest
 
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get
-from vkvagent import controls, status
-from vkvagent.actuator import Outcome
+from vkvagent import cli, config, controls, status
+from vkvagent.actuator import Costs, Outcome
 from vkvagent.cli import main
 from vkvagent.daemon import STATE_FILE, Daemon
 from vkvagent.demo import scaled_clock
 from vkvagent.events import Events
+from vkvagent.hooks import HookResult
 from vkvagent.ledger import Ledger
 from vkvagent.sample import Sample, UnitFacts
 
@@ -276,6 +277,46 @@ def test_an_outcome_is_reported_with_the_flags_it_changed_and_vllms_words() -> N
     assert (fields["vllm_error"], fields["cause"], fields["action"]) == (refused, "kv_pressure", 8)
     name, message, fields = Outcome(9, "failed", "job timed out", 120.0, None).event("u", "stall")
     assert (name, fields["error"], message) == ("restart.failed", "job timed out", "job timed out")
+
+
+def test_an_outcome_reports_its_hooks_then_what_it_cost() -> None:
+    costs = Costs("vllm", 3.0, 0.0, 0.885, 55.173, None)
+    hooks = (
+        HookResult("pre_stop", ("/bin/lb", "out"), 0, 0.01, "out\n"),
+        HookResult("post_ready", ("/bin/lb", "in"), 1, 0.02, "no\n", "exited with status 1"),
+    )
+    done = Outcome(5, "done", "restarted", 57.0, 55.2, costs=costs, hooks=hooks)
+    reported = done.events("vllm.service", "uptime_decline")
+    assert [(name, message) for name, message, _ in reported] == [
+        ("restart.hook", "pre_stop ran"),
+        ("restart.hook_failed", "post_ready failed: exited with status 1"),
+        ("restart.completed", "restarted vllm.service (uptime_decline) in 57.0 s"),
+    ]
+    fields = reported[-1][2]
+    assert {k: fields[k] for k in ("drain_mode", "in_flight", "aborted", "drain_seconds")} == {
+        "drain_mode": "vllm", "in_flight": 3.0, "aborted": 0.0, "drain_seconds": 0.885,
+    }  # fmt: skip
+    assert fields["down_seconds"] == 55.173 and fields["missed"] is None
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_commands_progress_is_one_updating_line_on_a_terminal_and_nothing_in_a_log(
+    tmp_path: Path,
+) -> None:
+    path = write_config(tmp_path, "http://127.0.0.1:9")
+    settings = config.load(path, as_root=False)
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        actuator = cli._actuator(settings, stream)
+        actuator._progress("draining: 3 requests in flight")
+        actuator._progress("draining: 1 requests in flight")
+        expected = "\r\033[Kvkvagent: draining: 3 requests in flight" + (
+            "\r\033[Kvkvagent: draining: 1 requests in flight"
+        )
+        assert stream.getvalue() == (expected if shown else "")
 
 
 def test_reload_keeps_the_old_config_when_the_new_one_is_invalid(tmp_path: Path) -> None:

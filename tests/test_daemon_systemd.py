@@ -163,7 +163,7 @@ def test_a_drained_restart_gives_vllm_its_drain_and_runs_the_hooks() -> None:
         )
         box.run("systemctl", "start", AGENT)
         completed = wait_event(box, "restart.completed", timeout=90)
-        assert completed["VKV_CAUSE"] == "stall" and completed["VKV_DRAIN"] == "quiet"
+        assert completed["VKV_CAUSE"] == "stall" and completed["VKV_DRAIN_MODE"] == "quiet"
         assert float(completed["VKV_IN_FLIGHT"]) >= 0 and "VKV_DOWN_SECONDS" in completed
         hooks = {event["VKV_HOOK"]: event for event in events(box, "restart.hook")}
         assert hooks["pre_stop"]["VKV_OUTPUT"] == "out of rotation\n"
@@ -178,7 +178,7 @@ def test_a_drained_restart_gives_vllm_its_drain_and_runs_the_hooks() -> None:
             check=False,
         )  # fmt: skip
         costs = json.loads(done.stdout)["last_restart"]["costs"]
-        assert costs["drain"] == "quiet" and costs["down_seconds"] > 0
+        assert costs["drain_mode"] == "quiet" and costs["down_seconds"] > 0
 
 
 def test_a_refused_restart_backs_off_instead_of_retrying_every_tick() -> None:

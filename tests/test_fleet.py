@@ -281,7 +281,7 @@ class FakeActuator:
     def exclusive(self) -> Iterator[None]:
         yield
 
-    def restart(self, reason: str, *, drain: bool = True) -> Outcome:
+    def restart(self, reason: str, *, drain: bool = True, cause: str = "manual") -> Outcome:
         self.reasons.append(reason)
         if self.during is not None:
             self.during()

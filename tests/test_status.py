@@ -125,7 +125,7 @@ def test_render_shows_the_restart_in_progress_and_what_the_last_one_cost() -> No
     last = {
         "id": 4, "kind": "apply", "reason": "manual: test", "started": NOW - 60,
         "ended": NOW - 10, "outcome": "done", "recovered": None,
-        "costs": {"drain": "vllm", "in_flight": 3.0, "aborted": 0.0, "drain_seconds": 0.885,
+        "costs": {"drain_mode": "vllm", "in_flight": 3.0, "aborted": 0.0, "drain_seconds": 0.885,
                   "down_seconds": 55.173, "missed": 19.1},
         "hooks": [{"name": "post_ready", "problem": "exited with status 1"}],
     }  # fmt: skip
@@ -138,9 +138,9 @@ def test_render_shows_the_restart_in_progress_and_what_the_last_one_cost() -> No
         "19 requests turned away)",
         "              post_ready failed: exited with status 1",
     ]
-    cut = {"drain": "none", "in_flight": 4.0, "aborted": 4.0, "drain_seconds": None,
+    cut = {"drain_mode": "none", "in_flight": 4.0, "aborted": 4.0, "drain_seconds": None,
            "down_seconds": 37.4, "missed": None}  # fmt: skip
     assert costs_line(cut) == "not drained, 4 of 4 in flight cut off, down 37.4 s"
-    busy = {"drain": "busy", "in_flight": 9.0, "aborted": 9.0, "drain_seconds": 120.0,
+    busy = {"drain_mode": "busy", "in_flight": 9.0, "aborted": 9.0, "drain_seconds": 120.0,
             "down_seconds": None, "missed": None}  # fmt: skip
     assert costs_line(busy) == "no quiet moment came in 120.0 s, 9 of 9 in flight cut off"

@@ -77,7 +77,7 @@ def test_the_first_restart_gives_vllm_its_own_graceful_shutdown(vllm_box: Sandbo
     configure(vllm_box)
     said, costs = restart(vllm_box)
     # It could not drain by itself yet: a wait for a quiet moment (no traffic here).
-    assert costs["drain"] == "quiet", said
+    assert costs["drain_mode"] == "quiet", said
     action = actions(vllm_box)[-1]
     assert action.kind == "apply"
     assert action.detail["changes"] == {"shutdown-timeout": DRAIN}
@@ -110,7 +110,7 @@ def test_a_drained_restart_under_streaming_traffic_cuts_off_nothing(vllm_box: Sa
         f"clients: {json.dumps(costs)}; clients: {streams.outcomes()}; "
         f"in flight at the stop: {[s.outcome for s in spanning]}"
     )
-    assert costs["drain"] == "vllm", said
+    assert costs["drain_mode"] == "vllm", said
     assert costs["aborted"] == 0, said
     assert costs["in_flight"] is not None and costs["drain_seconds"] is not None
     assert 0 < costs["drain_seconds"] <= DRAIN
@@ -170,7 +170,7 @@ def test_without_the_drain_the_requests_cut_off_are_counted(vllm_box: Sandbox) -
         f"\n--no-drain under 4 streaming clients: {json.dumps(costs)}; clients: "
         f"{streams.outcomes()}; in flight at the stop: {[s.outcome for s in spanning]}"
     )
-    assert costs["drain"] == "none"
+    assert costs["drain_mode"] == "none"
     assert costs["aborted"] == costs["in_flight"] is not None, said
     assert re.search(r"not drained, [0-9]+ of [0-9]+ in flight cut off", said), said
     assert failed, f"no request in flight failed: {[s.outcome for s in spanning]}"

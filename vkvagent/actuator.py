@@ -99,12 +99,12 @@ class Plan:
 
 @dataclass(frozen=True)
 class Costs:
-    """What a restart cost vLLM's clients, as /metrics showed it. ``drain``: how the requests
+    """What a restart cost vLLM's clients, as /metrics showed it. ``drain_mode``: how the requests
     in flight were let finish: ``vllm`` (its graceful shutdown), ``quiet`` (a wait for a quiet
     moment), ``busy`` (no quiet moment came within drain_timeout: restarted anyway, as
     when_busy = proceed says), ``none`` (cut off: an emergency, or --no-drain)."""
 
-    drain: str
+    drain_mode: str
     in_flight: float | None  # requests running + waiting when the stop was requested
     aborted: float | None  # of those, cut off by the stop (None: vLLM did not say)
     drain_seconds: float | None  # the stop until nothing was in flight (or vLLM went away)
@@ -187,11 +187,13 @@ class Actuator:
         progress: Callable[[str], None] = lambda _message: None,
         gpus: GpuReader | None = None,
         why_it_failed: Callable[[str, float, str], str | None] = unitlog.why_it_failed,
+        vllm_version: str | None = None,
     ) -> None:
         self.unit, self.systemd, self.ledger, self.dropin = unit, systemd, ledger, dropin
         self.probe, self.settings, self.proc = probe, settings, proc
         self._gpus = gpus
         self._why_it_failed = why_it_failed
+        self._vllm_version = vllm_version  # [vllm] version: when vLLM does not say its own
         self._state_dir = state_dir
         self._base_file = state_dir / f"base-{unit}.json"
         self._clock, self._wall, self._sleep, self._progress = clock, wall, sleep, progress
@@ -230,6 +232,7 @@ class Actuator:
             progress=progress,
             gpus=gpus,
             clock=mono,
+            vllm_version=cfg.vllm.version or None,
         )
 
     # -- planning ---------------------------------------------------------------------------
@@ -251,6 +254,10 @@ class Actuator:
         except vflags.CommandError:
             changes = dict(values)
         return Plan(self.unit, current, after, values, attestable, after != current, changes)
+
+    def vllm_version(self) -> str | None:
+        """The running vLLM's version: as it says (``/version``), else as configured."""
+        return self.probe.version() or self._vllm_version
 
     def drain_flags(self, vllm_version: str | None) -> dict[str, vflags.FlagValue]:
         """The flags that make vLLM drain when systemd stops it: ``--shutdown-timeout`` (the
@@ -323,9 +330,14 @@ class Actuator:
 
         With ``drain``, requests in flight finish first: by vLLM's graceful shutdown when the
         running vLLM has ``--shutdown-timeout`` (systemd's stop then drains), else by a wait
-        for a quiet moment. Without it, they are cut off at once. ``pre_stop`` runs before
-        anything else touches vLLM and ``post_ready`` once it serves again; ``cause`` is
-        handed to them."""
+        for a quiet moment; without ``plan``, the restart also gives vLLM the flags to drain
+        by itself from then on (``drain_plan``). Without ``drain``, requests in flight are cut
+        off at once. ``pre_stop`` runs before anything else touches vLLM and ``post_ready``
+        once it serves again; ``cause`` is handed to them."""
+        if plan is None and drain and self.settings.graceful_shutdown:
+            # Unreadable now, the unit fails the preflight below, where the ledger has it.
+            with contextlib.suppress(ActuatorError):
+                plan = self.drain_plan(self.vllm_version())
         started = self._clock()
         change = plan is not None and plan.changed
         detail: dict[str, Any] = {"previous_dropin": self.dropin.read()}

@@ -597,13 +597,8 @@ def _report(unit: str, outcome: Outcome, out: TextIO) -> int:
     return ExitCode.FAILURE
 
 
-def _version(actuator: Actuator, settings: config.Config) -> str | None:
-    """The running vLLM's version: as it says, else as [vllm] version says."""
-    return actuator.probe.version() or settings.vllm.version or None
-
-
 def _plan_for(actuator: Actuator, settings: config.Config) -> Plan:
-    return actuator.plan(settings.vllm.flags, _version(actuator, settings))
+    return actuator.plan(settings.vllm.flags, actuator.vllm_version())
 
 
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
@@ -616,7 +611,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     if not plan.changed:
         said = "already runs with these flags" if settings.vllm.flags else "needs no change"
         print(f"the unit {said}", file=out)
-    drains = actuator.drain_flags(_version(actuator, settings))
+    drains = actuator.drain_flags(actuator.vllm_version())
     if drains:
         shown = " ".join(f"--{name} {value}" for name, value in drains.items())
         print(f"{shown}: vLLM drains when stopped ([restart] graceful_shutdown)", file=out)
@@ -674,11 +669,7 @@ def _restart(args: argparse.Namespace, out: TextIO) -> int:
     with actuator.exclusive():
         _recovered(actuator, out)
         drain = not args.no_drain
-        # A drained restart also gives vLLM the flags to drain by itself next time.
-        plan = actuator.drain_plan(_version(actuator, settings)) if drain else None
-        return _in_slot(
-            settings, args, lambda: actuator.restart(args.reason, plan=plan, drain=drain), out
-        )
+        return _in_slot(settings, args, lambda: actuator.restart(args.reason, drain=drain), out)
 
 
 def _rollback(args: argparse.Namespace, out: TextIO) -> int:

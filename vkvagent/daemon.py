@@ -647,10 +647,7 @@ class Daemon:
             self.notify(f"WATCHDOG_USEC={int(self.parts.action_seconds * 1e6)}")
         try:
             with actuator.exclusive():
-                # A drained restart also gives vLLM the flags to drain by itself next time.
-                version = actuator.probe.version() or self.parts.config.vllm.version or None
-                plan = actuator.drain_plan(version) if drain else None
-                outcome = actuator.restart(reason, plan=plan, drain=drain, cause=cause)
+                outcome = actuator.restart(reason, drain=drain, cause=cause)
         except (ActuatorError, LedgerError) as exc:
             self.metrics.count_restart(cause, "failed")
             self.events.emit(

@@ -230,7 +230,7 @@ def costs_line(costs: Mapping[str, Any]) -> str:
         "quiet": "waited for a quiet moment",
         "busy": "no quiet moment came",
         "none": "not drained",
-    }.get(costs.get("drain", ""), "drain unknown")
+    }.get(costs.get("drain_mode", ""), "drain unknown")
     if costs.get("drain_seconds") is not None:
         how += f" in {costs['drain_seconds']:.1f} s"
     parts = [how]
