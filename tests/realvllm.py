@@ -29,8 +29,9 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -160,21 +161,19 @@ def complete(
         connection.close()
 
 
-@dataclass
-class Traffic:
-    """Clients sending completions one after another until stopped: what a host serving
-    traffic sees during a restart. ``outcomes`` counts ``ok``, ``refused`` (nothing listens:
-    vLLM is down), ``http <status>`` and ``error <type>``."""
+_C = TypeVar("_C", bound="Clients")
 
-    box: Sandbox
-    clients: int = 2
-    max_tokens: int = 32
-    outcomes: dict[str, int] = field(default_factory=dict)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def __enter__(self) -> Traffic:
+class Clients:
+    """``clients`` threads, each running ``_client`` until the ``with`` block ends."""
+
+    def __init__(self, box: Sandbox, clients: int, max_tokens: int) -> None:
+        self.box, self.clients, self.max_tokens = box, clients, max_tokens
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self: _C) -> _C:
         for number in range(self.clients):
             thread = threading.Thread(target=self._client, name=f"client-{number}", daemon=True)
             thread.start()
@@ -184,7 +183,20 @@ class Traffic:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=90)
+            thread.join(timeout=120)
+
+    def _client(self) -> None:
+        raise NotImplementedError
+
+
+class Traffic(Clients):
+    """Clients sending completions one after another until stopped: what a host serving
+    traffic sees during a restart. ``outcomes`` counts ``ok``, ``refused`` (nothing listens:
+    vLLM is down), ``http <status>`` and ``error <type>``."""
+
+    def __init__(self, box: Sandbox, clients: int = 2, max_tokens: int = 32) -> None:
+        super().__init__(box, clients, max_tokens)
+        self.outcomes: dict[str, int] = {}
 
     def _client(self) -> None:
         while not self._stop.is_set():
@@ -233,7 +245,7 @@ class Stream:
     outcome: str  # ok | cut (broken off mid-stream) | rejected (an error status) | refused | error
 
 
-class Streams:
+class Streams(Clients):
     """Clients streaming completions one after another until stopped, each a whole answer of
     ``max_tokens`` tokens, so a restart finds requests in flight. While ``paused()`` is true
     (a load balancer that took the host out of rotation) they send nothing."""
@@ -245,23 +257,9 @@ class Streams:
         max_tokens: int = 400,
         paused: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.box, self.clients, self.max_tokens, self.paused = box, clients, max_tokens, paused
+        super().__init__(box, clients, max_tokens)
+        self.paused = paused
         self.streams: list[Stream] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-
-    def __enter__(self) -> Streams:
-        for number in range(self.clients):
-            thread = threading.Thread(target=self._client, name=f"stream-{number}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=120)
 
     def count(self, outcome: str) -> int:
         with self._lock:

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get
@@ -28,6 +29,7 @@ from vkvagent.cli import main
 from vkvagent.daemon import STATE_FILE, Daemon
 from vkvagent.demo import scaled_clock
 from vkvagent.events import Events
+from vkvagent.exporter import AgentMetrics
 from vkvagent.hooks import HookResult
 from vkvagent.ledger import Ledger
 from vkvagent.sample import Sample, UnitFacts
@@ -297,6 +299,16 @@ def test_an_outcome_reports_its_hooks_then_what_it_cost() -> None:
         "drain_mode": "vllm", "in_flight": 3.0, "aborted": 0.0, "drain_seconds": 0.885,
     }  # fmt: skip
     assert fields["down_seconds"] == 55.173 and fields["missed"] is None
+
+
+def test_the_requests_restarts_cut_off_are_counted_for_prometheus() -> None:
+    metrics = AgentMetrics()
+    metrics.count_restart("stall", "done", 4.0)
+    metrics.count_restart("uptime_decline", "done", 0.0)
+    metrics.count_restart("uptime_decline", "aborted", None)  # never stopped: nothing known
+    page = generate_latest(metrics.registry).decode()
+    assert "vkvagent_restart_requests_cut_off_total 4.0\n" in page
+    assert 'vkvagent_restarts_total{reason="uptime_decline",result="done"} 1.0' in page
 
 
 class Terminal(io.StringIO):

@@ -674,7 +674,9 @@ def test_apply_works_under_the_units_sandbox(sandbox: Sandbox, packages: tuple[P
     assert after != before
     pid = int(sandbox.run("systemctl", "show", "-P", "MainPID", "vllm.service").stdout)
     argv = (sandbox.root / f"proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
-    assert argv[-2:] == [b"--max-num-seqs", b"64"]
+    # The flag asked for, and by default the drain's (vLLM 0.32 has --shutdown-timeout).
+    assert argv[-4:] == [b"--max-num-seqs", b"64", b"--shutdown-timeout", b"120"]
     dropin = sandbox.root / "etc/systemd/system/vllm.service.d/90-vkvagent.conf"
     assert "--max-num-seqs 64" in dropin.read_text()
+    assert dropin.read_text().endswith("\nTimeoutStopSec=150\nKillMode=mixed\n")
     assert (sandbox.root / "var/lib/vkvagent/ledger.sqlite3").exists()

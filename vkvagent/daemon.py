@@ -658,7 +658,8 @@ class Daemon:
             if watchdog:
                 self.notify(f"WATCHDOG_USEC={watchdog}")
             self.notify("WATCHDOG=1")
-        self.metrics.count_restart(cause, outcome.result)
+        cut_off = outcome.costs.aborted if outcome.costs is not None else None
+        self.metrics.count_restart(cause, outcome.result, cut_off)
         for name, message, fields in outcome.events(actuator.unit, cause):
             self.events.emit(name, message, **fields)
         return outcome

@@ -29,6 +29,7 @@ class AgentMetrics(Collector):
         self._status: Mapping[str, Any] | None = None
         self.decisions: Counter[str] = Counter()
         self.restarts: Counter[tuple[str, str]] = Counter()
+        self.cut_off = 0.0  # requests in flight that the restarts cut off
         self.source_errors: Counter[str] = Counter({"vllm": 0, "gpu": 0, "systemd": 0})
         self.probes: Counter[str] = Counter()
         self.probe_seconds = 0.0  # the latency of every probe, added up (a summary's _sum)
@@ -45,9 +46,10 @@ class AgentMetrics(Collector):
             for source, failed in errors.items():
                 self.source_errors[source] += failed
 
-    def count_restart(self, reason: str, result: str) -> None:
+    def count_restart(self, reason: str, result: str, cut_off: float | None = None) -> None:
         with self._lock:
             self.restarts[(reason, result)] += 1
+            self.cut_off += cut_off or 0.0
 
     def count_probe(self, outcome: str, latency: float) -> None:
         with self._lock:
@@ -57,7 +59,7 @@ class AgentMetrics(Collector):
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             status = self._status
-            decisions, restarts = dict(self.decisions), dict(self.restarts)
+            decisions, restarts, cut_off = dict(self.decisions), dict(self.restarts), self.cut_off
             errors = dict(self.source_errors)
             probes, probe_seconds = dict(self.probes), self.probe_seconds
         counter = CounterMetricFamily(
@@ -74,6 +76,11 @@ class AgentMetrics(Collector):
         for (reason, result), n in sorted(restarts.items()):
             counter.add_metric([reason, result], n)
         yield counter
+        yield CounterMetricFamily(
+            "vkvagent_restart_requests_cut_off",
+            "Requests in flight that vkvagent's restarts cut off (vLLM's engine's count).",
+            value=cut_off,
+        )
         counter = CounterMetricFamily(
             "vkvagent_scrape_errors", "Samples a source failed, by source.", labels=["source"]
         )
