@@ -371,8 +371,7 @@ class Actuator:
                             "after the reload systemd shows another command "
                             "line: another drop-in overrides vkvagent's"
                         )
-            stop = _Stop(self, before, how)
-            stop.begin(waited, shutdown)
+            stop = _Stop(self, before, how, waited, shutdown)
             self._restart_step(action, before, stop)
             with self._step(action, "ready"):
                 after = self._wait_ready(before.invocation_id)
@@ -388,7 +387,6 @@ class Actuator:
         costs = stop.costs(ready_at)
         self._post_ready(action, "done", cause, ran)
         self._end(action, "done", costs, tuple(ran))
-        assert stop.requested is not None
         return Outcome(
             action,
             "done",
@@ -988,39 +986,32 @@ class Actuator:
 
 
 class _Stop:
-    """One stop of vLLM, watched through /metrics: the requests in flight when it was asked
-    for, how long vLLM's own drain took, and what was cut off (``Costs``)."""
+    """One stop of vLLM, watched through /metrics from just before the restart job: the
+    requests in flight when it was asked for, how long vLLM's own drain took (``drain``
+    "vllm", its ``shutdown`` timeout), and what was cut off (``Costs``). ``waited``: the
+    quiet-moment wait before it, if any."""
 
-    def __init__(self, actuator: Actuator, before: UnitState, drain: str) -> None:
-        self.actuator, self.before, self.drain = actuator, before, drain
-        self.shutdown = 0  # the running vLLM's --shutdown-timeout (drain "vllm")
-        self.requested: float | None = None  # when the restart job was asked for
-        self.waited: float | None = None  # the quiet-moment wait (drain "quiet")
-        self.in_flight: float | None = None  # when the stop was asked for
-        self.last: float | None = None  # at vLLM's last answer since
-        self.busy = 0.0  # the last non-zero count seen
+    def __init__(
+        self, actuator: Actuator, before: UnitState, drain: str, waited: float | None, shutdown: int
+    ) -> None:
+        self.actuator, self.drain, self.waited, self.shutdown = actuator, drain, waited, shutdown
+        metrics = actuator._scrape()
+        self.in_flight = self.last = _in_flight(metrics)  # last: at vLLM's last answer since
+        self.busy = self.in_flight or 0.0  # the last non-zero count seen
+        self.rate: float | None = None  # the run's mean requests/s until the stop
+        start = before.exec_main_start_timestamp / 1e6
+        if metrics is not None and metrics.request_success_total is not None and start:
+            uptime = actuator._wall() - start
+            self.rate = metrics.request_success_total / uptime if uptime >= 60 else None
         self.drained_at: float | None = None  # when none were left in flight
         self.gone_at: float | None = None  # when vLLM stopped answering
         self.stopped_at: float | None = None  # when systemd's job (stop and start) ended
-        self.rate: float | None = None  # the run's mean requests/s until the stop
-
-    def begin(self, waited: float | None, shutdown: int) -> None:
-        """Just before the restart job: what is in flight now."""
-        a = self.actuator
-        metrics = a._scrape()
-        self.in_flight = self.last = _in_flight(metrics)
-        self.busy = self.in_flight or 0.0
-        start = self.before.exec_main_start_timestamp / 1e6
-        if metrics is not None and metrics.request_success_total is not None and start:
-            uptime = a._wall() - start
-            self.rate = metrics.request_success_total / uptime if uptime >= 60 else None
-        self.waited, self.shutdown = waited, shutdown
-        self.requested = a._clock()
+        self.requested = actuator._clock()  # the restart job is asked for now
 
     def tick(self) -> None:
         """While systemd stops a vLLM that drains: watch the requests in flight fall."""
         a = self.actuator
-        if self.gone_at is not None or self.requested is None:
+        if self.gone_at is not None:
             return
         metrics = a._scrape()
         now = a._clock()
@@ -1038,7 +1029,6 @@ class _Stop:
             self.drained_at = now
 
     def costs(self, ready_at: float | None) -> Costs:
-        assert self.requested is not None
         drained: float | None = self.waited
         aborted: float | None = self.in_flight  # stopped without a drain: all of them
         if self.drain == "vllm":
