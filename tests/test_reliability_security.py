@@ -235,9 +235,10 @@ def test_the_metrics_endpoint_is_on_loopback_by_default() -> None:
 
 # -- no shell ------------------------------------------------------------------------------------
 
-# Tools that start processes by design, never part of the agent: the simulator and the demo,
-# which starts the simulator.
-STARTS_PROCESSES = ("vkvagent/sim/", "vkvagent/demo.py")
+# What starts processes by design: the simulator and the demo, which starts the simulator,
+# never part of the agent; and the operator's [restart] hooks, argv lists run without a shell
+# (the shell= check below still covers them).
+STARTS_PROCESSES = ("vkvagent/sim/", "vkvagent/demo.py", "vkvagent/hooks.py")
 FORBIDDEN_CALLS = {
     ("os", name) for name in ("system", "popen", "execl", "execle", "execlp", "execv", "execve",
                               "execvp", "execvpe", "spawnl", "spawnv", "spawnvp", "posix_spawn",
