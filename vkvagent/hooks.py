@@ -9,6 +9,7 @@ event. Its environment is the daemon's plus ``VKVAGENT_HOOK``, ``VKVAGENT_UNIT``
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -92,8 +93,11 @@ def run_hook(name: str, argv: Sequence[str], env: Mapping[str, str], timeout: fl
     try:
         out, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        out, _ = process.communicate()
+        os.killpg(process.pid, signal.SIGKILL)
+        try:
+            out, _ = process.communicate(timeout=5)
+        except subprocess.TimeoutExpired:  # a child in a session of its own holds the pipe
+            out = b""
         return HookResult(
             name,
             tuple(argv),
