@@ -705,12 +705,7 @@ class Actuator:
         unit's): seconds it drains after SIGTERM; 0 when it aborts or is not running."""
         if state.active_state != "active":
             return 0
-        argv = _cmdline(self.proc, state.main_pid) or _argv(state)
-        try:
-            value = vflags.parse_command(argv).value("shutdown-timeout")
-        except vflags.CommandError:
-            return 0
-        return value if isinstance(value, int) and value > 0 else 0
+        return _drains_for(_cmdline(self.proc, state.main_pid) or _argv(state))
 
     def _write(self, argv: tuple[str, ...], state: UnitState) -> None:
         if self._stored_base() is None or self.dropin.read() is None:
@@ -1049,18 +1044,22 @@ class _Stop:
         return Costs(self.drain, self.in_flight, aborted, drained, down, missed)
 
 
+def _drains_for(argv: tuple[str, ...]) -> int:
+    """The seconds ``argv``'s vLLM drains after SIGTERM (its --shutdown-timeout); 0: none."""
+    try:
+        value = vflags.parse_command(argv).value("shutdown-timeout")
+    except vflags.CommandError:
+        return 0
+    return value if isinstance(value, int) and value > 0 else 0
+
+
 def _stop_settings(argv: tuple[str, ...]) -> dict[str, str]:
     """How systemd must stop a command line whose vLLM drains on SIGTERM: wait the drain out
     (TimeoutStopSec=), and signal the API server alone (KillMode=mixed). A SIGTERM of their own
     kills the engine and its workers at once, failing the requests in flight (measured on 0.32);
     from the API server they get the drain."""
-    try:
-        value = vflags.parse_command(argv).value("shutdown-timeout")
-    except vflags.CommandError:
-        return {}
-    if not isinstance(value, int) or value <= 0:
-        return {}
-    return {"TimeoutStopSec": str(value + STOP_MARGIN), "KillMode": "mixed"}
+    seconds = _drains_for(argv)
+    return {"TimeoutStopSec": str(seconds + STOP_MARGIN), "KillMode": "mixed"} if seconds else {}
 
 
 def _index(action: Action, step: str) -> int | None:

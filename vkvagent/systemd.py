@@ -111,9 +111,6 @@ class UnitState:
     control_group: str = ""
     # When the unit last became active (CLOCK_REALTIME, µs since the epoch); 0: never.
     active_enter_timestamp: int = 0
-    # TimeoutStopSec= in µs (UINT64_MAX: infinity) and KillMode= ("" for a non-service).
-    timeout_stop_usec: int = 0
-    kill_mode: str = ""
 
 
 class Systemd:
@@ -179,8 +176,6 @@ class Systemd:
             start_limit_interval_usec=unit["StartLimitIntervalUSec"],
             control_group=service.get("ControlGroup", ""),
             active_enter_timestamp=unit.get("ActiveEnterTimestamp", 0),
-            timeout_stop_usec=service.get("TimeoutStopUSec", 0),
-            kill_mode=service.get("KillMode", ""),
         )
 
     def reload(self, timeout: float | None = None) -> None:
