@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import socket
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 from vkvagent.daemon import Daemon
 from vkvagent.demo import scaled_clock, simulator
 from vkvagent.history import FILE_NAME as HISTORY_FILE
+from vkvagent.processes import stop_process
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SCALE = 1000.0
@@ -65,13 +65,9 @@ def free_port() -> int:
 
 
 def stop(process: subprocess.Popen[str]) -> str:
-    """SIGTERM, then what it printed."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        out, _ = process.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, _ = process.communicate()
+    """SIGTERM, then what it printed (one line, at exit: the pipe cannot fill before)."""
+    stop_process(process)
+    out, _ = process.communicate()
     return out or ""
 
 

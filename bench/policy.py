@@ -45,13 +45,11 @@ from bench.policy_model import (
     walk,
 )
 from vkvagent.config import Config
-from vkvagent.diagnosis import FIXABLE
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
-from vkvagent.gpu import GpuReader, GpuReading, RecordedBackend
-from vkvagent.metrics import Histogram, VllmMetrics
-from vkvagent.policy import PolicySettings, RestartRecord, window_state
-from vkvagent.replay import engine_settings
-from vkvagent.sample import Sample
+from vkvagent.engine.diagnosis import FIXABLE
+from vkvagent.engine.policy import PolicySettings, RestartRecord, window_state
+from vkvagent.engine.samples import GpuReading, Histogram, Sample, VllmMetrics
+from vkvagent.gpu import GpuReader, RecordedBackend
 from vkvagent.sim.exposition import histogram_bounds
 
 SAMPLE_EVERY = 30.0  # seconds between samples, and between two decisions
@@ -64,7 +62,7 @@ MONO = 1_000_000.0  # the monotonic clock at START
 
 def vkvagent_settings() -> Settings:
     """vkvagent's default configuration (``Config()``), in enforce mode."""
-    return engine_settings(Config(), mode="enforce")
+    return Config().engine_settings("enforce")
 
 
 # -- the timer and alert policies --------------------------------------------------------------

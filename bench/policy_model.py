@@ -9,7 +9,7 @@ restart steps alone. bench/README.md defines the objective and the scenarios in 
 Per step: demand is the ServeGen week (``sim.workload.servegen_week``) scaled to
 ``Server.peak_rate`` requests/s, times the simulator's surge multiplier during surges. A
 request asks for the Azure trace's mean output (generated tokens). Capacity follows the
-simulator's engine model (``sim/engine.py``): decode throughput ``s1 * speed * n ** 0.7`` with
+simulator's engine model (``sim/capacity.py``): decode throughput ``s1 * speed * n ** 0.7`` with
 ``n`` running requests, ``n`` at most ``max_num_seqs`` and what the KV blocks hold (less the
 leaked fraction of the ``kv-pressure`` scenario); when KV binds, preemption recomputes work, so
 only ``kv_waste`` of it is goodput. Served = min(demand, capacity); nothing is served during a
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from vkvagent.sim.engine import Scenario
+from vkvagent.sim.capacity import Scenario
 from vkvagent.sim.server import SimOptions
 from vkvagent.sim.workload import azure_sizes, servegen_week
 

@@ -17,8 +17,8 @@ from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from vkvagent.metrics import Normaliser
 from vkvagent.vllm import VllmClient
+from vkvagent.vllm_metrics import Normaliser
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_PAGE = ROOT / "tests" / "fixtures" / "metrics" / "v1-2026.prom"
@@ -100,7 +100,7 @@ def main() -> None:
     bare = rss_kib("import sys")
     daemon = rss_kib(
         "import vkvagent.cli, vkvagent.config, vkvagent.gpu, vkvagent.history, "
-        "vkvagent.metrics, vkvagent.rates, vkvagent.sample, vkvagent.vllm"
+        "vkvagent.vllm_metrics, vkvagent.sampler, vkvagent.engine, vkvagent.vllm"
     )
     ratio = statistics.median(full) / statistics.median(scrape)
     print(

@@ -52,7 +52,7 @@ from tests.simproc import SimProcess, get
 from tests.test_actuator import actions, restarts_requested
 from vkvagent.daemon import Clock, Daemon
 from vkvagent.demo import scaled_clock
-from vkvagent.diagnosis import FIXABLE
+from vkvagent.engine.diagnosis import FIXABLE
 from vkvagent.history import History
 from vkvagent.vllm import ScrapeError, VllmClient
 

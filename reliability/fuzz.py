@@ -53,9 +53,9 @@ from tests.sandbox import Sandbox
 from vkvagent import config, flags, replay
 from vkvagent.config import Config, ConfigError
 from vkvagent.dropin import argv_hash, quote_exec_arg, render_dropin
-from vkvagent.flags import CATALOGUE, CommandError, FlagError
-from vkvagent.metrics import FLAVORS, WANTED, ExpositionError, Normaliser
+from vkvagent.flags import CATALOGUE, FlagError, VllmCommandError
 from vkvagent.systemd import Systemd
+from vkvagent.vllm_metrics import FLAVORS, WANTED, ExpositionError, Normaliser
 
 PROJECT = Path(__file__).resolve().parent.parent
 METRIC_PAGES = PROJECT / "tests" / "fixtures" / "metrics"
@@ -447,8 +447,8 @@ def check_flags(wanted: dict[str, Any], version: str | None, argv: list[str]) ->
         return
     try:
         out = flags.apply_flags(argv, typed, vllm_version=version)
-    except (CommandError, ValueError) as exc:
-        assert isinstance(exc, CommandError), repr(exc)  # validated values always render
+    except (VllmCommandError, ValueError) as exc:
+        assert isinstance(exc, VllmCommandError), repr(exc)  # validated values always render
         assert one_line(str(exc)), repr(str(exc))
         return
     after = flags.parse_command(out)
@@ -579,7 +579,7 @@ def check_replay(data: bytes, step: float | None) -> None:
         with bounded():
             try:
                 store = replay.load_files([path])
-                result = replay.run(replay.engine_settings(Config()), store, step=step)
+                result = replay.run(Config().engine_settings(), store, step=step)
             except replay.ReplayError as exc:
                 assert one_line(str(exc)), repr(str(exc))
                 return

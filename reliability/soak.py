@@ -44,10 +44,10 @@ from reliability.report import Row
 from vkvagent import config, replay
 from vkvagent.daemon import Daemon
 from vkvagent.demo import scaled_clock, simulator
-from vkvagent.diagnosis import FIXABLE
+from vkvagent.engine.diagnosis import FIXABLE
+from vkvagent.engine.samples import Sample
 from vkvagent.history import FILE_NAME as HISTORY_FILE
 from vkvagent.history import History
-from vkvagent.sample import Sample
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DAY = 86400.0
@@ -198,7 +198,7 @@ def loop(
         if soak.ticks == 0:
             first, end = at, at + soak.days * DAY
         soak.ticks += 1
-        action, cause, head, run = replay.decision_key(decision)
+        action, cause, head, run = decision.key()
         decisions.write(json.dumps([at, action, cause, head, run, decision.ratio]) + "\n")
         if soak.ticks % per_hour == 0:
             last_archived, copied = archive(daemon, kept, last_archived)
@@ -244,7 +244,7 @@ class Recorded:
 
 def compare(soak: Soak, work: Path, cfg: Path, decisions_path: Path) -> None:
     """Replay the archive and compare with the daemon's decisions, timestamp by timestamp."""
-    settings = replay.engine_settings(config.load(cfg))
+    settings = config.load(cfg).engine_settings()
     with History(work / "archive", readonly=True) as kept:
         line = cast(replay.Timeline, Recorded(kept, soak.interval))  # step and samples() only
         result = replay.replay(settings, line, trace=True)
@@ -271,7 +271,7 @@ def compare(soak: Soak, work: Path, cfg: Path, decisions_path: Path) -> None:
             previous = key
     if len(trace.times) != soak.compared:
         soak.mismatches.append(f"{soak.compared} ticks, {len(trace.times)} replayed samples")
-    replayed = [(d.time.timestamp(), *replay.decision_key(d)) for d in result.decisions]
+    replayed = [(d.time.timestamp(), *d.key()) for d in result.decisions]
     if replayed and ours and replayed[-1][0] != ours[-1][0]:
         replayed = replayed[:-1]  # replay adds the last evaluation when it is not a change
     soak.changes = len(ours)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vkvagent.baseline import WindowStats
-from vkvagent.metrics import VllmMetrics
+from vkvagent.engine.baseline import WindowStats
+from vkvagent.engine.samples import VllmMetrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
 METRIC_PAGES = FIXTURES / "metrics"

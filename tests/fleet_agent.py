@@ -59,13 +59,13 @@ def main() -> int:
     time.sleep(max(0.0, args.start_at - time.monotonic()))
     deadline = time.monotonic() + args.give_up
     while time.monotonic() < deadline:
-        admitted = gate.enter(cause="uptime_decline", reason="test restart", emergency=False)
-        if admitted.allowed and admitted.slot is not None:
-            log(args.log, f"start {args.name} {time.monotonic():.6f}")
-            time.sleep(args.hold)
-            log(args.log, f"end {args.name} {time.monotonic():.6f}")
-            gate.leave(admitted.slot, "done")
-            return 0
+        with gate.slot(cause="uptime_decline", reason="test restart", emergency=False) as turn:
+            if turn.allowed and turn.admission.slot is not None:
+                log(args.log, f"start {args.name} {time.monotonic():.6f}")
+                time.sleep(args.hold)
+                log(args.log, f"end {args.name} {time.monotonic():.6f}")
+                turn.result = "done"
+                return 0
         time.sleep(args.retry)
     return 1
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import urllib.request
 from typing import Any
 
 from tests.httpserver import free_port
+from vkvagent.processes import stop_process
 
 
 def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -70,13 +70,7 @@ class SimProcess:
 
     def stop(self) -> int:
         assert self.process is not None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+        return stop_process(self.process)
 
     def stderr(self) -> str:
         assert self.process is not None and self.process.stderr is not None

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import metrics
 from tests.conftest import window_stats as stats
-from vkvagent.baseline import (
+from vkvagent.engine.baseline import (
     Baseline,
     BaselineSettings,
     Regime,
@@ -19,7 +19,7 @@ from vkvagent.baseline import (
     regime_of,
     window_stats,
 )
-from vkvagent.metrics import Histogram
+from vkvagent.engine.samples import Histogram
 
 INF = math.inf
 SETTINGS = BaselineSettings()

@@ -22,9 +22,9 @@ from bench.policy_model import (
     oracle,
     walk,
 )
-from vkvagent.baseline import window_stats
 from vkvagent.engine import Settings
-from vkvagent.policy import PolicySettings
+from vkvagent.engine.baseline import window_stats
+from vkvagent.engine.policy import PolicySettings
 
 # Small worlds whose effects move within minutes, so that ten steps hold real choices.
 FAST = (

@@ -11,13 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vkvagent import config
-from vkvagent.baseline import BaselineSettings
 from vkvagent.cli import main
 from vkvagent.config import Config, ConfigError
-from vkvagent.diagnosis import DiagnosisSettings
 from vkvagent.engine import Settings
-from vkvagent.policy import PolicySettings
-from vkvagent.replay import engine_settings
+from vkvagent.engine.baseline import BaselineSettings
+from vkvagent.engine.diagnosis import DiagnosisSettings
+from vkvagent.engine.policy import PolicySettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,7 +145,7 @@ def test_engine_sections_mirror_the_engine_settings_key_for_key(name: str, engin
 
 def test_the_defaults_build_the_engine_defaults_and_never_restart(etc: Path) -> None:
     loaded = config.load(etc, as_root=False)
-    assert engine_settings(loaded) == Settings()
+    assert loaded.engine_settings() == Settings()
     assert loaded.policy.mode == "observe"  # an operator must opt in to enforce
 
 
@@ -158,7 +157,7 @@ def test_engine_sections_reach_the_engine(etc: Path) -> None:
         "windows = ['mon-fri 01:00-05:00', 'sat,sun 22:00-06:00']\nemergency = []\n"
         "max_uptime = 21600\n[restart]\ndrain_max_in_flight = 4\n",
     )
-    settings = engine_settings(config.load(etc, as_root=False))
+    settings = config.load(etc, as_root=False).engine_settings()
     assert (settings.baseline.window, settings.baseline.min_values) == (120.0, 5)
     assert settings.diagnosis.enter_ratio == 0.7
     p = settings.policy

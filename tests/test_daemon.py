@@ -28,11 +28,11 @@ from vkvagent.actuator import Costs, Outcome
 from vkvagent.cli import main
 from vkvagent.daemon import STATE_FILE, Daemon
 from vkvagent.demo import scaled_clock
+from vkvagent.engine.samples import Sample, UnitFacts
 from vkvagent.events import Events
 from vkvagent.exporter import AgentMetrics
 from vkvagent.hooks import HookResult
 from vkvagent.ledger import Ledger
-from vkvagent.sample import Sample, UnitFacts
 
 SCALE = 400.0
 
@@ -108,11 +108,11 @@ def test_ticks_write_status_events_metrics_and_survive_an_agent_restart(
         daemon.close()
     report = status.read(tmp_path / "state")
     assert report is not None
-    assert report["verdict"]["state"] == "healthy"
-    assert report["vllm"]["flavor"] == "v1-latest" and report["vllm"]["recognised"] is True
-    assert report["now"]["tokens_per_s"] > 1000
-    assert report["policy"]["mode"] == "observe" and report["policy"]["budget_left"] == 3
-    assert status.exit_code(report, report["updated"]) == status.StatusCode.HEALTHY
+    assert report.verdict.state == "healthy"
+    assert report.vllm.flavor == "v1-latest" and report.vllm.recognised is True
+    assert report.now.tokens_per_s is not None and report.now.tokens_per_s > 1000
+    assert report.policy.mode == "observe" and report.policy.budget_left == 3
+    assert status.exit_code(report, report.updated) == status.StatusCode.HEALTHY
     # One event per change of verdict, not per tick: nothing to do, learning then healthy.
     decisions = [e for e in events_of(stream) if e["event"] == "decision.changed"]
     ticks = sum(1 for m in notes.messages if m.startswith("WATCHDOG=1"))
@@ -149,7 +149,8 @@ def test_ticks_write_status_events_metrics_and_survive_an_agent_restart(
     judged = [e for e in events_of(stream) if e["event"] == "restart.recovered"]
     assert len(judged) == 1 and judged[0]["cause"] == "uptime_decline"
     report = status.read(tmp_path / "state")
-    assert report is not None and report["last_restart"]["recovered"] is True
+    assert report is not None and report.last_restart is not None
+    assert report.last_restart.recovered is True
 
     # A new agent process (same state directory) keeps this run's baseline.
     again = Daemon.offline(path, io.StringIO(), clock)
@@ -177,7 +178,7 @@ def test_a_damaged_state_file_costs_the_baseline_not_the_start(tmp_path: Path) -
     assert names[0] == "state.write_failed"
     assert "source.failed" in names
     report = status.read(tmp_path / "state")
-    assert report is not None and report["verdict"]["state"] == "critical"
+    assert report is not None and report.verdict.state == "critical"
     assert status.exit_code(report, time.time()) == status.StatusCode.CRITICAL
 
 

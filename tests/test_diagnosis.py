@@ -12,8 +12,8 @@ import pytest
 from tests.conftest import FIXTURES, metrics
 from tests.conftest import window_stats as window
 from vkvagent import flags
-from vkvagent.baseline import Capacity, Regime, WindowStats, compare
-from vkvagent.diagnosis import (
+from vkvagent.engine.baseline import Capacity, Regime, WindowStats, compare
+from vkvagent.engine.diagnosis import (
     CAUSES,
     FIXABLE,
     GIB,
@@ -32,8 +32,8 @@ from vkvagent.diagnosis import (
     kv_suggestion,
     memory_growth,
 )
-from vkvagent.gpu import GpuReader, GpuReading, RecordedBackend
-from vkvagent.metrics import EngineSignals, VllmMetrics
+from vkvagent.engine.samples import EngineSignals, GpuReading, VllmMetrics
+from vkvagent.gpu import GpuReader, RecordedBackend
 
 S = DiagnosisSettings()
 HOLD = S.hold

@@ -19,8 +19,6 @@ import pytest
 from tests.cases import corpus
 from tests.cases.simhost import SimHost, cluster_metrics, hours_after, new_cluster
 from tests.conftest import FIXTURES, metrics
-from vkvagent.baseline import Baseline, Regime
-from vkvagent.diagnosis import CAUSES
 from vkvagent.engine import (
     ACTIONS,
     Decision,
@@ -31,12 +29,14 @@ from vkvagent.engine import (
     decide,
     server_identity,
 )
+from vkvagent.engine.baseline import Baseline, Regime
+from vkvagent.engine.diagnosis import CAUSES
+from vkvagent.engine.policy import PolicySettings, RestartRecord, TrafficProfile, rate_bin
+from vkvagent.engine.samples import Sample
 from vkvagent.gpu import GpuReader, RecordedBackend
-from vkvagent.metrics import Normaliser
-from vkvagent.policy import PolicySettings, RestartRecord, TrafficProfile, rate_bin
-from vkvagent.sample import Sample
 from vkvagent.sim import exposition
 from vkvagent.sim.stats import ServerInfo
+from vkvagent.vllm_metrics import Normaliser
 
 START = datetime(2025, 3, 3, 20, 0, tzinfo=timezone.utc)  # a Monday
 WINDOW = ("daily 02:00-05:00",)

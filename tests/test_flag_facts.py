@@ -14,7 +14,7 @@ import pytest
 
 from tests import realvllm
 from vkvagent import flags
-from vkvagent.sim import flags as sim_flags
+from vkvagent.sim import serve_args as sim_flags
 
 FACTS = flags.parser_facts()
 RELEASE = flags.parse_version(realvllm.VERSION)

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reliability.fuzz import valid_value
+from vkvagent.engine.samples import FlagValue
 from vkvagent.flags import (
     CATALOGUE,
     FOREIGN,
-    CommandError,
     FlagError,
-    FlagValue,
+    VllmCommandError,
     apply_flags,
     canonical_name,
     parse_command,
@@ -27,7 +27,7 @@ from vkvagent.flags import (
     render_value,
     validate,
 )
-from vkvagent.sim import flags as sim
+from vkvagent.sim import serve_args as sim
 
 LATEST = "0.18.0"
 
@@ -464,7 +464,7 @@ def test_parse_command_launchers(
     ],
 )
 def test_parse_command_refuses(argv: list[str], message: str) -> None:
-    with pytest.raises(CommandError, match=message):
+    with pytest.raises(VllmCommandError, match=message):
         parse_command(argv)
 
 
@@ -592,7 +592,7 @@ def test_apply_flags_refuses() -> None:
         apply_flags(["vllm", "serve", "m"], {"trust-remote-code": True})
     with pytest.raises(ValueError, match="unsafe flag value"):
         apply_flags(["vllm", "serve", "m"], {"kv-cache-dtype": "fp8 --trust-remote-code"})
-    with pytest.raises(CommandError):
+    with pytest.raises(VllmCommandError):
         apply_flags(["/bin/sh", "-c", "vllm serve m"], {"max-num-seqs": 1})
 
 

@@ -35,6 +35,7 @@ from vkvagent.daemon import Daemon
 from vkvagent.engine import Decision, EngineState
 from vkvagent.events import CATALOGUE
 from vkvagent.fleet import EtcdClient, Fleet, FleetError, Gate
+from vkvagent.processes import stop_process
 
 pytestmark = pytest.mark.fleet
 
@@ -91,13 +92,8 @@ class Etcd:
                 time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
         self.process = None
 
 
@@ -158,19 +154,34 @@ def test_slots_leases_and_holders(etcd: Etcd) -> None:
     assert slot_a.release() is None  # a second release: the lease is already gone
 
 
+def test_a_slot_is_given_back_when_the_action_raises(etcd: Etcd) -> None:
+    events = Recorded()
+    gate = Gate(FleetConfig(endpoints=(etcd.url,), group="raises", name="gpu-a"), events)
+    with (
+        pytest.raises(RuntimeError, match="broke"),
+        gate.slot(cause="stall", reason="stall: test", emergency=False) as turn,
+    ):
+        assert turn.allowed and turn.admission.slot is not None
+        raise RuntimeError("the action broke")
+    assert events.names() == ["fleet.slot_acquired", "fleet.slot_released"]
+    assert events.events[1][2]["result"] == "error"
+    assert fleet_of(etcd.url, "raises").holders() == []
+    assert gate.state == "idle"
+
+
 def test_a_lease_lost_while_held_is_noticed_and_reported_once(etcd: Etcd) -> None:
     events = Recorded()
     cfg = FleetConfig(endpoints=(etcd.url,), group="lost", lease_ttl=2, name="gpu-a")
     gate = Gate(cfg, events)
-    admitted = gate.enter(cause="stall", reason="stall: test", emergency=False)
-    assert admitted.allowed and admitted.slot is not None
-    slot = admitted.slot
-    time.sleep(1.0)  # renewed at least once: the lease outlives its first TTL
-    assert gate.check(slot)
-    EtcdClient([etcd.url]).revoke(slot.lease)  # what etcd does when renewals stop arriving
-    assert slot.lost.wait(3.0), "the keepalive thread did not notice"
-    assert not gate.check(slot) and not gate.check(slot)
-    gate.leave(slot, "done")
+    with gate.slot(cause="stall", reason="stall: test", emergency=False) as turn:
+        assert turn.allowed and turn.admission.slot is not None
+        slot = turn.admission.slot
+        time.sleep(1.0)  # renewed at least once: the lease outlives its first TTL
+        assert gate.check(slot)
+        EtcdClient([etcd.url]).revoke(slot.lease)  # what etcd does when renewals stop arriving
+        assert slot.lost.wait(3.0), "the keepalive thread did not notice"
+        assert not gate.check(slot) and not gate.check(slot)
+        turn.result = "done"
     assert events.names() == [
         "fleet.slot_acquired", "fleet.slot_lost", "fleet.slot_released"
     ]  # fmt: skip
@@ -326,8 +337,8 @@ def test_daemon_takes_and_gives_back_a_slot_around_the_restart(etcd: Etcd, tmp_p
         "fleet.slot_acquired", "restart.started", "restart.completed", "fleet.slot_released"
     ]  # fmt: skip
     report = status.read(tmp_path / "state")
-    assert report is not None and report["fleet"]["state"] == "idle"
-    assert report["fleet"]["holders"] == [] and report["fleet"]["group"] == "daemon"
+    assert report is not None and report.fleet is not None and report.fleet.state == "idle"
+    assert report.fleet.holders == () and report.fleet.group == "daemon"
     exposed = generate_latest(daemon.metrics.registry).decode()
     assert 'vkvagent_fleet_state{group="daemon",state="idle"} 1.0' in exposed
     assert 'vkvagent_fleet_state{group="daemon",state="unreachable"} 0.0' in exposed
@@ -389,8 +400,8 @@ def test_daemon_waits_for_a_slot_and_says_so_once(etcd: Etcd, tmp_path: Path) ->
     assert "all 1 slots of group busy are held: by gpu-other (slot 0)" in events[0]["message"]
     assert actuator.reasons == ["uptime_decline: restart: in window"]
     report = status.read(tmp_path / "state")
-    assert report is not None
-    assert report["fleet"]["state"] == "idle"  # the tick wanted no restart: not waiting now
+    assert report is not None and report.fleet is not None
+    assert report.fleet.state == "idle"  # the tick wanted no restart: not waiting now
 
 
 def test_etcd_unreachable_holds_the_restart_with_a_clear_reason(tmp_path: Path) -> None:
@@ -415,8 +426,9 @@ def test_etcd_unreachable_holds_the_restart_with_a_clear_reason(tmp_path: Path) 
         f"{closed}: connection refused"
     )
     report = status.read(tmp_path / "state")
-    assert report is not None and report["fleet"]["state"] == "unreachable"
-    assert "connection refused" in report["fleet"]["error"]
+    assert report is not None and report.fleet is not None
+    assert report.fleet.state == "unreachable"
+    assert "connection refused" in (report.fleet.error or "")
     assert "  fleet       group default: etcd unreachable, restarts held (" in status.render(
         report, time.time()
     )
@@ -455,13 +467,15 @@ def test_etcd_down_then_back_holds_then_resumes(tmp_path: Path) -> None:
         assert daemon._restart(actuator, restart_decision()) is None  # type: ignore[arg-type]
         daemon.tick()
         report = status.read(tmp_path / "state")
-        assert report is not None and report["fleet"]["state"] == "unreachable"
+        assert report is not None and report.fleet is not None
+        assert report.fleet.state == "unreachable"
         exposed = generate_latest(daemon.metrics.registry).decode()
         assert 'vkvagent_fleet_state{group="outage",state="unreachable"} 1.0' in exposed
         server.start()
         daemon.tick()  # the status listing notices etcd is back
         report = status.read(tmp_path / "state")
-        assert report is not None and report["fleet"]["state"] == "idle"
+        assert report is not None and report.fleet is not None
+        assert report.fleet.state == "idle"
         assert daemon._restart(actuator, restart_decision()) is not None  # type: ignore[arg-type]
         assert fleet_of(server.url, "outage").holders() == []
     finally:

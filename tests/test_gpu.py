@@ -10,20 +10,22 @@ import pytest
 
 from tests.conftest import FIXTURES
 from vkvagent.cli import main
-from vkvagent.gpu import (
+from vkvagent.engine.gpu_faults import (
     FAULT_CLASSES,
     XIDS,
+    describe_xid,
+    is_fault,
+    xid_class,
+    xid_meaning,
+)
+from vkvagent.gpu import (
     GpuReader,
     NvmlBackend,
     NvmlUnavailable,
     RecordedBackend,
     decode_clock_event_reasons,
-    describe_xid,
-    is_fault,
     reader_for,
     record,
-    xid_class,
-    xid_meaning,
 )
 
 RECORDING = FIXTURES / "gpu" / "h100x2-throttled.json"

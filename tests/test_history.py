@@ -22,11 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vkvagent import history as history_module
-from vkvagent.gpu import GpuReading
+from vkvagent.engine.samples import GpuReading, Histogram, Sample, UnitFacts, VllmMetrics
 from vkvagent.history import FILE_NAME, History, HistoryError
-from vkvagent.metrics import Histogram, VllmMetrics
 from vkvagent.probe import ProbeResult
-from vkvagent.sample import Sample, UnitFacts
 
 REPO = Path(__file__).resolve().parents[1]
 DAY = 86400.0

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from vkvagent.sim.engine import Cluster, EngineModel, Scenario, capacity
+from vkvagent.sim.capacity import Cluster, EngineModel, Scenario, capacity
 from vkvagent.sim.exposition import histogram_bounds, render
 from vkvagent.sim.stats import ServerInfo
 from vkvagent.sim.workload import Workload, azure_sizes, constant

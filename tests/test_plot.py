@@ -11,7 +11,7 @@ import pytest
 from tests.test_replay import ENFORCE, history, run_cli, write
 from vkvagent import plot, replay
 from vkvagent.engine import Settings
-from vkvagent.policy import PolicySettings
+from vkvagent.engine.policy import PolicySettings
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

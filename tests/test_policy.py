@@ -11,7 +11,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from vkvagent.policy import (
+from vkvagent.engine.policy import (
     DAY,
     PROFILE_MAX_VALUES,
     PROFILE_MIN_VALUES,
@@ -364,7 +364,7 @@ def test_a_window_inside_the_spring_forward_gap_still_opens() -> None:
     """Paris skips 02:00-03:00 on 2025-03-30: a 02:00-03:00 window still opens for an hour."""
     from datetime import datetime, timezone
 
-    from vkvagent.policy import PolicySettings, window_state
+    from vkvagent.engine.policy import PolicySettings, window_state
 
     settings = PolicySettings(timezone="Europe/Paris", windows=("daily 02:00-03:00",))
     during = datetime(2025, 3, 30, 1, 30, tzinfo=timezone.utc)  # 03:30 local, after the jump
@@ -382,7 +382,7 @@ def test_apply_at_next_window_waits_for_the_window_then_returns() -> None:
     import pytest as _pytest
 
     from vkvagent.cli import CommandError, wait_for_window
-    from vkvagent.policy import PolicySettings
+    from vkvagent.engine.policy import PolicySettings
 
     settings = PolicySettings(timezone="UTC", windows=("daily 02:00-04:00",))
     clock = [datetime(2026, 3, 2, 23, 0, tzinfo=timezone.utc)]

@@ -20,7 +20,7 @@ from tests.test_daemon import events_of, process_start, write_config
 from vkvagent import status
 from vkvagent.daemon import Daemon
 from vkvagent.demo import scaled_clock
-from vkvagent.diagnosis import ProbeFacts
+from vkvagent.engine.diagnosis import ProbeFacts
 from vkvagent.history import History
 from vkvagent.probe import Prober, ProbeResult
 from vkvagent.vllm import VllmClient
@@ -211,8 +211,8 @@ def test_the_daemon_probes_a_hung_engine_and_names_the_stall(tmp_path: Path) -> 
     assert not any(d.probe_wanted for d in seen if (d.uptime or 0) < 250)
     failed = [e for e in events_of(stream) if e["event"] == "probe.failed"]
     assert len(failed) == 1 and failed[0]["outcome"] == "timeout"
-    assert report is not None and report["probe"]["enabled"] is True
-    assert report["probe"]["last"]["outcome"] == "timeout"
+    assert report is not None and report.probe is not None and report.probe.enabled is True
+    assert report.probe.last is not None and report.probe.last.outcome == "timeout"
     with History(tmp_path / "state", readonly=True) as history:
         outcomes = [p.outcome for p in history.probes()]
     assert outcomes and set(outcomes) == {"timeout"}
@@ -249,7 +249,8 @@ def test_the_daemon_probes_an_idle_server_and_finds_it_healthy(tmp_path: Path) -
     assert probes and all(p.outcome == "ok" for p in probes)
     # One per `after` (30 s) of the daemon's clock at most, over 40 ticks of 10 s.
     assert 3 <= len(probes) <= 40 * 10 / 30 + 1
-    assert report is not None and report["probe"]["last"]["outcome"] == "ok"
+    assert report is not None and report.probe is not None and report.probe.last is not None
+    assert report.probe.last.outcome == "ok"
     assert not [e for e in events_of(stream) if e["event"].startswith("probe.")]
     assert f'vkvagent_probes_total{{outcome="ok"}} {float(len(probes))}' in exported
     assert 'vkvagent_probes_total{outcome="timeout"} 0.0' in exported

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import metrics
-from vkvagent.metrics import Histogram
-from vkvagent.rates import histogram_increase, increase, is_reset, quantile, window_rates
+from vkvagent.engine.rates import histogram_increase, increase, is_reset, quantile, window_rates
+from vkvagent.engine.samples import Histogram
 
 INF = math.inf
 

@@ -53,7 +53,7 @@ def test_replay_refuses_times_it_cannot_replay_in_one_line(
     path = tmp_path / "range.json"
     path.write_text(fuzz.query_range(points))
     with pytest.raises(replay.ReplayError) as raised:
-        replay.run(replay.engine_settings(Config()), replay.load_files([path]))
+        replay.run(Config().engine_settings(), replay.load_files([path]))
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 

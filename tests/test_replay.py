@@ -18,7 +18,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -37,9 +36,10 @@ from tests.simproc import SimProcess, get
 from vkvagent import replay
 from vkvagent.cli import main
 from vkvagent.config import Config
-from vkvagent.diagnosis import CAUSES
 from vkvagent.engine import ACTIONS, Settings
-from vkvagent.sim.engine import Cluster, EngineModel, Scenario, capacity
+from vkvagent.engine.diagnosis import CAUSES
+from vkvagent.processes import stop_process
+from vkvagent.sim.capacity import Cluster, EngineModel, Scenario, capacity
 from vkvagent.sim.exposition import histogram_bounds, render
 from vkvagent.sim.stats import ServerInfo
 from vkvagent.sim.workload import Workload, azure_sizes, constant
@@ -487,8 +487,8 @@ def test_times_and_durations() -> None:
 
 
 def test_engine_settings_come_from_the_config() -> None:
-    assert replay.engine_settings(Config()) == Settings()
-    assert replay.engine_settings(Config(), "enforce").policy.mode == "enforce"
+    assert Config().engine_settings() == Settings()
+    assert Config().engine_settings("enforce").policy.mode == "enforce"
 
 
 # -- bad input: one line, exit 1 (2 for a wrong command line) ----------------------------------
@@ -687,12 +687,8 @@ def prometheus(target: str) -> Iterator[str]:
                 time.sleep(0.1)
             yield url
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.communicate()
+            stop_process(process)
+            process.communicate()  # read what it wrote (little, at warn level); close the pipe
 
 
 @pytest.mark.skipif(

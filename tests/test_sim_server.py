@@ -13,8 +13,8 @@ import pytest
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get, post_json
 from vkvagent.gpu import reader_for
-from vkvagent.metrics import FLAVORS
 from vkvagent.vllm import VllmClient
+from vkvagent.vllm_metrics import FLAVORS
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -3,13 +3,30 @@ writes them (the daemon's own writing is tested in test_daemon.py)."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from vkvagent import status
 from vkvagent.status import (
+    FleetStatus,
+    GpuStatus,
+    LastProbe,
+    LastRestart,
+    LoadNow,
+    PolicyStatus,
+    ProbeStatus,
+    SlotHolder,
     StatusCode,
+    StatusError,
+    StatusReport,
+    TrendPoint,
+    UnitStatus,
+    Verdict,
+    VllmStatus,
     add_trend,
     costs_line,
     exit_code,
@@ -22,7 +39,8 @@ from vkvagent.status import (
 NOW = 1_800_000_000.0
 
 
-def report(state: str, **extra: Any) -> dict[str, Any]:
+def document(state: str, **extra: Any) -> dict[str, Any]:
+    """A status document with only the keys the first version wrote that status reads."""
     return {
         "version": 1, "updated": NOW, "pid": 2**22 + 7, "agent_version": "0.1.0",
         "interval": 10.0, "unit_name": "vllm.service", "unit": None, "unit_error": None,
@@ -34,6 +52,10 @@ def report(state: str, **extra: Any) -> dict[str, Any]:
                    "budget_left": 3},
         **extra,
     }  # fmt: skip
+
+
+def report(state: str, **extra: Any) -> StatusReport:
+    return StatusReport.from_json(document(state, **extra))
 
 
 @pytest.mark.parametrize(
@@ -144,3 +166,150 @@ def test_render_shows_the_restart_in_progress_and_what_the_last_one_cost() -> No
     busy = {"drain_mode": "busy", "in_flight": 9.0, "aborted": 9.0, "drain_seconds": 120.0,
             "down_seconds": None, "missed": None}  # fmt: skip
     assert costs_line(busy) == "no quiet moment came in 120.0 s, 9 of 9 in flight cut off"
+
+
+# -- the document: one schema, written and read back ------------------------------------------
+
+
+def full_report() -> StatusReport:
+    """A report with every part set, as the daemon builds it while restarting."""
+    last_probe = LastProbe(time=NOW - 30, outcome="timeout", latency_s=30.0, detail="no data")
+    holder = SlotHolder(0, "gpu-a", 123, "stall", "stall: emergency", NOW - 60, lease="7587")
+    return StatusReport(
+        updated=NOW,
+        agent_version="0.1.0",
+        interval=10.0,
+        unit_name="vllm.service",
+        verdict=Verdict(
+            state="acting",
+            action="restart",
+            reason="restart: in window",
+            cause="uptime_decline",
+            ratio=0.7,
+            evidence={"itl": 0.02, "why": None},
+            suggestion={"max-num-seqs": 128},
+        ),
+        policy=PolicyStatus(
+            mode="enforce",
+            window_open=False,
+            budget_left=2,
+            next_window="2027-01-15T02:00:00+00:00",
+            paused_until="2027-01-15T03:00:00+00:00",
+        ),
+        pid=4242,
+        unit=UnitStatus("active", "running", main_pid=77, n_restarts=1, memory_bytes=2**33),
+        unit_error=None,
+        vllm=VllmStatus(
+            version="0.11.0", flavor="v1-latest", recognised=True, uptime_s=7200.0, error=None
+        ),
+        now=LoadNow(
+            tokens_per_s=5000.0,
+            requests_per_s=2.5,
+            kv_usage=0.4,
+            preemptions_per_s=0.0,
+            prefix_hit_ratio=0.3,
+            ttft_p50_s=0.12,
+            itl_p50_s=0.02,
+            running=12.0,
+            waiting=1.0,
+        ),
+        gpus=(GpuStatus(0, 71.0, 1410.0, 1980.0, ("sw_power_cap",), ("sw_power_cap",)),),
+        last_restart=LastRestart(
+            kind="restart",
+            reason="uptime_decline: restart",
+            started=NOW - 3600,
+            id=4,
+            ended=NOW - 3540,
+            outcome="done",
+            recovered=True,
+            costs={"drain_mode": "vllm", "in_flight": 3.0},
+            hooks=({"name": "post_ready", "problem": None},),
+        ),
+        probe=ProbeStatus(
+            enabled=True, wanted=True, in_flight_s=12.0, last=last_probe, failing="timeout: no data"
+        ),
+        pending_flags={"gpu-memory-utilization": 0.85},
+        trend=(TrendPoint(NOW - 300, 5100.0, 0.75), TrendPoint(NOW, 5000.0, None)),
+        fleet=FleetStatus(
+            group="default",
+            host="gpu-b",
+            max_concurrent=1,
+            state="waiting",
+            on_unreachable="hold",
+            lease_ttl=30.0,
+            error=None,
+            holders=(holder,),
+            listed=NOW - 5,
+        ),
+        stale_after=900.0,
+        progress="draining: 3 requests in flight",
+    )
+
+
+def test_a_full_report_survives_its_own_document() -> None:
+    written = full_report()
+    document = json.loads(json.dumps(written.to_json()))
+    assert list(document) == [
+        "version", "updated", "pid", "agent_version", "interval", "unit_name", "unit",
+        "unit_error", "vllm", "now", "gpus", "verdict", "policy", "last_restart", "probe",
+        "pending_flags", "trend", "fleet", "stale_after", "progress",
+    ]  # fmt: skip
+    assert document["trend"] == [[NOW - 300, 5100.0, 0.75], [NOW, 5000.0, None]]
+    assert document["fleet"]["holders"][0]["lease"] == "7587"
+    assert StatusReport.from_json(document) == written
+    assert StatusReport.from_json(document).to_json() == written.to_json()
+    # Not restarting: neither key is written, as before.
+    idle = StatusReport.from_json(dict(document, stale_after=None, progress=None))
+    assert "stale_after" not in idle.to_json() and "progress" not in idle.to_json()
+    assert StatusReport.from_json(dict(document, pending_flags="unknown: no unit")).pending_flags
+    shown = render(written, NOW)
+    assert "  fleet       group default, 1 of 1 slots held: gpu-a (slot 0" in shown
+    assert "  flags       pending: {'gpu-memory-utilization': 0.85}" in shown
+
+
+def test_an_old_document_reads_with_what_it_lacked_as_unknown() -> None:
+    """The first version's keys only: no probe, fleet, costs, restart in progress."""
+    old = StatusReport.from_json(document("healthy"))
+    assert old.probe is None and old.fleet is None and old.last_restart is None
+    assert old.vllm.recognised is None and old.now.running is None and old.gpus == ()
+    assert old.verdict.suggestion == {} and old.policy.paused_until is None
+    assert old.trend == () and old.stale_after is None and old.pending_flags is None
+    rewritten = old.to_json()
+    assert rewritten["now"]["tokens_per_s"] == 5000.0 and rewritten["probe"] is None
+    assert StatusReport.from_json(rewritten) == old
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"updated": "yesterday"}, "updated: expected a number, got text"),
+        ({"verdict": None}, "verdict: expected an object, got nothing"),
+        ({"verdict": {"state": 3}}, "verdict.state: expected text, got an integer"),
+        ({"policy": {"mode": "observe", "window_open": "no", "budget_left": 3}},
+         "policy.window_open: expected true or false, got text"),
+        ({"gpus": [{"index": 0}, {"index": True}]}, "gpus[1].index: expected an integer"),
+        ({"trend": [[NOW, 1.0]]}, "trend[0]: expected [at, tokens_per_s, ratio], got a list"),
+        ({"fleet": {"group": "g"}}, "fleet.host: expected text, got nothing"),
+        ({"pending_flags": 7}, "pending_flags: expected an object or text, got an integer"),
+        ({"version": 2}, "version: expected 1, got 2"),
+    ],
+)  # fmt: skip
+def test_garbage_is_one_status_error_naming_its_place(change: dict[str, Any], problem: str) -> None:
+    with pytest.raises(StatusError) as raised:
+        StatusReport.from_json(dict(document("healthy"), **change))
+    assert str(raised.value).startswith(problem) and "\n" not in str(raised.value)
+    with pytest.raises(StatusError, match=r"^status: expected an object, got a list$"):
+        StatusReport.from_json([])
+
+
+def test_read_tells_a_damaged_file_from_a_document_that_does_not_fit(tmp_path: Path) -> None:
+    assert status.read(tmp_path) is None  # none yet
+    status.path(tmp_path).write_text("{half a docu")
+    assert status.read(tmp_path) is None  # damaged: as if none, as before
+    status.path(tmp_path).write_text(json.dumps(document("healthy", version=2)))
+    assert status.read(tmp_path) is None  # another version's
+    status.path(tmp_path).write_text(json.dumps(full_report().to_json()))
+    assert status.read(tmp_path) == full_report()
+    status.path(tmp_path).write_text(json.dumps(document("healthy", unit_name=None)))
+    with pytest.raises(StatusError, match=r"status\.json: unit_name: expected text, got nothing$"):
+        status.read(tmp_path)

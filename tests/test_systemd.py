@@ -111,7 +111,7 @@ def test_the_units_control_group_and_its_anon_memory_in_the_containers_cgroup_fs
     accounted by the v1 controller, so there is no cgroup v2 memory.stat, anon is None and
     growth falls back to MemoryCurrent; the v1 memory.stat is there, without an anon line."""
     from vkvagent.cgroup import read_anon
-    from vkvagent.sample import UnitFacts
+    from vkvagent.sampler import unit_facts
 
     state = shared_systemd.unit(VLLM)
     assert state.control_group == "/system.slice/vllm.service"
@@ -120,7 +120,7 @@ def test_the_units_control_group_and_its_anon_memory_in_the_containers_cgroup_fs
     root = shared_sandbox.root / "sys/fs/cgroup"
     parts = state.control_group.strip("/").split("/")
     anon = read_anon(state.control_group, root)
-    facts = UnitFacts.of(state, root)
+    facts = unit_facts(state, root)
     if root.joinpath(*parts, "memory.stat").is_file():  # cgroup v2 with its memory controller
         assert state.memory_current is not None and anon is not None
         assert 2**20 < anon <= state.memory_current
@@ -414,7 +414,7 @@ def test_access_denied_to_an_unprivileged_caller(sandbox: Sandbox, systemd: Syst
 def test_samples_carry_the_units_state_from_the_real_systemd(shared_systemd: Systemd) -> None:
     """What the daemon records each tick: InvocationID (restart detection) and the unit's
     memory, read over D-Bus with the sample."""
-    from vkvagent.sample import Sampler
+    from vkvagent.sampler import Sampler
     from vkvagent.vllm import VllmClient
 
     sampler = Sampler(VllmClient("http://127.0.0.1:9"), unit=lambda: shared_systemd.unit(VLLM))

@@ -40,7 +40,7 @@ from tests.httpserver import (
     read_request,
 )
 from vkvagent import cli
-from vkvagent.metrics import VllmMetrics
+from vkvagent.engine.samples import VllmMetrics
 from vkvagent.vllm import ScrapeError, VllmClient, base_url
 
 CONNECT = 0.3  # connect_timeout of the clients under test, seconds

@@ -28,6 +28,7 @@ from typing import Any
 
 from vkvagent import flags as vflags
 from vkvagent import unitlog
+from vkvagent.atomicfile import write_atomically
 from vkvagent.config import Config
 from vkvagent.dropin import (
     DropinFile,
@@ -40,12 +41,13 @@ from vkvagent.dropin import (
     parse_dropin,
     render_dropin,
     split_exec_start,
-    write_atomically,
 )
-from vkvagent.gpu import GpuReader, describe_xid
+from vkvagent.engine.gpu_faults import describe_xid
+from vkvagent.engine.samples import FlagValue, VllmMetrics
+from vkvagent.errors import VkvagentError
+from vkvagent.gpu import GpuReader
 from vkvagent.hooks import HookResult, run_hook
 from vkvagent.ledger import Action, Ledger
-from vkvagent.metrics import VllmMetrics
 from vkvagent.systemd import TIMEOUT, Systemd, SystemdError, UnitState
 from vkvagent.vllm import ScrapeError, VllmClient
 
@@ -58,7 +60,7 @@ STEPS = (
 STOP_MARGIN = 30
 
 
-class ActuatorError(Exception):
+class ActuatorError(VkvagentError):
     """The action was refused or failed; one line saying why and what to do."""
 
 
@@ -91,10 +93,10 @@ class Plan:
     unit: str
     before: tuple[str, ...]
     after: tuple[str, ...]
-    flags: dict[str, vflags.FlagValue]
+    flags: dict[str, FlagValue]
     attestable: tuple[str, ...]  # flags cache_config_info shows
     changed: bool
-    changes: dict[str, vflags.FlagValue]  # the flags whose value the unit does not run yet
+    changes: dict[str, FlagValue]  # the flags whose value the unit does not run yet
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ class Outcome:
     message: str
     seconds: float  # decision to ready (or to the end)
     service_seconds: float | None  # restart job requested to service ready: vLLM's own start
-    flags: Mapping[str, vflags.FlagValue] = field(default_factory=dict)  # the flags it changed
+    flags: Mapping[str, FlagValue] = field(default_factory=dict)  # the flags it changed
     vllm_error: str | None = None  # vLLM's own reason for not starting, from its journal
     costs: Costs | None = None  # None: vLLM was never stopped
     hooks: tuple[HookResult, ...] = ()  # pre_stop and post_ready, as they ran
@@ -245,13 +247,13 @@ class Actuator:
         values = vflags.validate({**self.drain_flags(vllm_version), **wanted}, vllm_version)
         try:
             after = tuple(vflags.apply_flags(base, values, vllm_version=vllm_version))
-        except ValueError as exc:  # CommandError: not a vllm serve command line
+        except ValueError as exc:  # VllmCommandError: not a vllm serve command line
             raise ActuatorError(f"{self.unit}: {exc}") from None
         attestable = tuple(n for n in values if vflags.CATALOGUE[n].attest_label)
         try:
             running = vflags.parse_command(current)
             changes = {n: v for n, v in values.items() if running.value(n) != v}
-        except vflags.CommandError:
+        except vflags.VllmCommandError:
             changes = dict(values)
         return Plan(self.unit, current, after, values, attestable, after != current, changes)
 
@@ -259,7 +261,7 @@ class Actuator:
         """The running vLLM's version: as it says (``/version``), else as configured."""
         return self.probe.version() or self._vllm_version
 
-    def drain_flags(self, vllm_version: str | None) -> dict[str, vflags.FlagValue]:
+    def drain_flags(self, vllm_version: str | None) -> dict[str, FlagValue]:
         """The flags that make vLLM drain when systemd stops it: ``--shutdown-timeout`` (the
         drain's budget) on a version known to have it, unless graceful_shutdown is off.
         [vllm.flags] may set it otherwise."""
@@ -284,7 +286,7 @@ class Actuator:
         current = _argv(self._unit())
         try:
             running = vflags.parse_command(current)
-        except vflags.CommandError:
+        except vflags.VllmCommandError:
             return None  # not vLLM's command line: plan() would refuse it, a restart need not
         changes = {n: v for n, v in wanted.items() if running.value(n) != v}
         if not changes:
@@ -384,17 +386,16 @@ class Actuator:
             if stop is not None and not isinstance(exc, _JobRefused):
                 costs = stop.costs(None)
             return self._fail(action, exc, change, started, costs, tuple(ran), cause)
-        costs = stop.costs(ready_at)
         self._post_ready(action, "done", cause, ran)
-        self._end(action, "done", costs, tuple(ran))
-        return Outcome(
+        return self._finish(
             action,
             "done",
             "restarted" + (" with the new flags" if change else ""),
-            ready_at - started,
-            ready_at - stop.requested,
+            started,
+            ended=ready_at,
+            service_seconds=ready_at - stop.requested,
             flags=plan.changes if change and plan is not None else {},
-            costs=costs,
+            costs=stop.costs(ready_at),
             hooks=tuple(ran),
         )
 
@@ -418,14 +419,8 @@ class Actuator:
         try:
             self._restore(action, previous, restart=True)
         except ActuatorError as exc:
-            self.ledger.end(action, "failed", self._wall())
-            return Outcome(
-                action, "failed", f"rollback failed: {exc}", self._clock() - started, None
-            )
-        self.ledger.end(action, "done", self._wall())
-        return Outcome(
-            action, "done", "previous command line restored", self._clock() - started, None
-        )
+            return self._finish(action, "failed", f"rollback failed: {exc}", started)
+        return self._finish(action, "done", "previous command line restored", started)
 
     def recover(self) -> Outcome | None:
         """Finish or undo the action a crash interrupted; None when there is none.
@@ -450,8 +445,7 @@ class Actuator:
         if action.finished("pre_stop") and not action.reached("post_ready"):
             # The host left the load balancer's rotation before the crash: put it back.
             self._post_ready(action.id, result, action.reason.split(":", 1)[0], ran)
-        self._end(action.id, result, None, tuple(ran))
-        return Outcome(action.id, result, message, self._clock() - started, None, hooks=tuple(ran))
+        return self._finish(action.id, result, message, started, hooks=tuple(ran))
 
     def _recover(self, action: Action) -> tuple[str, str]:
         detail = action.detail
@@ -828,7 +822,7 @@ class Actuator:
     def _attest(
         self,
         argv: tuple[str, ...],
-        flags: Mapping[str, vflags.FlagValue],
+        flags: Mapping[str, FlagValue],
         metrics: VllmMetrics,
     ) -> None:
         state = self._unit()
@@ -863,15 +857,41 @@ class Actuator:
             raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
         self._reload()
 
-    def _end(
-        self, action: int, result: str, costs: Costs | None, hooks: tuple[HookResult, ...]
-    ) -> None:
+    def _finish(
+        self,
+        action: int,
+        result: str,
+        message: str,
+        started: float,
+        *,
+        ended: float | None = None,
+        service_seconds: float | None = None,
+        flags: Mapping[str, FlagValue] | None = None,
+        vllm_error: str | None = None,
+        costs: Costs | None = None,
+        hooks: tuple[HookResult, ...] = (),
+    ) -> Outcome:
+        """End the ledger's action, with what it cost and its hooks' output, and say how it
+        went: the one way every action ends. Its seconds run from ``started`` to ``ended``
+        (vLLM ready), or to now."""
         notes: dict[str, Any] = {}
         if costs is not None:
             notes["costs"] = costs.to_json()
         if hooks:
             notes["hooks"] = [hook.to_json() for hook in hooks]
         self.ledger.end(action, result, self._wall(), notes)
+        seconds = (self._clock() if ended is None else ended) - started
+        return Outcome(
+            action,
+            result,
+            message,
+            seconds,
+            service_seconds,
+            dict(flags or {}),
+            vllm_error,
+            costs,
+            hooks,
+        )
 
     def _fail(
         self,
@@ -910,18 +930,15 @@ class Actuator:
             result = "failed" if restarted else "aborted"
         ran = list(hooks)
         self._post_ready(action, result, cause, ran)
-        hooks = tuple(ran)
-        self._end(action, result, costs, hooks)
-        return Outcome(
+        return self._finish(
             action,
             result,
             message,
-            self._clock() - started,
-            None,
-            flags,
-            vllm_error,
-            costs,
-            hooks,
+            started,
+            flags=flags,
+            vllm_error=vllm_error,
+            costs=costs,
+            hooks=tuple(ran),
         )
 
     # -- helpers ----------------------------------------------------------------------------
@@ -1048,7 +1065,7 @@ def _drains_for(argv: tuple[str, ...]) -> int:
     """The seconds ``argv``'s vLLM drains after SIGTERM (its --shutdown-timeout); 0: none."""
     try:
         value = vflags.parse_command(argv).value("shutdown-timeout")
-    except vflags.CommandError:
+    except vflags.VllmCommandError:
         return 0
     return value if isinstance(value, int) and value > 0 else 0
 

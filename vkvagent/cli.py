@@ -16,24 +16,17 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from vkvagent import __version__, config, controls, fleet, replay, status
-from vkvagent.actuator import Actuator, ActuatorError, Outcome, Plan
+from vkvagent.actuator import Actuator, Outcome, Plan
+from vkvagent.engine.gpu_faults import describe_xid
+from vkvagent.engine.policy import MODES, PolicySettings, window_state
+from vkvagent.engine.samples import GpuReading, VllmMetrics
+from vkvagent.errors import VkvagentError
 from vkvagent.events import Events
-from vkvagent.flags import FlagError
-from vkvagent.gpu import (
-    GpuReader,
-    GpuReading,
-    NvmlBackend,
-    RecordedBackend,
-    describe_xid,
-    reader_for,
-    record,
-)
-from vkvagent.history import HistoryError
-from vkvagent.ledger import Ledger, LedgerError
-from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
-from vkvagent.policy import MODES, PolicySettings, window_state
-from vkvagent.systemd import Systemd, SystemdError
-from vkvagent.vllm import ScrapeError, VllmClient
+from vkvagent.gpu import GpuReader, NvmlBackend, RecordedBackend, reader_for, record
+from vkvagent.ledger import Ledger
+from vkvagent.systemd import Systemd
+from vkvagent.vllm import VllmClient
+from vkvagent.vllm_metrics import Normaliser
 
 
 class ExitCode(IntEnum):
@@ -44,7 +37,7 @@ class ExitCode(IntEnum):
     USAGE = 2  # the command line itself is wrong
 
 
-class CommandError(Exception):
+class CommandError(VkvagentError):
     """A one-line reason the command failed; printed as ``vkvagent: <reason>``."""
 
 
@@ -72,19 +65,7 @@ def main(
     command: Callable[[argparse.Namespace, TextIO], int] = args.command
     try:
         return command(args, out)
-    except (
-        CommandError,
-        config.ConfigError,
-        ScrapeError,
-        ExpositionError,
-        ActuatorError,
-        SystemdError,
-        LedgerError,
-        HistoryError,
-        FlagError,
-        fleet.FleetError,
-        replay.ReplayError,
-    ) as exc:
+    except VkvagentError as exc:
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"vkvagent: {line}", file=err)
         return ExitCode.USAGE if isinstance(exc, UsageError) else ExitCode.FAILURE
@@ -371,7 +352,7 @@ def _status(args: argparse.Namespace, out: TextIO) -> int:
             return status.StatusCode.UNKNOWN
         code = status.exit_code(report, time.time())
         if args.json:
-            shown = dict(report or {}, exit_code=int(code))
+            shown = dict(report.to_json() if report else {}, exit_code=int(code))
             json.dump(shown, out, indent=1)
             out.write("\n")
         else:
@@ -428,7 +409,7 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
         except plot.PlotError as exc:
             raise CommandError(str(exc)) from None
     loaded = config.load(args.config)
-    settings = replay.engine_settings(loaded, args.mode)
+    settings = loaded.engine_settings(args.mode)
     step: float | None = None
     if args.prometheus:
         if args.files:
@@ -695,16 +676,11 @@ def _in_slot(
         print(f"vkvagent: {message}", file=sys.stderr, flush=True)
 
     gate = fleet.Gate(settings.fleet, say)
-    admitted = gate.enter(cause="manual", reason=f"manual: {args.reason}", emergency=False)
-    if not admitted.allowed:
-        raise fleet.FleetError(f"{admitted.why}; --ignore-fleet restarts anyway")
-    result = "error"
-    try:
+    with gate.slot(cause="manual", reason=f"manual: {args.reason}", emergency=False) as turn:
+        if not turn.allowed:
+            raise fleet.FleetError(f"{turn.admission.why}; --ignore-fleet restarts anyway")
         outcome = act()
-        result = outcome.result
-    finally:
-        if admitted.slot is not None:
-            gate.leave(admitted.slot, result)
+        turn.result = outcome.result
     return _report(settings.vllm.unit, outcome, out)
 
 

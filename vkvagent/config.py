@@ -21,10 +21,13 @@ from types import MappingProxyType
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from vkvagent import flags, hooks, policy
-from vkvagent.baseline import BaselineSettings
-from vkvagent.diagnosis import FIXABLE, DiagnosisSettings
-from vkvagent.policy import PolicySettings
+from vkvagent import flags, hooks
+from vkvagent.engine import policy
+from vkvagent.engine.baseline import BaselineSettings
+from vkvagent.engine.diagnosis import FIXABLE, DiagnosisSettings
+from vkvagent.engine.policy import PolicySettings
+from vkvagent.engine.tick import Settings
+from vkvagent.errors import VkvagentError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -613,8 +616,21 @@ class Config:
         "(docs/fleet.md). Off until endpoints are set.",
     )
 
+    def engine_settings(self, mode: str | None = None) -> Settings:
+        """The engine's settings from this (loaded, hence valid) configuration; ``mode``
+        overrides ``policy.mode``."""
+        policy = self.policy.settings(self.restart.drain_max_in_flight)
+        if mode is not None:
+            policy = dataclasses.replace(policy, mode=mode)
+        probe_after = self.probe.after if self.probe.enabled else 0.0
+        return Settings(
+            baseline=self.baseline.settings(),
+            diagnosis=dataclasses.replace(self.diagnosis.settings(), probe_after=probe_after),
+            policy=policy,
+        )
 
-class ConfigError(Exception):
+
+class ConfigError(VkvagentError):
     """One or more problems in the configuration, one ``file:line: key: ...`` line each."""
 
     def __init__(self, problems: Sequence[str]) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vkvagent.dropin import write_atomically
-from vkvagent.policy import Controls
+from vkvagent.atomicfile import write_atomically
+from vkvagent.engine.policy import Controls
 
 FILE_NAME = "controls.json"
 

@@ -20,8 +20,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,11 +29,14 @@ from typing import Any, TextIO
 import sdnotify
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from vkvagent import __version__, config, controls, fleet, replay, status
+from vkvagent import __version__, config, controls, fleet, status
 from vkvagent.actuator import STOP_MARGIN, Actuator, ActuatorError, Outcome
-from vkvagent.diagnosis import ProbeFacts
-from vkvagent.dropin import write_atomically
+from vkvagent.atomicfile import write_atomically
 from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
+from vkvagent.engine.diagnosis import ProbeFacts
+from vkvagent.engine.policy import DAY, RestartRecord, window_state
+from vkvagent.engine.rates import Rates, window_rates
+from vkvagent.engine.samples import GpuReading, Sample, UnitFacts
 from vkvagent.events import Events
 from vkvagent.exporter import AgentMetrics, Exporter
 from vkvagent.flags import FlagError
@@ -41,10 +44,8 @@ from vkvagent.gpu import reader_for
 from vkvagent.history import History, HistoryError
 from vkvagent.jsonsafe import finite
 from vkvagent.ledger import Ledger, LedgerError
-from vkvagent.policy import DAY, RestartRecord, window_state
 from vkvagent.probe import Prober, ProbeResult
-from vkvagent.rates import window_rates
-from vkvagent.sample import Sample, Sampler, UnitFacts
+from vkvagent.sampler import Sampler
 from vkvagent.systemd import Systemd, SystemdError
 from vkvagent.vllm import VllmClient
 
@@ -81,7 +82,7 @@ class Parts:
         self.config = cfg
         # [fleet]: at most N hosts of a group restarting at once (None: no fleet configured)
         self.fleet = fleet.Gate(cfg.fleet, emit) if cfg.fleet.endpoints else None
-        self.settings = replay.engine_settings(cfg)
+        self.settings = cfg.engine_settings()
         self.state_dir = Path(cfg.agent.state_dir)
         self.state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
         unit = cfg.vllm.unit
@@ -122,6 +123,7 @@ class Parts:
                 progress=progress,
                 mono=clock.mono,
             )
+        self._pending: dict[str, Any] | None = None  # the plan's changes, once planned
 
     @property
     def action_seconds(self) -> float:
@@ -130,6 +132,26 @@ class Parts:
         r = self.config.restart
         hooks = r.hook_timeout * (bool(r.pre_stop) + bool(r.post_ready))
         return hooks + r.drain_timeout + STOP_MARGIN + r.job_timeout + r.ready_timeout + 60.0
+
+    def pending_flags(self, vllm_version: str | None) -> dict[str, Any] | str | None:
+        """The [vllm.flags] the unit does not run with yet (``vkvagent apply`` applies them),
+        asked of systemd once per config and again after ``replan()``; a string when they
+        cannot be planned (asked again next time)."""
+        if not self.config.vllm.flags or self.actuator is None:
+            return None
+        if self._pending is None:
+            try:
+                plan = self.actuator.plan(
+                    self.config.vllm.flags, vllm_version or self.config.vllm.version or None
+                )
+            except (ActuatorError, FlagError) as exc:
+                return f"unknown: {exc}"
+            self._pending = {k: v for k, v in plan.flags.items()} if plan.changed else {}
+        return self._pending or None
+
+    def replan(self) -> None:
+        """Forget the plan: an action may have changed the unit's command line."""
+        self._pending = None
 
     def close(self) -> None:
         for closing in (self.history.close, self.ledger.close):
@@ -159,7 +181,7 @@ class Daemon:
             cfg, clock, use_systemd=use_systemd, progress=self._progress, emit=self.events.emit
         )
         self._slot: fleet.Slot | None = None  # the fleet slot held while restarting
-        self._acting: dict[str, Any] | None = None  # the status while restarting
+        self._acting: status.StatusReport | None = None  # the status while restarting
         self._progress_at = 0.0  # when the restart's progress was last written to it
         self.exporter = Exporter(self.metrics, cfg.metrics.listen, cfg.metrics.textfile)
         self.lock = threading.Lock()  # one tick or reload at a time
@@ -175,7 +197,6 @@ class Daemon:
         self._saved_at = -math.inf
         self.last: Decision | None = None
         self._unit_seen: UnitFacts | None = None  # the unit as the last sample saw it
-        self._pending: dict[str, Any] | None = None  # flag changes not applied yet
         self._restart_mono: dict[int, float] = {}  # ledger action id -> its monotonic start
         self._probe_failing = ""  # "outcome: detail" of the failing probes, reported once
 
@@ -290,7 +311,6 @@ class Daemon:
                 )
                 old = self.parts
                 self.parts = parts
-                self._pending = None
                 old.close()
                 if (cfg.metrics.listen, cfg.metrics.textfile) != (
                     old.config.metrics.listen,
@@ -354,10 +374,16 @@ class Daemon:
             self._judge(decision)
             self._log(decision)
             outcome = None
+            version = sample.vllm.version if sample.vllm else None
             if decision.action == "restart" and p.actuator is not None:
                 # Say "acting" for as long as the restart may take, before it begins.
-                acting = self._status(sample, decision, restarts, None)
-                acting["stale_after"] = p.action_seconds
+                acting = self._status(
+                    sample,
+                    decision,
+                    restarts,
+                    p.pending_flags(version),
+                    stale_after=p.action_seconds,
+                )
                 self._write_state("status", lambda: self._write_status(acting))
                 self._acting = acting
                 try:
@@ -365,7 +391,7 @@ class Daemon:
                 finally:
                     self._acting = None
                 restarts = self._restarts(sample.time, sample.mono)
-                self._pending = None
+                p.replan()
             self.last = decision
             self.metrics.count(
                 action=decision.action,
@@ -375,7 +401,7 @@ class Daemon:
                     "systemd": sample.unit_error is not None,
                 },
             )
-            report = self._status(sample, decision, restarts, outcome)  # updates the trend
+            report = self._status(sample, decision, restarts, p.pending_flags(version))
             if outcome is not None or sample.time - self._saved_at >= STATE_EVERY:
                 self._saved_at = sample.time
                 self._write_state("state", self._save_state)
@@ -587,7 +613,7 @@ class Daemon:
         # What vkvagent does, what it finds wrong and, when it holds back, what blocks it. With
         # nothing to do, a reason that only rewords that (the load moving between two regimes:
         # "healthy" then "unknown baseline") waits for the reminder.
-        action, cause, head, run = replay.decision_key(decision)
+        action, cause, head, run = decision.key()
         key = (action, cause, head if action != "none" else None, run)
         at = decision.time.timestamp()
         changed = key != self._logged
@@ -610,21 +636,18 @@ class Daemon:
         if gate is None:
             return self._act(actuator, decision)
         cause = decision.cause or "unknown"
-        admitted = gate.enter(
-            cause=cause,
-            reason=f"{cause}: {decision.reason}",
-            emergency=cause in self.parts.settings.policy.emergency,
-        )
-        if not admitted.allowed:
-            return None
-        self._slot = admitted.slot
-        outcome = None
-        try:
-            outcome = self._act(actuator, decision)
-        finally:
-            self._slot = None
-            if admitted.slot is not None:
-                gate.leave(admitted.slot, outcome.result if outcome else "refused")
+        emergency = cause in self.parts.settings.policy.emergency
+        with gate.slot(
+            cause=cause, reason=f"{cause}: {decision.reason}", emergency=emergency
+        ) as turn:
+            if not turn.allowed:
+                return None
+            self._slot = turn.admission.slot
+            try:
+                outcome = self._act(actuator, decision)
+            finally:
+                self._slot = None
+            turn.result = outcome.result if outcome else "refused"
         return outcome
 
     def _act(self, actuator: Actuator, decision: Decision) -> Outcome | None:
@@ -672,7 +695,8 @@ class Daemon:
         acting, now = self._acting, time.monotonic()
         if acting is not None and now - self._progress_at >= 1.0:
             self._progress_at = now
-            acting["progress"] = message  # `vkvagent status` shows how the restart goes
+            # `vkvagent status` shows how the restart goes
+            acting = self._acting = replace(acting, progress=message)
             self._write_state("status", lambda: self._write_status(acting))
         if self.stopping.is_set() and message.startswith("draining"):
             raise ActuatorError("vkvagent is stopping: restart abandoned while draining")
@@ -740,11 +764,11 @@ class Daemon:
             0o640,
         )
 
-    def _write_status(self, report: Mapping[str, Any]) -> None:
+    def _write_status(self, report: status.StatusReport) -> None:
         write_atomically(
             # Compact: json's C encoder (indent= would take the pure-Python one, 4x slower).
             status.path(self.parts.state_dir),
-            json.dumps(finite(report), separators=(",", ":")),
+            json.dumps(finite(report.to_json()), separators=(",", ":")),
             0o640,
         )
 
@@ -753,150 +777,161 @@ class Daemon:
         sample: Sample,
         decision: Decision,
         restarts: tuple[RestartRecord, ...],
-        outcome: Outcome | None,
-    ) -> dict[str, Any]:
+        pending_flags: dict[str, Any] | str | None,
+        *,
+        stale_after: float | None = None,
+    ) -> status.StatusReport:
+        """The report of this tick; adds the trend's point when one is due."""
         p = self.parts
-        pol = p.settings.policy
-        at = sample.time
         first = self.recent.samples[0] if self.recent.samples else None
-        m = sample.vllm
-        rates = (
-            window_rates([(first.mono, first.vllm), (sample.mono, m)])
-            if first is not None
-            and first.vllm is not None
-            and m is not None
-            and sample.mono > first.mono
-            else None
-        )
+        rates = _rates_since(first, sample)
         self.trend = status.add_trend(
-            self.trend, at, rates.tokens_per_s if rates else None, decision.ratio
+            self.trend, sample.time, rates.tokens_per_s if rates else None, decision.ratio
         )
-        unit = sample.unit
+        group = None
+        if p.fleet is not None:  # the gate reports its own dict: read into the schema here
+            wanting = decision.action == "restart" and p.actuator is not None
+            group = status.FleetStatus.from_json(p.fleet.report(wanting=wanting))
+        m = sample.vllm
+        return status.StatusReport(
+            updated=sample.time,
+            pid=os.getpid(),
+            agent_version=__version__,
+            interval=p.config.agent.sample_interval,
+            unit_name=p.config.vllm.unit,
+            unit=_unit_status(sample.unit),
+            unit_error=sample.unit_error,
+            vllm=status.VllmStatus(
+                version=m.version if m else None,
+                flavor=m.flavor if m else None,
+                recognised=p.sampler.page_recognised,
+                uptime_s=decision.uptime,
+                error=sample.vllm_error,
+            ),
+            now=_load_now(sample, rates),
+            gpus=tuple(_gpu_status(g) for g in sample.gpus),
+            verdict=_verdict(sample, decision),
+            policy=self._policy_status(sample, decision, restarts),
+            last_restart=self._last_restart(),
+            probe=self._probe_status(sample, decision),
+            pending_flags=pending_flags,
+            trend=tuple(status.TrendPoint(*point) for point in self.trend),
+            fleet=group,
+            stale_after=stale_after,
+        )
+
+    def _policy_status(
+        self, sample: Sample, decision: Decision, restarts: tuple[RestartRecord, ...]
+    ) -> status.PolicyStatus:
+        pol, at = self.parts.settings.policy, sample.time
         is_open, upcoming = window_state(pol, decision.time)
         recent_restarts = sum(1 for r in restarts if r.age(at, sample.mono) < DAY and not r.aborted)
-        paused_until = controls.read(p.state_dir).paused_until
-        last = self._last_action()
-        return {
-            "version": status.VERSION,
-            "updated": at,
-            "pid": os.getpid(),
-            "agent_version": __version__,
-            "interval": p.config.agent.sample_interval,
-            "unit_name": p.config.vllm.unit,
-            "unit": None
-            if unit is None
-            else {
-                "active_state": unit.active_state,
-                "sub_state": unit.sub_state,
-                "main_pid": unit.main_pid,
-                "memory_bytes": unit.memory_bytes,
-                "n_restarts": unit.n_restarts,
-            },
-            "unit_error": sample.unit_error,
-            "vllm": {
-                "version": m.version if m else None,
-                "flavor": m.flavor if m else None,
-                "recognised": p.sampler.page_recognised,
-                "uptime_s": decision.uptime,
-                "error": sample.vllm_error,
-            },
-            "now": {
-                "tokens_per_s": rates.tokens_per_s if rates else None,
-                "requests_per_s": rates.requests_per_s if rates else None,
-                "kv_usage": m.kv_cache_usage if m else None,
-                "preemptions_per_s": rates.preemptions_per_s if rates else None,
-                "prefix_hit_ratio": rates.prefix_cache_hit_ratio if rates else None,
-                "ttft_p50_s": rates.ttft_p50 if rates else None,
-                "itl_p50_s": rates.itl_p50 if rates else None,
-                "running": m.num_requests_running if m else None,
-                "waiting": m.num_requests_waiting if m else None,
-            },
-            "gpus": [
-                {
-                    "index": g.index,
-                    "temperature_c": g.temperature_c,
-                    "sm_clock_mhz": g.sm_clock_mhz,
-                    "sm_clock_max_mhz": g.sm_clock_max_mhz,
-                    "clock_event_reasons": list(g.clock_event_reasons),
-                    "throttled_by": list(g.throttled_by),
-                }
-                for g in sample.gpus
-            ],
-            "verdict": {
-                "state": status.verdict_state(
-                    action=decision.action,
-                    cause=decision.cause,
-                    reason=decision.reason,
-                    has_data=sample.vllm is not None or sample.unit is not None,
-                ),
-                "action": decision.action,
-                "cause": decision.cause,
-                "reason": decision.reason,
-                "ratio": decision.ratio,
-                "evidence": dict(decision.evidence),
-                "suggestion": dict(decision.suggestion),
-            },
-            "policy": {
-                "mode": pol.mode,
-                "window_open": is_open,
-                "next_window": upcoming.isoformat() if upcoming else None,
-                "budget_left": max(0, pol.max_per_day - recent_restarts),
-                "paused_until": _iso(paused_until) if paused_until and paused_until > at else None,
-            },
-            "last_restart": None
-            if last is None
-            else {
-                "id": last.id,
-                "kind": last.kind,
-                "reason": last.reason,
-                "started": last.started,
-                "ended": last.ended,
-                "outcome": last.outcome,
-                "recovered": self.judged.get(last.id),
-                "costs": last.detail.get("costs"),
-                "hooks": last.detail.get("hooks"),
-            },
-            "probe": self._probe_status(sample, decision),
-            "pending_flags": self._pending_flags(m.version if m else None),
-            "trend": self.trend,
-            "fleet": None
-            if p.fleet is None
-            else p.fleet.report(wanting=decision.action == "restart" and p.actuator is not None),
-        }
+        paused_until = controls.read(self.parts.state_dir).paused_until
+        return status.PolicyStatus(
+            mode=pol.mode,
+            window_open=is_open,
+            budget_left=max(0, pol.max_per_day - recent_restarts),
+            next_window=upcoming.isoformat() if upcoming else None,
+            paused_until=_iso(paused_until) if paused_until and paused_until > at else None,
+        )
 
-    def _probe_status(self, sample: Sample, decision: Decision) -> dict[str, Any]:
+    def _probe_status(self, sample: Sample, decision: Decision) -> status.ProbeStatus:
         in_flight = self.parts.prober.in_flight
         last = self.parts.prober.last
-        return {
-            "enabled": self.parts.config.probe.enabled,
-            "wanted": decision.probe_wanted,
-            "in_flight_s": None if in_flight is None else max(0.0, sample.mono - in_flight),
-            "last": None if last is None else last.to_json(),
-            "failing": self._probe_failing or None,
-        }
+        return status.ProbeStatus(
+            enabled=self.parts.config.probe.enabled,
+            wanted=decision.probe_wanted,
+            in_flight_s=None if in_flight is None else max(0.0, sample.mono - in_flight),
+            last=None
+            if last is None
+            else status.LastProbe(last.time, last.outcome, last.latency, last.detail),
+            failing=self._probe_failing or None,
+        )
 
-    def _pending_flags(self, version: str | None) -> dict[str, Any] | str | None:
-        """The [vllm.flags] the unit does not run with yet (``vkvagent apply`` applies them),
-        asked of systemd once per config and after each action."""
-        p = self.parts
-        if not p.config.vllm.flags or p.actuator is None:
-            return None
-        if self._pending is None:
-            try:
-                plan = p.actuator.plan(
-                    p.config.vllm.flags, version or p.config.vllm.version or None
-                )
-            except (ActuatorError, FlagError) as exc:
-                return f"unknown: {exc}"
-            self._pending = {k: v for k, v in plan.flags.items()} if plan.changed else {}
-        return self._pending or None
-
-    def _last_action(self) -> Any:
+    def _last_restart(self) -> status.LastRestart | None:
+        """The ledger's latest action, with the engine's judgement of it."""
         try:
             actions = self.parts.ledger.recent(1)
         except LedgerError:
             return None
-        return actions[0] if actions else None
+        if not actions:
+            return None
+        last = actions[0]
+        hooks = last.detail.get("hooks")
+        return status.LastRestart(
+            kind=last.kind,
+            reason=last.reason,
+            started=last.started,
+            id=last.id,
+            ended=last.ended,
+            outcome=last.outcome,
+            recovered=self.judged.get(last.id),
+            costs=last.detail.get("costs"),
+            hooks=None if hooks is None else tuple(hooks),
+        )
+
+
+def _rates_since(first: Sample | None, sample: Sample) -> Rates | None:
+    """Rates over the samples kept: from the first to this one."""
+    if first is None or first.vllm is None or sample.vllm is None or sample.mono <= first.mono:
+        return None
+    return window_rates([(first.mono, first.vllm), (sample.mono, sample.vllm)])
+
+
+def _unit_status(unit: UnitFacts | None) -> status.UnitStatus | None:
+    if unit is None:
+        return None
+    return status.UnitStatus(
+        active_state=unit.active_state,
+        sub_state=unit.sub_state,
+        main_pid=unit.main_pid,
+        n_restarts=unit.n_restarts,
+        memory_bytes=unit.memory_bytes,
+    )
+
+
+def _load_now(sample: Sample, rates: Rates | None) -> status.LoadNow:
+    m = sample.vllm
+    return status.LoadNow(
+        tokens_per_s=rates.tokens_per_s if rates else None,
+        requests_per_s=rates.requests_per_s if rates else None,
+        kv_usage=m.kv_cache_usage if m else None,
+        preemptions_per_s=rates.preemptions_per_s if rates else None,
+        prefix_hit_ratio=rates.prefix_cache_hit_ratio if rates else None,
+        ttft_p50_s=rates.ttft_p50 if rates else None,
+        itl_p50_s=rates.itl_p50 if rates else None,
+        running=m.num_requests_running if m else None,
+        waiting=m.num_requests_waiting if m else None,
+    )
+
+
+def _gpu_status(g: GpuReading) -> status.GpuStatus:
+    return status.GpuStatus(
+        index=g.index,
+        temperature_c=g.temperature_c,
+        sm_clock_mhz=g.sm_clock_mhz,
+        sm_clock_max_mhz=g.sm_clock_max_mhz,
+        clock_event_reasons=tuple(g.clock_event_reasons),
+        throttled_by=tuple(g.throttled_by),
+    )
+
+
+def _verdict(sample: Sample, decision: Decision) -> status.Verdict:
+    state = status.verdict_state(
+        action=decision.action,
+        cause=decision.cause,
+        reason=decision.reason,
+        has_data=sample.vllm is not None or sample.unit is not None,
+    )
+    return status.Verdict(
+        state=state,
+        action=decision.action,
+        reason=decision.reason,
+        cause=decision.cause,
+        ratio=decision.ratio,
+        evidence=dict(decision.evidence),
+        suggestion=dict(decision.suggestion),
+    )
 
 
 def _decision_fields(decision: Decision) -> dict[str, Any]:
@@ -913,10 +948,10 @@ def _decision_fields(decision: Decision) -> dict[str, Any]:
     }
 
 
-def _status_line(report: Mapping[str, Any]) -> str:
-    v = report["verdict"]
-    ratio = "" if v["ratio"] is None else f", speed {v['ratio']:.2f} of baseline"
-    return f"{v['state']}: {v['action']} ({v['cause'] or 'no cause'}){ratio}"[:200]
+def _status_line(report: status.StatusReport) -> str:
+    v = report.verdict
+    ratio = "" if v.ratio is None else f", speed {v.ratio:.2f} of baseline"
+    return f"{v.state}: {v.action} ({v.cause or 'no cause'}){ratio}"[:200]
 
 
 def _iso(at: float | None) -> str | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,11 +29,13 @@ from typing import TextIO
 from vkvagent import status
 from vkvagent.daemon import Clock, Daemon
 from vkvagent.engine import Decision
+from vkvagent.errors import VkvagentError
+from vkvagent.processes import stop_process
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-class DemoError(Exception):
+class DemoError(VkvagentError):
     """The demo could not run (the simulator did not start); one line."""
 
 
@@ -71,12 +72,7 @@ def simulator(port: int, recording: Path, *options: str) -> Iterator[float]:
     try:
         yield _wait_started(process, f"http://127.0.0.1:{port}", recording)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def _wait_started(process: subprocess.Popen[str], url: str, recording: Path) -> float:
@@ -185,12 +181,12 @@ def _view(daemon: Daemon, seen: Seen, out: TextIO, started: float, limit: float)
         if decision is None or report is None:
             continue
         uptime = decision.time.timestamp() - started
-        state = report["verdict"]["state"]
+        state = report.verdict.state
         key = (state, decision.reason.split(":", 1)[0])
         if key != shown:
             shown = key
             ratio = "-" if decision.ratio is None else f"{decision.ratio:.2f}"
-            tokens = report["now"]["tokens_per_s"]
+            tokens = report.now.tokens_per_s
             line = (
                 f"  uptime {uptime / 3600:4.1f} h  {state:9} speed/baseline {ratio:>5}  "
                 f"{'-' if tokens is None else f'{tokens:,.0f}'} tokens/s  {decision.action}: "

@@ -32,14 +32,15 @@ ExecStart text byte for byte.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
+
+from vkvagent.atomicfile import fsync_dir, write_atomically
+from vkvagent.errors import VkvagentError
 
 HEADER = "# Managed by vkvagent. Do not edit: vkvagent adopt takes over manual changes."
 UNIT_KEY = "# vkvagent-unit: "
@@ -56,7 +57,7 @@ _STOP_VALUE = re.compile(r"[0-9a-z]+")
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]+\.[a-z]+")
 
 
-class ExecSyntaxError(ValueError):
+class ExecSyntaxError(VkvagentError, ValueError):
     """An ExecStart= value systemd would refuse or read differently than intended."""
 
 
@@ -698,7 +699,7 @@ class DropinFile:
             if keep:
                 self._keep(current)
             self.path.unlink()
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
 
     def has_previous(self) -> bool:
         """Whether a change of vkvagent's can be undone (``previous()`` is meaningful)."""
@@ -739,27 +740,3 @@ def _entry(path: Path) -> str | None:
     if path.name.endswith(f"-{_ABSENT}.conf"):
         return None
     return path.read_text(encoding="utf-8")
-
-
-def write_atomically(path: Path, text: str, mode: int) -> None:
-    """Write ``path`` through a fsynced temporary file renamed over it: a crash leaves the old
-    version or the new one, never a part (the temporary's name is one systemd does not load)."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(temporary, mode)
-    os.replace(temporary, path)
-    _fsync_dir(path.parent)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a killed writer
-        with contextlib.suppress(OSError):
-            stale.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

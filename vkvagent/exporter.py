@@ -1,4 +1,5 @@
-"""vkvagent's own Prometheus metrics (``vkvagent_*``), from the status the daemon just wrote.
+"""vkvagent's own Prometheus metrics (``vkvagent_*``), from the status the daemon just wrote
+(``status.StatusReport``).
 
 Served on 127.0.0.1 by default (``[metrics] listen``) and/or written to a node_exporter
 textfile (``[metrics] textfile``). Gauges are read from the latest status at scrape time;
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
@@ -18,15 +19,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vkvagent import __version__
-from vkvagent.fleet import STATES as FLEET_STATES
-from vkvagent.probe import OUTCOMES as PROBE_OUTCOMES
-from vkvagent.status import STATES
+from vkvagent.status import (
+    FLEET_STATES,
+    PROBE_OUTCOMES,
+    STATES,
+    FleetStatus,
+    GpuStatus,
+    StatusReport,
+)
 
 
 class AgentMetrics(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._status: Mapping[str, Any] | None = None
+        self._status: StatusReport | None = None
         self.decisions: Counter[str] = Counter()
         self.restarts: Counter[tuple[str, str]] = Counter()
         self.cut_off = 0.0  # requests in flight that the restarts cut off
@@ -36,7 +42,7 @@ class AgentMetrics(Collector):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
-    def update(self, status: Mapping[str, Any]) -> None:
+    def update(self, status: StatusReport) -> None:
         with self._lock:
             self._status = status
 
@@ -110,109 +116,103 @@ def _gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
         yield GaugeMetricFamily(name, doc, value=float(value))
 
 
-def _gauges(status: Mapping[str, Any]) -> Iterator[Metric]:
-    verdict, policy, vllm = status["verdict"], status["policy"], status.get("vllm") or {}
+def _gauges(status: StatusReport) -> Iterator[Metric]:
+    verdict, policy, vllm = status.verdict, status.policy, status.vllm
     info = GaugeMetricFamily(
         "vkvagent_info",
         "The agent, the vLLM it watches, and the policy mode.",
         labels=["version", "vllm_version", "flavor", "unit", "mode"],
     )
     info.add_metric(
-        [
-            __version__,
-            vllm.get("version") or "",
-            vllm.get("flavor") or "",
-            status["unit_name"],
-            policy["mode"],
-        ],
-        1,
+        [__version__, vllm.version or "", vllm.flavor or "", status.unit_name, policy.mode], 1
     )
     yield info
     state = GaugeMetricFamily(
         "vkvagent_verdict", "1 for the current verdict, 0 for the others.", labels=["state"]
     )
     for name in STATES:
-        state.add_metric([name], 1 if verdict["state"] == name else 0)
+        state.add_metric([name], 1 if verdict.state == name else 0)
     yield state
     cause = GaugeMetricFamily(
         "vkvagent_cause", "1 for the cause diagnosed now (absent when none).", labels=["cause"]
     )
-    if verdict.get("cause"):
-        cause.add_metric([verdict["cause"]], 1)
+    if verdict.cause:
+        cause.add_metric([verdict.cause], 1)
     yield cause
     yield from _gauge(
         "vkvagent_throughput_ratio",
         "Speed now over this run's fresh baseline at the same load (absent when unknown).",
-        verdict.get("ratio"),
+        verdict.ratio,
     )
-    yield from _gauge("vkvagent_window_open", "1 inside a restart window.", policy["window_open"])
+    yield from _gauge("vkvagent_window_open", "1 inside a restart window.", policy.window_open)
     yield from _gauge(
         "vkvagent_restart_budget_remaining",
         "Restarts still allowed in the rolling 24 hours.",
-        policy["budget_left"],
+        policy.budget_left,
     )
     yield from _gauge(
         "vkvagent_escalated",
         "1 when restarts stopped helping and vkvagent waits for `vkvagent resume`.",
-        verdict["state"] == "escalated",
+        verdict.state == "escalated",
     )
     yield from _gauge(
         "vkvagent_metrics_schema_recognised",
         "1 when vLLM's /metrics page was read as a known version's.",
-        vllm.get("recognised"),
+        vllm.recognised,
     )
-    probe = status.get("probe") or {}
-    last = probe.get("last") or {}
+    probe = status.probe
+    last = probe.last if probe is not None else None
     yield from _gauge(
         "vkvagent_probe_last_latency_seconds",
         "How long the last active probe took, to its answer or to giving up.",
-        last.get("latency_s"),
+        last.latency_s if last is not None else None,
     )
     yield from _gauge(
         "vkvagent_probe_last_ok",
         "1 when the last active probe was answered, 0 when not (absent before the first).",
-        None if not last else last.get("outcome") == "ok",
+        last.outcome == "ok" if last is not None else None,
     )
     yield from _gauge(
         "vkvagent_probe_last_timestamp_seconds",
         "When the last active probe was sent (Unix seconds); probes go only while no token moves.",
-        last.get("time"),
+        last.time if last is not None else None,
     )
     yield from _gauge(
         "vkvagent_probe_in_flight_seconds",
         "How long the probe in flight has waited (absent when none is).",
-        probe.get("in_flight_s"),
+        probe.in_flight_s if probe is not None else None,
     )
     yield from _gauge(
         "vkvagent_last_evaluation_timestamp_seconds",
         "When the last evaluation ran (Unix seconds).",
-        status["updated"],
+        status.updated,
     )
-    gpus = status.get("gpus") or []
-    for name, key, doc, scale in (
-        ("vkvagent_gpu_temperature_celsius", "temperature_c", "GPU temperature.", 1.0),
-        ("vkvagent_gpu_sm_clock_hertz", "sm_clock_mhz", "GPU SM clock.", 1e6),
-    ):
+    readings: tuple[tuple[str, Callable[[GpuStatus], float | None], str, float], ...] = (
+        ("vkvagent_gpu_temperature_celsius", lambda g: g.temperature_c, "GPU temperature.", 1.0),
+        ("vkvagent_gpu_sm_clock_hertz", lambda g: g.sm_clock_mhz, "GPU SM clock.", 1e6),
+    )
+    for name, reading, doc, scale in readings:
         family = GaugeMetricFamily(name, doc, labels=["gpu"])
-        for gpu in gpus:
-            if gpu.get(key) is not None:
-                family.add_metric([str(gpu["index"])], gpu[key] * scale)
+        for gpu in status.gpus:
+            value = reading(gpu)
+            if value is not None:
+                family.add_metric([str(gpu.index)], value * scale)
         yield family
     events = GaugeMetricFamily(
         "vkvagent_gpu_clock_event",
         "1 for each clock-event (throttle) reason NVML reports now.",
         labels=["gpu", "reason"],
     )
-    for gpu in gpus:
-        for reason in gpu.get("clock_event_reasons") or []:
-            events.add_metric([str(gpu["index"]), reason], 1)
+    for gpu in status.gpus:
+        for reason in gpu.clock_event_reasons:
+            events.add_metric([str(gpu.index), reason], 1)
     yield events
-    if status.get("fleet"):
-        yield from _fleet(status["fleet"])
+    if status.fleet is not None:
+        yield from _fleet(status.fleet)
 
 
-def _fleet(fleet: Mapping[str, Any]) -> Iterator[Metric]:
-    group = [fleet["group"]]
+def _fleet(fleet: FleetStatus) -> Iterator[Metric]:
+    group = [fleet.group]
     state = GaugeMetricFamily(
         "vkvagent_fleet_state",
         "1 for this host's state in its fleet group (unreachable: etcd does not answer, "
@@ -220,21 +220,21 @@ def _fleet(fleet: Mapping[str, Any]) -> Iterator[Metric]:
         labels=["group", "state"],
     )
     for name in FLEET_STATES:
-        state.add_metric([*group, name], 1 if fleet["state"] == name else 0)
+        state.add_metric([*group, name], 1 if fleet.state == name else 0)
     yield state
     held = GaugeMetricFamily(
         "vkvagent_fleet_slots_held",
         "Hosts of the group holding a restart slot, as last listed.",
         labels=["group"],
     )
-    held.add_metric(group, len(fleet["holders"]))
+    held.add_metric(group, len(fleet.holders))
     yield held
     limit = GaugeMetricFamily(
         "vkvagent_fleet_max_concurrent",
         "Hosts of the group allowed to restart at once.",
         labels=["group"],
     )
-    limit.add_metric(group, fleet["max_concurrent"])
+    limit.add_metric(group, fleet.max_concurrent)
     yield limit
 
 

@@ -12,8 +12,8 @@ Three parts, all pure:
   managed flags exactly once in canonical form, leaving every other argument where it was.
 
 Facts are from vLLM's argument parsers and release history (the releases the simulator
-imitates, ``vkvagent/sim/flags.py``, agree; agent code never imports it). Where a release boundary
-is not pinned by a source, the comment says so.
+imitates, ``vkvagent/sim/serve_args.py``, agree; agent code never imports it). Where a
+release boundary is not pinned by a source, the comment says so.
 
 Values can never smuggle an argument or a unit directive: every value is a number, a boolean
 or one of a fixed set of words, and ``render_value`` refuses anything but ``[A-Za-z0-9._+-]``.
@@ -29,17 +29,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Union
+from typing import Any
 
-FlagValue = Union[bool, int, float, str]
-"""A flag's value once validated: bool, int, float or one of the flag's choices."""
+from vkvagent.engine.samples import FlagValue
+from vkvagent.errors import VkvagentError
 
 Version = tuple[int, int, int]
 
 GIB = 1 << 30
 
 
-class FlagError(ValueError):
+class FlagError(VkvagentError, ValueError):
     """One or more refused flags: ``problems`` holds one line per problem."""
 
     def __init__(self, problems: Sequence[str]) -> None:
@@ -47,7 +47,7 @@ class FlagError(ValueError):
         self.problems = tuple(problems)
 
 
-class CommandError(ValueError):
+class VllmCommandError(VkvagentError, ValueError):
     """An argv that is not a vLLM server command line vkvagent can rewrite (one line)."""
 
 
@@ -776,12 +776,12 @@ def parse_command(argv: Sequence[str]) -> VllmCommand:
     ``python3.11`` or a path to one (a venv's). Also ``vkvagent sim serve`` / ``python -m
     vkvagent sim serve``, the simulator that stands in for ``vllm serve`` in demos and tests
     (entrypoint ``"sim"``). Options: ``--x v``, ``--x=v``, underscores in names, ``--no-x``,
-    repeats (the last wins), ``--`` ending options. Raises ``CommandError``.
+    repeats (the last wins), ``--`` ending options. Raises ``VllmCommandError``.
     """
     args = tuple(str(a) for a in argv)
     found = _find_launcher(args)
     if found is None:
-        raise CommandError(_not_vllm(args))
+        raise VllmCommandError(_not_vllm(args))
     launcher_start, args_start, entrypoint = found
     options: list[Occurrence] = []
     positionals: list[int] = []
@@ -930,7 +930,7 @@ def apply_flags(
     after the last option, before a ``--`` if there is one, in catalogue order: the last
     occurrence wins in argparse, and the command line wins over a ``--config`` YAML. Everything
     else keeps its place. ``flags`` should come from ``validate``; names outside the catalogue
-    and unsafe values raise ``ValueError`` all the same (``CommandError`` for an argv that is
+    and unsafe values raise ``ValueError`` all the same (``VllmCommandError`` for an argv that is
     not vLLM's).
     """
     command = parse_command(argv)

@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 
 from vkvagent import __version__
 from vkvagent.config import FleetConfig
+from vkvagent.errors import VkvagentError
 
 MAX_BODY = 1024 * 1024
 LIST_EVERY = 30.0  # seconds between two listings of the holders for the status, when idle
@@ -49,7 +50,7 @@ LIST_EVERY = 30.0  # seconds between two listings of the holders for the status,
 _NOT_FOUND, _UNAVAILABLE, _DEADLINE, _UNAUTHENTICATED = 5, 14, 4, 16
 
 
-class FleetError(Exception):
+class FleetError(VkvagentError):
     """etcd could not be asked, or refused; the message is one line."""
 
 
@@ -558,11 +559,20 @@ class Admission:
     why: str
 
 
+@dataclass
+class Turn:
+    """A restart's turn in its group (``Gate.slot``): the admission, and the result the
+    slot is given back with, which the action sets ("error" if it raised)."""
+
+    admission: Admission
+    result: str = "error"
+
+    @property
+    def allowed(self) -> bool:
+        return self.admission.allowed
+
+
 Emit = Callable[..., None]  # Events.emit(name, message, **fields)
-
-
-# What a host is doing in its group (Gate.state, vkvagent_fleet_state).
-STATES = ("idle", "waiting", "holding", "unreachable")
 
 
 class Gate:
@@ -582,7 +592,7 @@ class Gate:
         self.emit = emit
         self.fleet = fleet or Fleet.from_config(cfg, mono=mono, wall=wall)
         self._mono, self._wall = mono, wall
-        self.state = "idle"  # one of STATES
+        self.state = "idle"  # one of status.FLEET_STATES
         self.error: str | None = None
         self.holders: list[Holder] = []
         self._listed_at: float | None = None  # UTC time of the holders shown
@@ -596,7 +606,19 @@ class Gate:
     def group(self) -> str:
         return self.fleet.group
 
-    def enter(self, *, cause: str, reason: str, emergency: bool) -> Admission:
+    @contextlib.contextmanager
+    def slot(self, *, cause: str, reason: str, emergency: bool) -> Iterator[Turn]:
+        """Hold a slot of the group around an action, the one way to act in a fleet. The
+        caller acts only if ``turn.allowed`` and sets ``turn.result``; the slot is given back
+        however the block ends."""
+        turn = Turn(self._enter(cause=cause, reason=reason, emergency=emergency))
+        try:
+            yield turn
+        finally:
+            if turn.admission.slot is not None:
+                self._leave(turn.admission.slot, turn.result)
+
+    def _enter(self, *, cause: str, reason: str, emergency: bool) -> Admission:
         """Before a restart: take a slot. Not allowed when every slot is held, or when etcd
         does not answer (unless on_unreachable = emergency-only and ``emergency``)."""
         self._asked = True
@@ -662,7 +684,7 @@ class Gate:
             )
         return False
 
-    def leave(self, slot: Slot, result: str) -> None:
+    def _leave(self, slot: Slot, result: str) -> None:
         """After the restart (done, failed, abandoned): give the slot back."""
         held = slot.held_seconds
         self.check(slot)

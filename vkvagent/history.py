@@ -27,10 +27,9 @@ from types import MappingProxyType
 from typing import Any, Callable, TypeVar, cast
 from urllib.parse import quote
 
-from vkvagent.gpu import GpuReading
-from vkvagent.metrics import Histogram, VllmMetrics
+from vkvagent.engine.samples import GpuReading, Histogram, Sample, UnitFacts, VllmMetrics
+from vkvagent.errors import VkvagentError
 from vkvagent.probe import ProbeResult
-from vkvagent.sample import Sample, UnitFacts
 
 FILE_NAME = "history.sqlite3"
 
@@ -167,7 +166,7 @@ _SELECT = (
 _T = TypeVar("_T")
 
 
-class HistoryError(Exception):
+class HistoryError(VkvagentError):
     """The history cannot be opened, read or written; the message is one line naming the file."""
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vkvagent.errors import VkvagentError
+
 FILE_NAME = "ledger.sqlite3"
 SCHEMA_VERSION = 1
 _SCHEMA = (
@@ -41,7 +43,7 @@ _SCHEMA = (
 )
 
 
-class LedgerError(Exception):
+class LedgerError(VkvagentError):
     """The ledger cannot be opened or written; one line naming the file."""
 
 

@@ -16,7 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from vkvagent.diagnosis import FIXABLE, VETOED
+from vkvagent.engine.diagnosis import FIXABLE, VETOED
+from vkvagent.errors import VkvagentError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from vkvagent.replay import Result, Trace
 
 
-class PlotError(Exception):
+class PlotError(VkvagentError):
     """The picture cannot be drawn; the message is one line."""
 
 

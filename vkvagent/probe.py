@@ -22,10 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vkvagent.diagnosis import ProbeFacts
+from vkvagent.engine.diagnosis import ProbeFacts
 from vkvagent.vllm import ScrapeError, VllmClient
 
-OUTCOMES = ("ok", "timeout", "error", "refused", "unusable")
 UNANSWERED = frozenset({"timeout", "error"})  # outcomes that count towards a stall
 PROMPT = "ping"  # a token or two in every tokenizer; prefix caching makes repeats cheaper
 
@@ -36,7 +35,7 @@ class ProbeResult:
 
     sent: float  # monotonic seconds
     time: float  # UTC Unix seconds
-    outcome: str  # one of OUTCOMES
+    outcome: str  # one of status.PROBE_OUTCOMES
     latency: float  # seconds from sending to the answer, or to giving up
     detail: str = ""  # the error, for every outcome but ok
 

@@ -7,10 +7,10 @@ vLLM's raw series of any version (counters, gauges, histogram ``_bucket``/``_cou
 series.
 
 How samples are made: at each timestamp the vLLM series' values are written back as
-exposition lines and read by the agent's own ``metrics.Normaliser``, so every metrics
+exposition lines and read by the agent's own ``vllm_metrics.Normaliser``, so every metrics
 flavour, data-parallel ``engine`` labels and the checks that make a page invalid are the code
 that reads a live ``/metrics`` page. Building ``VllmMetrics`` directly would be a second
-mapping of wire names to keep in step with metrics.py for little gain: only the series the
+mapping of wire names to keep in step with vllm_metrics.py for little gain: only the series the
 normaliser reads are kept and written back, and a replay costs about 0.6 ms a timestamp,
 normaliser and engine included. The Prometheus target labels ``instance`` and ``job`` are
 left out, so a server that came back on another instance (a new pod) continues the same
@@ -42,13 +42,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from vkvagent.config import Config
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
-from vkvagent.gpu import GpuReading, decode_clock_event_reasons
+from vkvagent.engine.policy import RestartRecord
+from vkvagent.engine.samples import GpuReading, Sample, VllmMetrics
+from vkvagent.errors import VkvagentError
+from vkvagent.gpu import decode_clock_event_reasons
 from vkvagent.jsonsafe import finite
-from vkvagent.metrics import WANTED, ExpositionError, Normaliser, VllmMetrics
-from vkvagent.policy import RestartRecord
-from vkvagent.sample import Sample
+from vkvagent.vllm_metrics import WANTED, ExpositionError, Normaliser
 
 MAX_POINTS = 10_000  # per series per query: under Prometheus' 11,000, with a margin
 MAX_RESPONSE_BYTES = 1 << 30
@@ -79,7 +79,7 @@ DCGM_FIELDS = {
 }
 
 
-class ReplayError(Exception):
+class ReplayError(VkvagentError):
     """Input replay cannot use; the message is one line naming the source and the problem."""
 
 
@@ -680,16 +680,6 @@ class Result:
         return {"decisions": decisions, "summary": self.summary()}
 
 
-_HEAD = re.compile(r"^[A-Za-z _-]+(?::[A-Za-z _-]+)?")
-
-
-def decision_key(decision: Decision) -> tuple[Any, ...]:
-    """What makes a decision worth showing again: its action, cause, reason's head and run."""
-    found = _HEAD.match(decision.reason)
-    head = found.group().strip() if found else decision.reason
-    return decision.action, decision.cause, head, decision.evidence.get("run")
-
-
 def replay(settings: Settings, line: Timeline, *, trace: bool = False) -> Result:
     """Run the engine over the timeline, one decision per timestamp; ``trace`` keeps every
     evaluation's numbers in ``Result.trace``."""
@@ -720,7 +710,7 @@ def replay(settings: Settings, line: Timeline, *, trace: bool = False) -> Result
                 result.cause_seconds.get(decision.cause, 0.0) + line.step
             )
         result.probe_seconds += line.step if decision.probe_wanted else 0.0
-        key = decision_key(decision)
+        key = decision.key()
         if decision.action == "restart":
             restarts.append(RestartRecord(sample.time, decision.cause or "?"))
             result.restarts += 1
@@ -736,20 +726,6 @@ def replay(settings: Settings, line: Timeline, *, trace: bool = False) -> Result
 def _slim(decision: Decision) -> Decision:
     # Decisions kept for the output do not need the engine state they carried.
     return replace(decision, state=EngineState())
-
-
-def engine_settings(config: Config, mode: str | None = None) -> Settings:
-    """The engine's settings from a loaded (hence valid) configuration; ``mode`` overrides
-    ``policy.mode``."""
-    policy = config.policy.settings(config.restart.drain_max_in_flight)
-    if mode is not None:
-        policy = replace(policy, mode=mode)
-    probe_after = config.probe.after if config.probe.enabled else 0.0
-    return Settings(
-        baseline=config.baseline.settings(),
-        diagnosis=replace(config.diagnosis.settings(), probe_after=probe_after),
-        policy=policy,
-    )
 
 
 def check_step(settings: Settings, step: float) -> None:

@@ -22,6 +22,8 @@ from jeepney.auth import AuthenticationError
 from jeepney.io.blocking import DBusConnection, open_dbus_connection
 from jeepney.wrappers import DBusErrorResponse
 
+from vkvagent.errors import VkvagentError
+
 SYSTEMD = "org.freedesktop.systemd1"
 MANAGER_PATH = "/org/freedesktop/systemd1"
 MANAGER = f"{SYSTEMD}.Manager"
@@ -55,7 +57,7 @@ _DBUS_REASONS = {
 }
 
 
-class SystemdError(Exception):
+class SystemdError(VkvagentError):
     """A systemd operation that could not be done; ``str()`` is one line.
 
     ``reason`` is one of ``unavailable``, ``access-denied``, ``no-such-unit``, ``timeout`` or

@@ -26,14 +26,16 @@ from urllib.parse import urlsplit, urlunsplit
 
 from vkvagent import __version__
 from vkvagent.config import VllmConfig
-from vkvagent.metrics import ExpositionError, Normaliser, VllmMetrics
+from vkvagent.engine.samples import VllmMetrics
+from vkvagent.errors import VkvagentError
+from vkvagent.vllm_metrics import ExpositionError, Normaliser
 
 # Ask for the classic text format: vLLM serves it, and the normaliser reads it.
 _ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
 _CHUNK = 64 * 1024
 
 
-class ScrapeError(Exception):
+class ScrapeError(VkvagentError):
     """vLLM could not be read; the message is one line naming the problem. ``silent``: the
     connection was accepted but no complete answer came in time (a hung server), as opposed
     to refused, reset or answered with an error. ``refused``: nothing listens. ``status``: the

@@ -33,13 +33,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from vkvagent.baseline import METRICS, Baseline, BaselineSettings, Regime
-from vkvagent.diagnosis import DiagnosisSettings, MemoryPoint, ProbeFacts
 from vkvagent.engine import EngineState, Observation, RunState, Settings
-from vkvagent.gpu import THROTTLE_REASONS, GpuReading
-from vkvagent.metrics import Histogram, VllmMetrics
-from vkvagent.policy import PolicySettings, RestartRecord
-from vkvagent.sample import Sample
+from vkvagent.engine.baseline import METRICS, Baseline, BaselineSettings, Regime
+from vkvagent.engine.diagnosis import DiagnosisSettings, MemoryPoint, ProbeFacts
+from vkvagent.engine.policy import PolicySettings, RestartRecord
+from vkvagent.engine.samples import THROTTLE_REASONS, GpuReading, Histogram, Sample, VllmMetrics
 
 HERE = Path(__file__).parent
 ITL_BOUNDS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, math.inf)

@@ -2,8 +2,8 @@
 the daemon samples it, with restarts that really start a fresh process (a fresh Cluster).
 
 Samples are built straight from the engine model's counters (what ``sim.exposition.render``
-prints and ``metrics.Normaliser`` reads back; ``test_engine`` checks the two agree), which keeps
-a simulated day of ticks to a few seconds.
+prints and ``vllm_metrics.Normaliser`` reads back; ``test_engine`` checks the two agree),
+which keeps a simulated day of ticks to a few seconds.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from types import MappingProxyType
 
-from vkvagent.diagnosis import MemoryPoint
 from vkvagent.engine import Decision, EngineState, Observation, Settings, decide
+from vkvagent.engine.diagnosis import MemoryPoint
+from vkvagent.engine.policy import RestartRecord
+from vkvagent.engine.samples import Histogram, Sample, VllmMetrics
 from vkvagent.gpu import GpuReader, RecordedBackend
-from vkvagent.metrics import Histogram, VllmMetrics
-from vkvagent.policy import RestartRecord
-from vkvagent.sample import Sample
-from vkvagent.sim.engine import Cluster, EngineModel, Scenario, capacity
+from vkvagent.sim.capacity import Cluster, EngineModel, Scenario, capacity
 from vkvagent.sim.exposition import histogram_bounds
 from vkvagent.sim.workload import Workload, azure_sizes, constant
 

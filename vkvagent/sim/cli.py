@@ -12,10 +12,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TextIO
 
-from vkvagent.metrics import FLAVORS
-from vkvagent.sim.engine import SCENARIOS
-from vkvagent.sim.flags import FLAVOR_VERSIONS, FlagError, parse_serve_args, resolve_for_model
+from vkvagent.sim.capacity import SCENARIOS
+from vkvagent.sim.serve_args import (
+    FLAVOR_VERSIONS,
+    ServeArgsError,
+    parse_serve_args,
+    resolve_for_model,
+)
 from vkvagent.sim.server import MODEL_MAX_LEN, SimOptions, serve
+from vkvagent.vllm_metrics import FLAVORS
 
 USAGE = "vkvagent sim serve MODEL [vLLM flags] [simulator options]"
 
@@ -144,13 +149,13 @@ def serve_main(argv: Sequence[str], out: TextIO | None = None, err: TextIO | Non
         args = parse_serve_args(rest, options.flavor)
         args = resolve_for_model(args, options.flavor, MODEL_MAX_LEN)
         if args.data_parallel_size > 1 and options.flavor in ("v0", "v1-0.8"):
-            raise FlagError(
+            raise ServeArgsError(
                 f"the {options.flavor} metrics flavour has no engine label, so it cannot show "
                 "data-parallel engines: use --metrics-flavor v1-0.10 or v1-latest",
                 exit_code=1,
                 exc_type="ValueError",
             )
-    except FlagError as exc:  # a usage error exits 2, a config error 1, as vLLM's do
+    except ServeArgsError as exc:  # a usage error exits 2, a config error 1, as vLLM's do
         print(exc.render(), file=err)
         return exc.exit_code
     # vLLM's own --seed seeds the simulated traffic too, so one flag makes a run repeatable.

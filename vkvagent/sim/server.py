@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vkvagent.sim import exposition
-from vkvagent.sim.engine import Capacity, Cluster, EngineModel, Scenario, capacity
-from vkvagent.sim.flags import ServeArgs, cache_config_labels
+from vkvagent.sim.capacity import Capacity, Cluster, EngineModel, Scenario, capacity
+from vkvagent.sim.serve_args import ServeArgs, cache_config_labels
 from vkvagent.sim.stats import ServerInfo
 from vkvagent.sim.workload import Workload, azure_sizes, constant, servegen_week
 

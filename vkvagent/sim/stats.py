@@ -1,6 +1,6 @@
 """What a simulated vLLM engine has counted: the values vLLM's own metric loggers hold.
 
-The engine model (``engine.py``) fills these; the exposition (``exposition.py``) renders them
+The engine model (``capacity.py``) fills these; the exposition (``exposition.py``) renders them
 in a chosen vLLM version's format. Histograms use the version's bucket bounds, so the engine
 asks the exposition for them (``exposition.histogram_bounds``).
 """
@@ -64,7 +64,7 @@ class ServerInfo:
     """What does not change while the server runs."""
 
     model: str  # the served model name (model_name label)
-    flavor: str  # one of vkvagent.metrics.FLAVORS
+    flavor: str  # one of vkvagent.vllm_metrics.FLAVORS
     version: str  # what GET /version answers
     max_model_len: int
     cache_config: dict[str, str]  # vllm:cache_config_info labels (without engine)

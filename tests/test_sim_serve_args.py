@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import read_page
-from vkvagent.sim.flags import (
+from vkvagent.sim.serve_args import (
     FLAVOR_VERSIONS,
     GIB_BYTES,
-    FlagError,
     ServeArgs,
+    ServeArgsError,
     cache_config_labels,
     known_options,
     main_error,
@@ -31,8 +31,8 @@ def parse(flavor: str, *argv: str, entrypoint: str = "auto") -> ServeArgs:
     return parse_serve_args(list(argv), flavor, entrypoint=entrypoint)
 
 
-def refused(flavor: str, *argv: str, entrypoint: str = "auto") -> FlagError:
-    with pytest.raises(FlagError) as info:
+def refused(flavor: str, *argv: str, entrypoint: str = "auto") -> ServeArgsError:
+    with pytest.raises(ServeArgsError) as info:
         parse_serve_args(list(argv), flavor, entrypoint=entrypoint)
     return info.value
 
@@ -605,7 +605,7 @@ def test_resolve_for_model() -> None:
 
 
 def refused_resolve(args: ServeArgs, flavor: str, derived: int) -> str:
-    with pytest.raises(FlagError) as info:
+    with pytest.raises(ServeArgsError) as info:
         resolve_for_model(args, flavor, derived)
     assert info.value.exit_code == 1
     return info.value.message

@@ -22,21 +22,20 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import Any, Callable, Union
 
-from vkvagent.baseline import Capacity, Comparison, WindowStats
-from vkvagent.flags import CATALOGUE, FlagValue
-from vkvagent.gpu import GpuReading, describe_xid, is_fault
-from vkvagent.metrics import EngineSignals, VllmMetrics
-
-if TYPE_CHECKING:  # sample imports vllm, which imports config, which imports this module
-    from vkvagent.sample import Sample
+from vkvagent.engine.baseline import Capacity, Comparison, WindowStats
+from vkvagent.engine.gpu_faults import describe_xid, is_fault
+from vkvagent.engine.samples import EngineSignals, FlagValue, GpuReading, Sample, VllmMetrics
 
 FIXABLE = frozenset(
     {"uptime_decline", "kv_pressure", "kv_stranded", "stall", "unresponsive", "host_memory_growth"}
 )
 VETOED = frozenset({"gpu_throttle", "gpu_fault", "load_shift"})
 CAUSES = (*sorted(FIXABLE), *sorted(VETOED), "engine_down")
+# The largest --gpu-memory-utilization a suggestion goes to: what is left is the CUDA context,
+# activations and fragmentation (flags.CATALOGUE lets an operator go to 0.98).
+MEMORY_SHARE_TOP = 0.95
 
 EvidenceValue = Union[float, int, str, bool, None]
 Evidence = Mapping[str, EvidenceValue]
@@ -882,7 +881,7 @@ def kv_suggestion(
     memory = _number(flags.get("gpu-memory-utilization"))
     if memory is None:
         memory = _number(cache_config.get("gpu_memory_utilization"))
-    top = min(0.95, CATALOGUE["gpu-memory-utilization"].maximum or 0.95)
+    top = MEMORY_SHARE_TOP
     if memory is not None and memory < top:
         out["gpu-memory-utilization"] = round(min(top, memory + 0.03), 2)
     seqs = _number(flags.get("max-num-seqs"))

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from tests.conftest import FIXTURES, read_page
 from tests.httpserver import HttpServer, RawServer, free_port, read_request
+from vkvagent.engine.samples import Sample
 from vkvagent.gpu import GpuReader, NvmlUnavailable, RecordedBackend
 from vkvagent.history import History
-from vkvagent.sample import Sample, Sampler
+from vkvagent.sampler import Sampler, unit_facts
 from vkvagent.vllm import VllmClient
 
 PAGE = read_page("v1-0.10.prom").encode()
@@ -89,7 +90,7 @@ def test_a_broken_page_is_an_invalid_sample() -> None:
 
 
 def test_the_units_state_goes_into_the_sample_and_its_failure_too() -> None:
-    from vkvagent.sample import UnitFacts
+    from vkvagent.engine.samples import UnitFacts
     from vkvagent.systemd import ExecCommand, SystemdError, UnitState
 
     state = UnitState(
@@ -117,7 +118,6 @@ def test_unit_facts_judge_growth_by_anon_memory_and_fall_back_to_memory_current(
     be read (cgroup v1, no such file), growth is judged on MemoryCurrent."""
     from dataclasses import replace
 
-    from vkvagent.sample import UnitFacts
     from vkvagent.systemd import ExecCommand, UnitState
 
     state = UnitState(
@@ -133,15 +133,15 @@ def test_unit_facts_judge_growth_by_anon_memory_and_fall_back_to_memory_current(
         f"shmem 1073741824\nfile_mapped 2147483648\nanon_thp 0\ninactive_anon 4096\n"
         f"active_anon {anon - 4096}\ninactive_file 4294967296\nactive_file 9663676416\n"
     )
-    facts = UnitFacts.of(state, tmp_path / "v2")
+    facts = unit_facts(state, tmp_path / "v2")
     assert (facts.memory_bytes, facts.memory_anon_bytes) == (20 * 2**30, anon)
     assert (facts.growth_bytes, facts.growth_source) == (anon, "anon")
     assert Sample(0.0, 0.0, None, unit=facts).to_json()["unit"]["memory_anon_bytes"] == anon
 
-    fallback = UnitFacts.of(state, tmp_path / "v1")  # no memory.stat there, as on cgroup v1
+    fallback = unit_facts(state, tmp_path / "v1")  # no memory.stat there, as on cgroup v1
     assert fallback == replace(facts, memory_anon_bytes=None)
     assert (fallback.growth_bytes, fallback.growth_source) == (20 * 2**30, "MemoryCurrent")
-    stopped = UnitFacts.of(replace(state, memory_current=None, control_group=""), tmp_path / "v2")
+    stopped = unit_facts(replace(state, memory_current=None, control_group=""), tmp_path / "v2")
     assert (stopped.memory_anon_bytes, stopped.growth_bytes) == (None, None)
     assert stopped.growth_source == "MemoryCurrent"
     empty = replace(facts, memory_anon_bytes=0)  # known to be none: not a fallback

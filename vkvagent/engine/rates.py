@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
-from vkvagent.metrics import Histogram, VllmMetrics
+from vkvagent.engine.samples import Histogram, VllmMetrics
 
 Point = tuple[float, VllmMetrics]  # (monotonic seconds, scrape)
 

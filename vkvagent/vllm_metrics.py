@@ -20,9 +20,11 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 from prometheus_client.parser import parse_labels
+
+from vkvagent.engine.samples import EngineSignals, Histogram, VllmMetrics
+from vkvagent.errors import VkvagentError
 
 FLAVORS = ("v0", "v1-0.8", "v1-0.10", "v1-latest")
 
@@ -79,106 +81,8 @@ Labels = dict[str, str]
 SeriesKey = tuple[str, frozenset[tuple[str, str]]]
 
 
-class ExpositionError(ValueError):
+class ExpositionError(VkvagentError, ValueError):
     """The page is not a usable vLLM exposition; the message is one line naming the problem."""
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """A cumulative histogram: ``cumulative[i]`` observations were ``<= bounds[i]``."""
-
-    bounds: tuple[float, ...]  # ascending upper bounds, the last one +Inf
-    cumulative: tuple[float, ...]
-    sum: float
-
-    @property
-    def count(self) -> float:
-        return self.cumulative[-1]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "count": self.count,
-            "sum": self.sum,
-            "buckets": {_format_le(b): c for b, c in zip(self.bounds, self.cumulative)},
-        }
-
-
-@dataclass(frozen=True)
-class EngineSignals:
-    """One data-parallel engine's signals (one ``engine`` label value), read from the same wire
-    names as the totals. ``None`` where the page lacks the signal for this engine: a family cut
-    short for any engine is ``None`` for every engine, as the total is."""
-
-    engine: str
-    kv_cache_usage: float | None  # 0..1
-    num_requests_running: float | None
-    num_requests_waiting: float | None
-    generation_tokens_total: float | None
-    prompt_tokens_total: float | None
-    engine_steps_total: float | None
-    request_success_total: float | None
-    num_preemptions_total: float | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
-
-
-@dataclass(frozen=True)
-class VllmMetrics:
-    """One scrape of one vLLM server, in version-independent terms.
-
-    ``None`` means the page does not carry that signal (the version lacks it, or the page is
-    partial); counters are cumulative since the vLLM process started."""
-
-    flavor: str
-    models: tuple[str, ...]
-    engines: int
-    kv_cache_usage: float | None  # 0..1, mean over engines (equal-sized pools)
-    kv_cache_usage_max: float | None  # the fullest engine
-    num_requests_running: float | None
-    num_requests_waiting: float | None
-    num_preemptions_total: float | None
-    generation_tokens_total: float | None
-    prompt_tokens_total: float | None
-    request_success_total: float | None
-    prefix_cache_queries_total: float | None
-    prefix_cache_hits_total: float | None
-    prefix_cache_unit: str | None  # "tokens", or "blocks" on early V1
-    prefix_cache_hit_rate: float | None  # V0's gauge; -1 (no data) reads as None
-    engine_steps_total: float | None  # advances while the engine makes progress
-    process_start_time: float | None  # Unix time the serving process started
-    time_to_first_token: Histogram | None
-    inter_token_latency: Histogram | None
-    cache_config: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    version: str | None = None
-    warnings: tuple[str, ...] = ()  # signals dropped as inconsistent, each with its reason
-    # One entry per ``engine`` label, in engine order; empty on a page without that label.
-    # Left out of equality: the history keeps the totals only, and a sample read back from it
-    # must equal the one stored.
-    per_engine: tuple[EngineSignals, ...] = field(default=(), compare=False)
-
-    @property
-    def model_name(self) -> str | None:
-        return self.models[0] if len(self.models) == 1 else None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "flavor": self.flavor,
-            "version": self.version,
-            "model_name": self.model_name,
-        }
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if name == "per_engine":
-                if value:  # only on a data-parallel page
-                    out[name] = [engine.to_json() for engine in value]
-                continue
-            if isinstance(value, Histogram):
-                value = value.to_json()
-            elif isinstance(value, (tuple, MappingProxyType)):
-                value = list(value) if isinstance(value, tuple) else dict(value)
-            out[name] = value
-        return out
 
 
 class Normaliser:
@@ -520,7 +424,3 @@ def _cache_config(rows: list[tuple[Labels, float]]) -> Mapping[str, str]:
     # One entry per engine in DP deployments; they describe the same configuration.
     labels = min((labels for labels, _value in rows), key=lambda lab: lab.get("engine", ""))
     return MappingProxyType({k: v for k, v in sorted(labels.items()) if k != "engine"})
-
-
-def _format_le(bound: float) -> str:
-    return "+Inf" if bound == math.inf else f"{bound:g}"

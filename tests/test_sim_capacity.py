@@ -7,7 +7,7 @@ import random
 import pytest
 
 from vkvagent.gpu import GpuReader, RecordedBackend
-from vkvagent.sim.engine import (
+from vkvagent.sim.capacity import (
     SCENARIOS,
     STEP,
     Cluster,

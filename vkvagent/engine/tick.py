@@ -13,14 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
-from vkvagent import policy
-from vkvagent.baseline import (
+from vkvagent.engine import policy
+from vkvagent.engine.baseline import (
     Baseline,
     BaselineSettings,
     WindowStats,
@@ -29,7 +30,7 @@ from vkvagent.baseline import (
     regime_of,
     window_stats,
 )
-from vkvagent.diagnosis import (
+from vkvagent.engine.diagnosis import (
     Diagnosis,
     DiagnosisSettings,
     DiagnosisState,
@@ -43,12 +44,9 @@ from vkvagent.diagnosis import (
     diagnose,
     optional_float,
 )
-from vkvagent.flags import FlagValue
-from vkvagent.gpu import GpuReading
-from vkvagent.metrics import VllmMetrics
-from vkvagent.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
-from vkvagent.rates import counters, is_reset, mean
-from vkvagent.sample import Sample
+from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
+from vkvagent.engine.rates import counters, is_reset, mean
+from vkvagent.engine.samples import FlagValue, GpuReading, Sample, VllmMetrics
 
 ACTIONS = ("restart", "hold", "none")
 
@@ -215,6 +213,16 @@ class Decision:
             "drain_max_in_flight": self.drain_max_in_flight,
             "probe_wanted": self.probe_wanted,
         }
+
+    def key(self) -> tuple[Any, ...]:
+        """What makes a decision worth showing again: its action, cause, reason's head and
+        run. A reason's numbers change every tick; its head names the situation."""
+        found = _REASON_HEAD.match(self.reason)
+        head = found.group().strip() if found else self.reason
+        return self.action, self.cause, head, self.evidence.get("run")
+
+
+_REASON_HEAD = re.compile(r"^[A-Za-z _-]+(?::[A-Za-z _-]+)?")
 
 
 def _iso(at: datetime) -> str:

@@ -23,7 +23,7 @@ from functools import cached_property
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from vkvagent.diagnosis import FIXABLE
+from vkvagent.engine.diagnosis import FIXABLE
 
 MODES = ("off", "observe", "enforce")
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")

@@ -13,10 +13,10 @@ fails the simulated start as it would fail the real one:
 * ``vllm serve MODEL`` or ``--model MODEL``; both at once is refused as the release refuses it;
 * human-readable integers (``32k`` = 32000, ``32K`` = 32768) where the release parses them;
 * argparse's own wording for usage errors (``unrecognized arguments: ...``, ``invalid int
-  value: 'x'``, ``invalid choice: ...``), raised as ``FlagError`` with ``exit_code`` 2;
+  value: 'x'``, ``invalid choice: ...``), raised as ``ServeArgsError`` with ``exit_code`` 2;
 * the engine's checks that follow parsing (GPU memory fraction, ``max_num_batched_tokens >=
-  max_num_seqs``, ...) as ``FlagError`` with ``exit_code`` 1: real vLLM dies with a
-  traceback there, not a usage message. ``FlagError.render()`` gives the stderr text.
+  max_num_seqs``, ...) as ``ServeArgsError`` with ``exit_code`` 1: real vLLM dies with a
+  traceback there, not a usage message. ``ServeArgsError.render()`` gives the stderr text.
 
 Only the flags listed in ``_build_table`` are known; any other real vLLM flag is refused as
 unrecognized (the simulator is stricter than vLLM there, never looser). Argparse's
@@ -52,7 +52,7 @@ V1_MAX_NUM_BATCHED_TOKENS = 8192
 V0_MAX_NUM_SEQS = 256
 
 
-class FlagError(Exception):
+class ServeArgsError(Exception):
     """A command line the imitated vLLM refuses.
 
     ``exit_code`` 2: argparse refused it (vLLM prints ``vllm serve: error: <message>``);
@@ -204,7 +204,7 @@ def _store_boolean(value: str) -> bool:
     if value.lower() == "false":
         return False
     # A ValueError raised inside the action: a traceback, not a usage error.
-    raise FlagError(
+    raise ServeArgsError(
         f"Invalid boolean value: {value}. Expected 'true' or 'false'.",
         exit_code=1,
         exc_type="ValueError",
@@ -424,14 +424,14 @@ def _convert(flag: _Flag, raw: str) -> Any:
     try:
         value = flag.convert(raw)
     except _ArgTypeError as exc:
-        raise FlagError(f"argument {flag.display}: {exc}") from None
+        raise ServeArgsError(f"argument {flag.display}: {exc}") from None
     except ValueError:
-        raise FlagError(
+        raise ServeArgsError(
             f"argument {flag.display}: invalid {flag.type_name} value: {raw!r}"
         ) from None
     if flag.choices is not None and value not in flag.choices:
         listed = ", ".join(repr(c) for c in flag.choices)
-        raise FlagError(
+        raise ServeArgsError(
             f"argument {flag.display}: invalid choice: {value!r} (choose from {listed})"
         )
     return value
@@ -473,7 +473,9 @@ def _scan(args: list[str], table: dict[str, _Flag]) -> _Parsed:
         i += 1
         if flag.kind in ("true", "bool"):
             if explicit is not None:
-                raise FlagError(f"argument {flag.display}: ignored explicit argument {explicit!r}")
+                raise ServeArgsError(
+                    f"argument {flag.display}: ignored explicit argument {explicit!r}"
+                )
             out.values[flag.dest] = flag.kind == "true" or not name.startswith("--no-")
         elif flag.kind == "strbool":
             if explicit is None and takes(i):
@@ -485,12 +487,12 @@ def _scan(args: list[str], table: dict[str, _Flag]) -> _Parsed:
                 names.append(args[i])
                 i += 1
             if not names:
-                raise FlagError(f"argument {flag.display}: expected at least one argument")
+                raise ServeArgsError(f"argument {flag.display}: expected at least one argument")
             out.values[flag.dest] = tuple(names)
         else:
             if explicit is None:
                 if not takes(i):
-                    raise FlagError(f"argument {flag.display}: expected one argument")
+                    raise ServeArgsError(f"argument {flag.display}: expected one argument")
                 explicit, i = args[i], i + 1
             out.values[flag.dest] = _convert(flag, explicit)
     return out
@@ -505,7 +507,7 @@ def parse_serve_args(argv: Sequence[str], flavor: str, *, entrypoint: str = "aut
     ``"auto"`` (default) takes either, and refuses both at once as ``vllm serve`` does.
     A missing model is refused everywhere, although vLLM's ``api_server`` (and ``vllm serve``
     since the model became optional) would load its default model: in a test that means a
-    broken rewrite. Raises ``FlagError``.
+    broken rewrite. Raises ``ServeArgsError``.
     """
     _check_flavor(flavor)
     if entrypoint not in ("auto", "serve", "api_server"):
@@ -513,7 +515,7 @@ def parse_serve_args(argv: Sequence[str], flavor: str, *, entrypoint: str = "aut
     table = _TABLES[flavor]
     args = [str(a) for a in argv]
     if any(a == "--config" or a.startswith("--config=") for a in args):
-        raise FlagError(
+        raise ServeArgsError(
             "--config is not supported by the simulator (vLLM would read a YAML "
             "file of flags): pass the flags on the command line"
         )
@@ -525,7 +527,7 @@ def parse_serve_args(argv: Sequence[str], flavor: str, *, entrypoint: str = "aut
         and args[0].startswith("-")
         and any(_SERVED_NAME_OPTION.match(a) for a in args)
     ):
-        raise FlagError(
+        raise ServeArgsError(
             "`model` should be provided as the first positional argument when using "
             "`vllm serve`. i.e. `vllm serve <model> --<arg> <value>`.",
             exit_code=1,
@@ -556,11 +558,11 @@ def _choose_model(parsed: _Parsed, flavor: str, entrypoint: str) -> str:
         extras = extras + positionals[1:]
     if not model:
         missing = "--model" if entrypoint == "api_server" else "model_tag"
-        raise FlagError(f"the following arguments are required: {missing}")
+        raise ServeArgsError(f"the following arguments are required: {missing}")
     if extras:
-        raise FlagError("unrecognized arguments: " + " ".join(a for _, a in sorted(extras)))
+        raise ServeArgsError("unrecognized arguments: " + " ".join(a for _, a in sorted(extras)))
     if v0_conflict:
-        raise FlagError(
+        raise ServeArgsError(
             "With `vllm serve`, you should provide the model as a positional argument "
             "instead of via the `--model` option.",
             exit_code=1,
@@ -597,8 +599,10 @@ def _with_defaults(model: str, values: dict[str, Any], flavor: str) -> ServeArgs
     )
 
 
-def _pydantic_error(config: str, name: str, message: str, kind: str, value: object) -> FlagError:
-    return FlagError(
+def _pydantic_error(
+    config: str, name: str, message: str, kind: str, value: object
+) -> ServeArgsError:
+    return ServeArgsError(
         f"1 validation error for {config}\n{name}\n  {message} "
         f"[type={kind}, input_value={value!r}, input_type={type(value).__name__}]",
         exit_code=1,
@@ -606,8 +610,8 @@ def _pydantic_error(config: str, name: str, message: str, kind: str, value: obje
     )
 
 
-def _value_error(message: str) -> FlagError:
-    return FlagError(message, exit_code=1, exc_type="ValueError")
+def _value_error(message: str) -> ServeArgsError:
+    return ServeArgsError(message, exit_code=1, exc_type="ValueError")
 
 
 _NO_KV_MEMORY = (
@@ -685,7 +689,7 @@ def _validate(args: ServeArgs, flavor: str) -> None:
         timeout = args.shutdown_timeout
         raise _value_error(f"shutdown_timeout must be >= 0, got {timeout}")  # sim wording
     if not 0 <= args.port <= 65535:
-        raise FlagError("bind(): port must be 0-65535.", exit_code=1, exc_type="OverflowError")
+        raise ServeArgsError("bind(): port must be 0-65535.", exit_code=1, exc_type="OverflowError")
     # Startup failures after profiling: no memory left for a single KV block.
     if not util > 0 or (
         args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override <= 0
@@ -716,7 +720,7 @@ def resolve_for_model(args: ServeArgs, flavor: str, derived_max_model_len: int) 
     """Fill in what the release derives from the model (its ``max_position_embeddings``):
     ``max_model_len``; on V0 also chunked prefill (on by default above 32K tokens) and
     ``max_num_batched_tokens`` (512 with chunked prefill, else max(max_model_len, 2048)); then
-    run the scheduler checks that need them. Raises ``FlagError`` (exit code 1)."""
+    run the scheduler checks that need them. Raises ``ServeArgsError`` (exit code 1)."""
     _check_flavor(flavor)
     max_len = args.max_model_len
     if max_len is None or max_len == -1:

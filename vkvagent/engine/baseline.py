@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from vkvagent.metrics import Histogram, VllmMetrics
-from vkvagent.rates import Point, increase, is_reset, window_rates
+from vkvagent.engine.rates import Point, increase, is_reset, window_rates
+from vkvagent.engine.samples import Histogram, VllmMetrics
 
 # What a window is summarised by (WindowStats field names), kept per regime.
 METRICS = (
