@@ -612,3 +612,12 @@ def test_an_engine_whose_queue_is_unknown_is_judged_without_failing() -> None:
     result, _ = run(held(situation(engines=(*peers, unknown))), lenient)
     assert result.cause == "kv_stranded"
     assert result.summary.startswith("engine 3 of 4: ? requests wait on it")
+
+
+def test_a_suggested_memory_share_is_one_the_agent_may_set() -> None:
+    from vkvagent.engine.diagnosis import MEMORY_SHARE_TOP
+    from vkvagent.flags import CATALOGUE
+
+    limit = CATALOGUE["gpu-memory-utilization"]
+    assert limit.minimum is not None and limit.maximum is not None
+    assert limit.minimum < MEMORY_SHARE_TOP <= limit.maximum

@@ -661,3 +661,21 @@ def test_a_silent_or_wrong_peer_is_one_line_within_the_timeout_and_the_next_endp
         began = time.monotonic()
         assert fleet.holders() == []  # and is asked first from then on
         assert time.monotonic() - began < 0.25
+
+
+def test_the_status_schema_names_every_state_a_gate_can_be_in() -> None:
+    """status.FLEET_STATES is what the exporter and `status` list; the gate sets them."""
+    import ast
+
+    from vkvagent import fleet
+    from vkvagent.status import FLEET_STATES
+
+    source = ast.parse(Path(fleet.__file__).read_text())
+    set_to = {
+        node.value.value
+        for node in ast.walk(source)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and any(ast.unparse(target) == "self.state" for target in node.targets)
+    }
+    assert set_to == set(FLEET_STATES)

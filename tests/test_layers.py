@@ -50,7 +50,9 @@ def imports(path: Path) -> list[tuple[str, bool]]:
     it is imported inside a function (lazily)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}: a relative import escapes the layer check"
+        if isinstance(node, ast.ImportFrom) and node.module:
             lazy = node.col_offset > 0
             if node.module == "vkvagent":  # from vkvagent import config, status
                 out += [(a.name, lazy) for a in node.names if a.name != "__version__"]

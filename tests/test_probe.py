@@ -22,7 +22,7 @@ from vkvagent.daemon import Daemon
 from vkvagent.demo import scaled_clock
 from vkvagent.engine.diagnosis import ProbeFacts
 from vkvagent.history import History
-from vkvagent.probe import Prober, ProbeResult
+from vkvagent.probe import Prober, ProbeResult, outcome_of
 from vkvagent.vllm import VllmClient
 
 COMPLETION = json.dumps({"choices": [{"index": 0, "text": " the"}]}).encode()
@@ -256,3 +256,22 @@ def test_the_daemon_probes_an_idle_server_and_finds_it_healthy(tmp_path: Path) -
     assert 'vkvagent_probes_total{outcome="timeout"} 0.0' in exported
     assert "vkvagent_probe_last_ok 1.0" in exported
     assert "vkvagent_probe_last_latency_seconds " in exported
+
+
+def test_the_status_schema_names_every_outcome_a_probe_can_have() -> None:
+    """status.PROBE_OUTCOMES is what the exporter and `status` list; outcome_of makes them."""
+    from vkvagent.status import PROBE_OUTCOMES
+    from vkvagent.vllm import ScrapeError
+
+    made = {
+        outcome_of(error)
+        for error in (
+            None,
+            ScrapeError("hung", silent=True),
+            ScrapeError("down", refused=True),
+            ScrapeError("401", status=401),
+            ScrapeError("503", status=503),
+            ScrapeError("reset"),
+        )
+    }
+    assert made == set(PROBE_OUTCOMES)

@@ -186,7 +186,7 @@ def test_vkvagent_run_started_with_a_loose_umask_keeps_its_state_private(tmp_pat
             time.sleep(0.1)
         time.sleep(1.5)
     finally:
-        stop_process(agent, 20)
+        assert stop_process(agent, 20) == 0  # SIGTERM ends the daemon cleanly
     names = {p.name for p in state.iterdir()}
     assert {"history.sqlite3", "ledger.sqlite3", "status.json", "engine.json"} <= names
     assert _loose(state) == []

@@ -105,12 +105,12 @@ def test_a_silent_daemon_is_unknown_but_a_restart_in_progress_is_not() -> None:
 
 
 def test_render_explains_and_draws_the_trend() -> None:
-    trend: list[list[Any]] = []
+    trend: tuple[TrendPoint, ...] = ()
     for minute in range(0, 120, 5):
         trend = add_trend(trend, NOW + minute * 60, 5000.0 - minute * 10, None)
     trend = add_trend(trend, NOW + 116 * 60, 1.0, None)  # 1 min after the last: not kept
-    assert len(trend) == 24 and trend[-1][1] == 5000.0 - 115 * 10
-    shown = render(report("healthy", trend=trend), NOW, explain=True)
+    assert len(trend) == 24 and trend[-1].tokens_per_s == 5000.0 - 115 * 10
+    shown = render(report("healthy", trend=[p.to_json() for p in trend]), NOW, explain=True)
     line = next(x for x in shown.splitlines() if x.startswith("  trend"))
     spark = line.split()[1]
     assert len(spark) == 24 and spark[0] == "█" and spark[-1] == "▁"  # falling
@@ -292,6 +292,9 @@ def test_an_old_document_reads_with_what_it_lacked_as_unknown() -> None:
         ({"fleet": {"group": "g"}}, "fleet.host: expected text, got nothing"),
         ({"pending_flags": 7}, "pending_flags: expected an object or text, got an integer"),
         ({"version": 2}, "version: expected 1, got 2"),
+        ({"last_restart": {"kind": "restart", "reason": "r", "started": NOW,
+                           "costs": {"drain_seconds": "2 s"}}},
+         "last_restart.costs.drain_seconds: expected a number, got text"),
     ],
 )  # fmt: skip
 def test_garbage_is_one_status_error_naming_its_place(change: dict[str, Any], problem: str) -> None:

@@ -404,10 +404,7 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
     if args.plot:
         from vkvagent import plot  # noqa: PLC0415 - matplotlib only when a picture is asked for
 
-        try:
-            plot.require()
-        except plot.PlotError as exc:
-            raise CommandError(str(exc)) from None
+        plot.require()  # a PlotError without matplotlib, before the replay's work
     loaded = config.load(args.config)
     settings = loaded.engine_settings(args.mode)
     step: float | None = None
@@ -442,10 +439,7 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
         trace=bool(args.plot),
     )
     if args.plot:
-        try:
-            plot.draw(result, args.plot)
-        except plot.PlotError as exc:
-            raise CommandError(str(exc)) from None
+        plot.draw(result, args.plot)
     if args.json:
         json.dump(result.to_json(), out, indent=1, allow_nan=False)
         out.write("\n")

@@ -643,11 +643,13 @@ class Daemon:
             if not turn.allowed:
                 return None
             self._slot = turn.admission.slot
+            turn.result = "refused"  # until the actuator says what the restart came to
             try:
                 outcome = self._act(actuator, decision)
             finally:
                 self._slot = None
-            turn.result = outcome.result if outcome else "refused"
+            if outcome is not None:
+                turn.result = outcome.result
         return outcome
 
     def _act(self, actuator: Actuator, decision: Decision) -> Outcome | None:
@@ -730,7 +732,7 @@ class Daemon:
 
     # -- persisted state --------------------------------------------------------------------
 
-    def _load_state(self) -> tuple[EngineState, dict[int, bool], list[list[Any]]]:
+    def _load_state(self) -> tuple[EngineState, dict[int, bool], tuple[status.TrendPoint, ...]]:
         """The engine state, the restarts judged and the trend, as the last run left them. A
         missing or damaged file costs the learned baselines, never the start."""
         path = self.parts.state_dir / STATE_FILE
@@ -738,17 +740,24 @@ class Daemon:
             data = json.loads(path.read_text(encoding="utf-8"))
             engine = EngineState.from_json(data["engine"])
             judged = {int(k): bool(v) for k, v in data.get("judged", {}).items()}
-            trend = [list(p) for p in data.get("trend", [])]
+            trend = _trend(data.get("trend", []))
         except FileNotFoundError:
-            return EngineState(), {}, []
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return EngineState(), {}, ()
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            status.StatusError,
+        ) as exc:
             self.events.emit(
                 "state.write_failed",
                 f"{path}: unreadable ({exc}); starting with no baseline",
                 what="state",
                 error=str(exc),
             )
-            return EngineState(), {}, []
+            return EngineState(), {}, ()
         return engine, judged, trend
 
     def _save_state(self) -> None:
@@ -756,7 +765,7 @@ class Daemon:
         data = {
             "engine": self.state.to_json(),
             "judged": {str(k): v for k, v in judged.items()},
-            "trend": self.trend,
+            "trend": [point.to_json() for point in self.trend],
         }
         write_atomically(
             self.parts.state_dir / STATE_FILE,
@@ -788,10 +797,8 @@ class Daemon:
         self.trend = status.add_trend(
             self.trend, sample.time, rates.tokens_per_s if rates else None, decision.ratio
         )
-        group = None
-        if p.fleet is not None:  # the gate reports its own dict: read into the schema here
-            wanting = decision.action == "restart" and p.actuator is not None
-            group = status.FleetStatus.from_json(p.fleet.report(wanting=wanting))
+        wanting = decision.action == "restart" and p.actuator is not None
+        group = None if p.fleet is None else p.fleet.report(wanting=wanting)
         m = sample.vllm
         return status.StatusReport(
             updated=sample.time,
@@ -815,7 +822,7 @@ class Daemon:
             last_restart=self._last_restart(),
             probe=self._probe_status(sample, decision),
             pending_flags=pending_flags,
-            trend=tuple(status.TrendPoint(*point) for point in self.trend),
+            trend=self.trend,
             fleet=group,
             stale_after=stale_after,
         )
@@ -946,6 +953,16 @@ def _decision_fields(decision: Decision) -> dict[str, Any]:
         "evidence": {k: v for k, v in decision.evidence.items() if v is not None},
         "suggestion": dict(decision.suggestion),
     }
+
+
+def _trend(points: object) -> tuple[status.TrendPoint, ...]:
+    """The saved trend; a damaged one costs only the sparkline, never the baselines."""
+    if not isinstance(points, list):
+        return ()
+    try:
+        return tuple(status.TrendPoint.from_json(point) for point in points)
+    except status.StatusError:
+        return ()
 
 
 def _status_line(report: status.StatusReport) -> str:

@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 from vkvagent import __version__
 from vkvagent.config import FleetConfig
 from vkvagent.errors import VkvagentError
+from vkvagent.status import FleetStatus, SlotHolder
 
 MAX_BODY = 1024 * 1024
 LIST_EVERY = 30.0  # seconds between two listings of the holders for the status, when idle
@@ -334,30 +335,6 @@ def _one_line(exc: BaseException) -> str:
 # -- the slot protocol ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Holder:
-    """Who holds a slot, as its key's value says."""
-
-    slot: int
-    host: str
-    pid: int | None
-    cause: str
-    reason: str
-    since: float | None  # UTC seconds
-    lease: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "slot": self.slot,
-            "host": self.host,
-            "pid": self.pid,
-            "cause": self.cause,
-            "reason": self.reason,
-            "since": self.since,
-            "lease": self.lease,
-        }
-
-
 class Slot:
     """A slot this host holds: its lease renewed by a thread until ``release()``."""
 
@@ -470,7 +447,7 @@ class Fleet:
     def key(self, index: int) -> str:
         return f"{self.prefix}slot-{index}"
 
-    def holders(self) -> list[Holder]:
+    def holders(self) -> list[SlotHolder]:
         """The group's slots held now (one range read). Raises FleetError."""
         found = []
         for kv in self.client.range_prefix(self.prefix):
@@ -485,10 +462,10 @@ class Fleet:
                 value = {}
             pid, since = value.get("pid"), value.get("since")
             found.append(
-                Holder(
+                SlotHolder(
                     slot=int(name[5:]),
                     host=str(value.get("host", "?")),
-                    pid=pid if isinstance(pid, int) else None,
+                    pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
                     cause=str(value.get("cause", "")),
                     reason=str(value.get("reason", "")),
                     since=float(since) if isinstance(since, (int, float)) else None,
@@ -497,7 +474,7 @@ class Fleet:
             )
         return sorted(found, key=lambda h: h.slot)
 
-    def acquire(self, cause: str, reason: str) -> tuple[Slot | None, list[Holder]]:
+    def acquire(self, cause: str, reason: str) -> tuple[Slot | None, list[SlotHolder]]:
         """Take a free slot: the slot (None when all are held) and the holders seen. One
         read when all are held; otherwise a lease grant and one transaction per slot tried.
         Raises FleetError."""
@@ -539,9 +516,11 @@ class Fleet:
             self.client.revoke(lease)
         return None, self.holders()
 
-    def _with(self, holders: list[Holder], index: int, value: str, lease: str) -> list[Holder]:
+    def _with(
+        self, holders: list[SlotHolder], index: int, value: str, lease: str
+    ) -> list[SlotHolder]:
         mine = json.loads(value)
-        added = Holder(index, self.host, mine["pid"], mine["cause"], mine["reason"],
+        added = SlotHolder(index, self.host, mine["pid"], mine["cause"], mine["reason"],
                        mine["since"], lease)  # fmt: skip
         return sorted([*holders, added], key=lambda h: h.slot)
 
@@ -594,7 +573,7 @@ class Gate:
         self._mono, self._wall = mono, wall
         self.state = "idle"  # one of status.FLEET_STATES
         self.error: str | None = None
-        self.holders: list[Holder] = []
+        self.holders: list[SlotHolder] = []
         self._listed_at: float | None = None  # UTC time of the holders shown
         self._next_list = -float("inf")
         self._asked = False  # etcd was asked during this tick already
@@ -707,7 +686,7 @@ class Gate:
         self.holders = [h for h in self.holders if h.lease != slot.lease]
         self._next_list = -float("inf")  # list again at the next tick
 
-    def report(self, *, wanting: bool) -> dict[str, Any]:
+    def report(self, *, wanting: bool) -> FleetStatus:
         """The fleet's part of status.json. Lists the holders now and then (every
         LIST_EVERY seconds; each tick while etcd does not answer)."""
         if not wanting:
@@ -729,19 +708,19 @@ class Gate:
                 if self.state == "unreachable":
                     self.state = "idle"
         self._asked = False
-        return {
-            "group": self.fleet.group,
-            "host": self.fleet.host,
-            "max_concurrent": self.fleet.max_concurrent,
-            "lease_ttl": self.fleet.lease_ttl,
-            "on_unreachable": self.cfg.on_unreachable,
-            "state": self.state,
-            "error": self.error,
-            "holders": [h.to_json() for h in self.holders],
-            "listed": self._listed_at,
-        }
+        return FleetStatus(
+            group=self.fleet.group,
+            host=self.fleet.host,
+            max_concurrent=self.fleet.max_concurrent,
+            lease_ttl=self.fleet.lease_ttl,
+            on_unreachable=self.cfg.on_unreachable,
+            state=self.state,
+            error=self.error,
+            holders=tuple(self.holders),
+            listed=self._listed_at,
+        )
 
-    def _answered(self, holders: list[Holder]) -> None:
+    def _answered(self, holders: list[SlotHolder]) -> None:
         self.holders = holders
         self._listed_at = self._wall()
         self._next_list = self._mono() + LIST_EVERY

@@ -299,9 +299,20 @@ class LastRestart:
             ended=f.number_or_none("ended"),
             outcome=f.text_or_none("outcome"),
             recovered=f.flag_or_none("recovered"),
-            costs=f.mapping_or_none("costs"),
+            costs=_costs(f.mapping_or_none("costs"), f"{where}.costs"),
             hooks=None if f.data.get("hooks") is None else f.parts("hooks", _object_item),
         )
+
+
+def _costs(costs: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    """The ledger's ``actuator.Costs``, passed through once its values are what
+    ``costs_line`` prints."""
+    if costs is not None:
+        f = _Fields(costs, where)
+        f.text_or_none("drain_mode")
+        for key in ("in_flight", "aborted", "drain_seconds", "down_seconds", "missed"):
+            f.number_or_none(key)
+    return costs
 
 
 @dataclass(frozen=True)
@@ -365,7 +376,7 @@ class ProbeStatus:
 
 @dataclass(frozen=True)
 class SlotHolder:
-    """A host holding one of its fleet group's restart slots (``fleet.Holder``)."""
+    """A host holding one of its fleet group's restart slots, as its etcd key says."""
 
     slot: int
     host: str
@@ -723,12 +734,12 @@ def is_stale(status: StatusReport, now: float) -> bool:
 
 
 def add_trend(
-    trend: Sequence[Sequence[Any]], at: float, tokens_per_s: float | None, ratio: float | None
-) -> list[list[Any]]:
+    trend: Sequence[TrendPoint], at: float, tokens_per_s: float | None, ratio: float | None
+) -> tuple[TrendPoint, ...]:
     """The trend with a point for ``at`` when TREND_EVERY has passed since the last one."""
-    points = [list(p) for p in trend]
-    if tokens_per_s is not None and (not points or at - float(points[-1][0]) >= TREND_EVERY):
-        points.append([round(at, 1), round(tokens_per_s, 2), ratio])
+    points = tuple(trend)
+    if tokens_per_s is not None and (not points or at - points[-1].at >= TREND_EVERY):
+        points += (TrendPoint(round(at, 1), round(tokens_per_s, 2), ratio),)
     return points[-TREND_KEPT:]
 
 

@@ -747,7 +747,7 @@ def _remember_gpus(
     """Throttling and faults are seen in some samples only (an XID is reported once); keep
     the latest of each, so it vetoes for as long as it can explain a held symptom. Only
     hardware, driver and unknown XIDs are faults: an application one is what a restart fixes
-    (``vkvagent.gpu.XIDS``)."""
+    (``engine.gpu_faults.XIDS``)."""
     throttled: list[str] = []
     faults: list[str] = []
     for readings in gpus:
