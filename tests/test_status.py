@@ -250,8 +250,8 @@ def test_a_full_report_survives_its_own_document() -> None:
     written = full_report()
     document = json.loads(json.dumps(written.to_json()))
     assert list(document) == [
-        "version", "updated", "pid", "agent_version", "interval", "unit_name", "unit",
-        "unit_error", "vllm", "now", "gpus", "verdict", "policy", "last_restart", "probe",
+        "version", "updated", "agent_version", "interval", "unit_name", "verdict", "policy",
+        "pid", "unit", "unit_error", "vllm", "now", "gpus", "last_restart", "probe",
         "pending_flags", "trend", "fleet", "stale_after", "progress",
     ]  # fmt: skip
     assert document["trend"] == [[NOW - 300, 5100.0, 0.75], [NOW, 5000.0, None]]

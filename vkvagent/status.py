@@ -12,6 +12,7 @@ acting, 2 escalated or critical, 3 unknown (no daemon, no data, or a stale file)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -50,11 +51,114 @@ class StatusError(VkvagentError):
     """status.json cannot be read (permissions), or is not a status document; one line."""
 
 
-# -- the document -----------------------------------------------------------------------------
+# -- the document ---------------------------------------------------------------------------
+
+_P = TypeVar("_P", bound="_Part")
+
+
+class _Part:
+    """A part of the document: a frozen dataclass whose fields are its keys, in order.
+
+    Reading takes what older versions wrote: a key they lacked (or null) reads as the field's
+    default; a value of the wrong type, or a required key missing, is a StatusError naming
+    its place. The type of each key is its field's annotation, kept as text by ``from
+    __future__ import annotations``: ``_read`` knows the few forms the schema uses."""
+
+    def to_json(self) -> dict[str, Any]:
+        parts = dataclasses.fields(self)  # type: ignore[arg-type]
+        return {f.name: _written(getattr(self, f.name)) for f in parts}
+
+    @classmethod
+    def from_json(cls: type[_P], data: object, where: str = "") -> _P:
+        if not isinstance(data, dict):
+            raise StatusError(f"{where or 'status'}: expected an object, got {_kind(data)}")
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            at = f"{where}.{f.name}" if where else f.name
+            value = data.get(f.name)
+            if value is not None:
+                values[f.name] = _read(str(f.type), value, at)
+                if "check" in f.metadata:
+                    f.metadata["check"](value, at)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                if "None" not in str(f.type):  # required: older versions wrote it too
+                    raise StatusError(f"{at}: expected {_expected(str(f.type))}, got nothing")
+                values[f.name] = None
+        return cls(**values)
+
+
+def _written(value: object) -> Any:
+    if isinstance(value, _Part):
+        return value.to_json()
+    if isinstance(value, tuple):
+        return [_written(item) for item in value]
+    if isinstance(value, dict):
+        return dict(value)
+    return value
+
+
+# The annotations the schema uses, each with its test and its name in an error.
+_SCALARS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "str": (lambda v: isinstance(v, str), "text"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "dict[str, Any]": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def _options(annotation: str) -> list[str]:
+    """``float | None`` -> ``["float"]``: the kinds a non-null value may be."""
+    return [kind.strip() for kind in annotation.split("|") if kind.strip() != "None"]
+
+
+def _expected(annotation: str) -> str:
+    names = []
+    for kind in _options(annotation):
+        if kind in _SCALARS:
+            names.append(_SCALARS[kind][1])
+        else:
+            names.append("a list" if kind.startswith("tuple[") else "an object")
+    return " or ".join(names)
+
+
+def _read(annotation: str, value: object, at: str) -> Any:
+    """``value`` (not null) as the annotation says: a scalar, ``tuple[X, ...]`` from a list,
+    or a part of the document by its class name."""
+    for kind in _options(annotation):
+        if kind in _SCALARS:
+            if _SCALARS[kind][0](value):
+                return dict(value) if isinstance(value, dict) else value
+        elif kind.startswith("tuple[") and kind.endswith(", ...]"):
+            if isinstance(value, list):
+                item = kind[len("tuple[") : -len(", ...]")]
+                return tuple(_read(item, v, f"{at}[{i}]") for i, v in enumerate(value))
+        else:  # a part of the document, which checks its own shape
+            part: type[_Part] = globals()[kind]
+            return part.from_json(value, at)
+    raise StatusError(f"{at}: expected {_expected(annotation)}, got {_kind(value)}")
+
+
+# ``actuator.Costs`` as the ledger keeps it: what ``costs_line`` prints.
+_COSTS = {
+    "drain_mode": "str",
+    "in_flight": "float",
+    "aborted": "float",
+    "drain_seconds": "float",
+    "down_seconds": "float",
+    "missed": "float",
+}
+
+
+def _costs(costs: dict[str, Any], where: str) -> None:
+    """The ledger's costs are passed through as they are, once their values fit."""
+    for key, kind in _COSTS.items():
+        if costs.get(key) is not None:
+            _read(kind, costs[key], f"{where}.{key}")
 
 
 @dataclass(frozen=True)
-class UnitStatus:
+class UnitStatus(_Part):
     """The vLLM unit as systemd reported it with the sample."""
 
     active_state: str
@@ -63,29 +167,9 @@ class UnitStatus:
     n_restarts: int  # automatic restarts by Restart= since the last requested start
     memory_bytes: int | None = None  # MemoryCurrent; None when not accounted
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "active_state": self.active_state,
-            "sub_state": self.sub_state,
-            "main_pid": self.main_pid,
-            "memory_bytes": self.memory_bytes,
-            "n_restarts": self.n_restarts,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "unit") -> UnitStatus:
-        f = _Fields(data, where)
-        return cls(
-            active_state=f.text("active_state"),
-            sub_state=f.text("sub_state"),
-            main_pid=f.integer("main_pid"),
-            n_restarts=f.integer("n_restarts"),
-            memory_bytes=f.integer_or_none("memory_bytes"),
-        )
-
 
 @dataclass(frozen=True)
-class VllmStatus:
+class VllmStatus(_Part):
     """The vLLM server: its version, how its /metrics page read, how long it has run."""
 
     version: str | None = None
@@ -94,29 +178,9 @@ class VllmStatus:
     uptime_s: float | None = None
     error: str | None = None  # why the scrape failed
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "flavor": self.flavor,
-            "recognised": self.recognised,
-            "uptime_s": self.uptime_s,
-            "error": self.error,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "vllm") -> VllmStatus:
-        f = _Fields(data, where)
-        return cls(
-            version=f.text_or_none("version"),
-            flavor=f.text_or_none("flavor"),
-            recognised=f.flag_or_none("recognised"),
-            uptime_s=f.number_or_none("uptime_s"),
-            error=f.text_or_none("error"),
-        )
-
 
 @dataclass(frozen=True)
-class LoadNow:
+class LoadNow(_Part):
     """Throughput, load and latency over the samples kept (None: not known)."""
 
     tokens_per_s: float | None = None
@@ -129,37 +193,9 @@ class LoadNow:
     running: float | None = None
     waiting: float | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "tokens_per_s": self.tokens_per_s,
-            "requests_per_s": self.requests_per_s,
-            "kv_usage": self.kv_usage,
-            "preemptions_per_s": self.preemptions_per_s,
-            "prefix_hit_ratio": self.prefix_hit_ratio,
-            "ttft_p50_s": self.ttft_p50_s,
-            "itl_p50_s": self.itl_p50_s,
-            "running": self.running,
-            "waiting": self.waiting,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "now") -> LoadNow:
-        f = _Fields(data, where)
-        return cls(
-            tokens_per_s=f.number_or_none("tokens_per_s"),
-            requests_per_s=f.number_or_none("requests_per_s"),
-            kv_usage=f.number_or_none("kv_usage"),
-            preemptions_per_s=f.number_or_none("preemptions_per_s"),
-            prefix_hit_ratio=f.number_or_none("prefix_hit_ratio"),
-            ttft_p50_s=f.number_or_none("ttft_p50_s"),
-            itl_p50_s=f.number_or_none("itl_p50_s"),
-            running=f.number_or_none("running"),
-            waiting=f.number_or_none("waiting"),
-        )
-
 
 @dataclass(frozen=True)
-class GpuStatus:
+class GpuStatus(_Part):
     """One GPU's temperature and clocks, and why NVML says its clock is held down."""
 
     index: int
@@ -169,31 +205,9 @@ class GpuStatus:
     clock_event_reasons: tuple[str, ...] = ()
     throttled_by: tuple[str, ...] = ()  # the clock-event reasons that are throttling
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "temperature_c": self.temperature_c,
-            "sm_clock_mhz": self.sm_clock_mhz,
-            "sm_clock_max_mhz": self.sm_clock_max_mhz,
-            "clock_event_reasons": list(self.clock_event_reasons),
-            "throttled_by": list(self.throttled_by),
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "gpus[]") -> GpuStatus:
-        f = _Fields(data, where)
-        return cls(
-            index=f.integer("index"),
-            temperature_c=f.number_or_none("temperature_c"),
-            sm_clock_mhz=f.number_or_none("sm_clock_mhz"),
-            sm_clock_max_mhz=f.number_or_none("sm_clock_max_mhz"),
-            clock_event_reasons=f.texts("clock_event_reasons"),
-            throttled_by=f.texts("throttled_by"),
-        )
-
 
 @dataclass(frozen=True)
-class Verdict:
+class Verdict(_Part):
     """The engine's decision, and the one word (``state``, one of STATES) that sums it up."""
 
     state: str
@@ -204,33 +218,9 @@ class Verdict:
     evidence: dict[str, Any] = field(default_factory=dict)
     suggestion: dict[str, Any] = field(default_factory=dict)  # vLLM flags to review
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "action": self.action,
-            "cause": self.cause,
-            "reason": self.reason,
-            "ratio": self.ratio,
-            "evidence": dict(self.evidence),
-            "suggestion": dict(self.suggestion),
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "verdict") -> Verdict:
-        f = _Fields(data, where)
-        return cls(
-            state=f.text("state"),
-            action=f.text("action"),
-            reason=f.text("reason"),
-            cause=f.text_or_none("cause"),
-            ratio=f.number_or_none("ratio"),
-            evidence=f.mapping("evidence"),
-            suggestion=f.mapping("suggestion"),
-        )
-
 
 @dataclass(frozen=True)
-class PolicyStatus:
+class PolicyStatus(_Part):
     """What the policy allows now."""
 
     mode: str  # off, observe, enforce
@@ -239,29 +229,9 @@ class PolicyStatus:
     next_window: str | None = None  # ISO 8601, when the window is closed
     paused_until: str | None = None  # ISO 8601, while `vkvagent pause` holds
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "window_open": self.window_open,
-            "next_window": self.next_window,
-            "budget_left": self.budget_left,
-            "paused_until": self.paused_until,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "policy") -> PolicyStatus:
-        f = _Fields(data, where)
-        return cls(
-            mode=f.text("mode"),
-            window_open=f.flag("window_open"),
-            budget_left=f.integer("budget_left"),
-            next_window=f.text_or_none("next_window"),
-            paused_until=f.text_or_none("paused_until"),
-        )
-
 
 @dataclass(frozen=True)
-class LastRestart:
+class LastRestart(_Part):
     """The ledger's latest action (vkvagent's or the operator's), as it stands."""
 
     kind: str  # restart, apply, rollback, ...
@@ -272,51 +242,12 @@ class LastRestart:
     outcome: str | None = None  # None while in progress
     recovered: bool | None = None  # the engine's judgement; None: not judged yet
     # The ledger's records, passed through: actuator.Costs and hooks.HookResult as JSON.
-    costs: dict[str, Any] | None = None
+    costs: dict[str, Any] | None = field(default=None, metadata={"check": _costs})
     hooks: tuple[dict[str, Any], ...] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "kind": self.kind,
-            "reason": self.reason,
-            "started": self.started,
-            "ended": self.ended,
-            "outcome": self.outcome,
-            "recovered": self.recovered,
-            "costs": None if self.costs is None else dict(self.costs),
-            "hooks": None if self.hooks is None else [dict(h) for h in self.hooks],
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "last_restart") -> LastRestart:
-        f = _Fields(data, where)
-        return cls(
-            kind=f.text("kind"),
-            reason=f.text("reason"),
-            started=f.number("started"),
-            id=f.integer_or_none("id"),
-            ended=f.number_or_none("ended"),
-            outcome=f.text_or_none("outcome"),
-            recovered=f.flag_or_none("recovered"),
-            costs=_costs(f.mapping_or_none("costs"), f"{where}.costs"),
-            hooks=None if f.data.get("hooks") is None else f.parts("hooks", _object_item),
-        )
-
-
-def _costs(costs: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
-    """The ledger's ``actuator.Costs``, passed through once its values are what
-    ``costs_line`` prints."""
-    if costs is not None:
-        f = _Fields(costs, where)
-        f.text_or_none("drain_mode")
-        for key in ("in_flight", "aborted", "drain_seconds", "down_seconds", "missed"):
-            f.number_or_none(key)
-    return costs
 
 
 @dataclass(frozen=True)
-class LastProbe:
+class LastProbe(_Part):
     """How the last active probe went (``probe.ProbeResult``)."""
 
     time: float  # UTC seconds, when it was sent
@@ -324,27 +255,9 @@ class LastProbe:
     latency_s: float  # to the answer, or to giving up
     detail: str = ""  # the error, for every outcome but ok
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "time": self.time,
-            "outcome": self.outcome,
-            "latency_s": self.latency_s,
-            "detail": self.detail,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "probe.last") -> LastProbe:
-        f = _Fields(data, where)
-        return cls(
-            time=f.number("time"),
-            outcome=f.text("outcome"),
-            latency_s=f.number("latency_s"),
-            detail=f.text_or_none("detail") or "",
-        )
-
 
 @dataclass(frozen=True)
-class ProbeStatus:
+class ProbeStatus(_Part):
     """The active probe: switched on, wanted by the engine, in flight, how the last went."""
 
     enabled: bool = False
@@ -353,29 +266,9 @@ class ProbeStatus:
     last: LastProbe | None = None
     failing: str | None = None  # "outcome: detail" while probes fail (or cannot be sent)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "enabled": self.enabled,
-            "wanted": self.wanted,
-            "in_flight_s": self.in_flight_s,
-            "last": None if self.last is None else self.last.to_json(),
-            "failing": self.failing,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "probe") -> ProbeStatus:
-        f = _Fields(data, where)
-        return cls(
-            enabled=bool(f.flag_or_none("enabled")),
-            wanted=bool(f.flag_or_none("wanted")),
-            in_flight_s=f.number_or_none("in_flight_s"),
-            last=f.part("last", LastProbe.from_json),
-            failing=f.text_or_none("failing"),
-        )
-
 
 @dataclass(frozen=True)
-class SlotHolder:
+class SlotHolder(_Part):
     """A host holding one of its fleet group's restart slots, as its etcd key says."""
 
     slot: int
@@ -386,33 +279,9 @@ class SlotHolder:
     since: float | None = None  # UTC seconds
     lease: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "slot": self.slot,
-            "host": self.host,
-            "pid": self.pid,
-            "cause": self.cause,
-            "reason": self.reason,
-            "since": self.since,
-            "lease": self.lease,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "fleet.holders[]") -> SlotHolder:
-        f = _Fields(data, where)
-        return cls(
-            slot=f.integer("slot"),
-            host=f.text("host"),
-            pid=f.integer_or_none("pid"),
-            cause=f.text_or_none("cause") or "",
-            reason=f.text_or_none("reason") or "",
-            since=f.number_or_none("since"),
-            lease=f.text_or_none("lease") or "",
-        )
-
 
 @dataclass(frozen=True)
-class FleetStatus:
+class FleetStatus(_Part):
     """This host in its fleet group (``fleet.Gate.report``): its state and the slot holders."""
 
     group: str
@@ -425,56 +294,27 @@ class FleetStatus:
     holders: tuple[SlotHolder, ...] = ()
     listed: float | None = None  # UTC seconds, when the holders were last listed
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "group": self.group,
-            "host": self.host,
-            "max_concurrent": self.max_concurrent,
-            "lease_ttl": self.lease_ttl,
-            "on_unreachable": self.on_unreachable,
-            "state": self.state,
-            "error": self.error,
-            "holders": [h.to_json() for h in self.holders],
-            "listed": self.listed,
-        }
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "fleet") -> FleetStatus:
-        f = _Fields(data, where)
-        return cls(
-            group=f.text("group"),
-            host=f.text("host"),
-            max_concurrent=f.integer("max_concurrent"),
-            state=f.text("state"),
-            on_unreachable=f.text_or_none("on_unreachable") or "hold",
-            lease_ttl=f.number_or_none("lease_ttl"),
-            error=f.text_or_none("error"),
-            holders=f.parts("holders", SlotHolder.from_json),
-            listed=f.number_or_none("listed"),
-        )
-
 
 @dataclass(frozen=True)
-class TrendPoint:
+class TrendPoint(_Part):
     """One point of the sparkline's trend, written as ``[at, tokens_per_s, ratio]``."""
 
     at: float  # UTC seconds
     tokens_per_s: float | None
     ratio: float | None = None
 
-    def to_json(self) -> list[Any]:
+    def to_json(self) -> list[Any]:  # type: ignore[override]
         return [self.at, self.tokens_per_s, self.ratio]
 
     @classmethod
     def from_json(cls, data: object, where: str = "trend[]") -> TrendPoint:
         if not isinstance(data, list) or len(data) != 3:
             raise StatusError(f"{where}: expected [at, tokens_per_s, ratio], got {_kind(data)}")
-        f = _Fields(dict(zip(("at", "tokens_per_s", "ratio"), data)), where)
-        return cls(f.number("at"), f.number_or_none("tokens_per_s"), f.number_or_none("ratio"))
+        return super().from_json(dict(zip(("at", "tokens_per_s", "ratio"), data)), where)
 
 
 @dataclass(frozen=True)
-class StatusReport:
+class StatusReport(_Part):
     """status.json: the daemon's view at its last evaluation."""
 
     updated: float  # UTC seconds of the sample
@@ -500,178 +340,24 @@ class StatusReport:
 
     def to_json(self) -> dict[str, Any]:
         """The document as written; ``stale_after`` and ``progress`` only while restarting."""
-        document = {
-            "version": VERSION,
-            "updated": self.updated,
-            "pid": self.pid,
-            "agent_version": self.agent_version,
-            "interval": self.interval,
-            "unit_name": self.unit_name,
-            "unit": None if self.unit is None else self.unit.to_json(),
-            "unit_error": self.unit_error,
-            "vllm": self.vllm.to_json(),
-            "now": self.now.to_json(),
-            "gpus": [g.to_json() for g in self.gpus],
-            "verdict": self.verdict.to_json(),
-            "policy": self.policy.to_json(),
-            "last_restart": None if self.last_restart is None else self.last_restart.to_json(),
-            "probe": None if self.probe is None else self.probe.to_json(),
-            "pending_flags": (
-                dict(self.pending_flags)
-                if isinstance(self.pending_flags, dict)
-                else self.pending_flags
-            ),
-            "trend": [p.to_json() for p in self.trend],
-            "fleet": None if self.fleet is None else self.fleet.to_json(),
-        }
-        if self.stale_after is not None:
-            document["stale_after"] = self.stale_after
-        if self.progress is not None:
-            document["progress"] = self.progress
+        document = {"version": VERSION, **super().to_json()}
+        for key in ("stale_after", "progress"):
+            if document[key] is None:
+                del document[key]
         return document
 
     @classmethod
-    def from_json(cls, data: object) -> StatusReport:
+    def from_json(cls, data: object, where: str = "") -> StatusReport:
         """A status document of this VERSION, as this or an older vkvagent wrote it."""
-        f = _Fields(data, "")
-        version = f.data.get("version")
+        version = data.get("version") if isinstance(data, dict) else VERSION
         if version != VERSION:
             shown = version if _is_integer(version) else _kind(version)
             raise StatusError(f"version: expected {VERSION}, got {shown}")
-        pending = f.value(
-            "pending_flags", lambda v: isinstance(v, (dict, str)), "an object or text"
-        )
-        return cls(
-            updated=f.number("updated"),
-            agent_version=f.text("agent_version"),
-            interval=f.number("interval"),
-            unit_name=f.text("unit_name"),
-            verdict=Verdict.from_json(f.data.get("verdict"), "verdict"),
-            policy=PolicyStatus.from_json(f.data.get("policy"), "policy"),
-            pid=f.integer_or_none("pid"),
-            unit=f.part("unit", UnitStatus.from_json),
-            unit_error=f.text_or_none("unit_error"),
-            vllm=f.part("vllm", VllmStatus.from_json) or VllmStatus(),
-            now=f.part("now", LoadNow.from_json) or LoadNow(),
-            gpus=f.parts("gpus", GpuStatus.from_json),
-            last_restart=f.part("last_restart", LastRestart.from_json),
-            probe=f.part("probe", ProbeStatus.from_json),
-            pending_flags=dict(pending) if isinstance(pending, dict) else pending,
-            trend=f.parts("trend", TrendPoint.from_json),
-            fleet=f.part("fleet", FleetStatus.from_json),
-            stale_after=f.number_or_none("stale_after"),
-            progress=f.text_or_none("progress"),
-        )
-
-
-class _Fields:
-    """One JSON object of a status document, read key by key. A key older versions did not
-    write reads as None (or empty); a value of the wrong type is a StatusError naming it."""
-
-    def __init__(self, data: object, where: str) -> None:
-        if not isinstance(data, dict):
-            raise StatusError(f"{where or 'status'}: expected an object, got {_kind(data)}")
-        self.data: dict[str, Any] = data
-        self.where = where
-
-    def _at(self, key: str) -> str:
-        return f"{self.where}.{key}" if self.where else key
-
-    def value(self, key: str, fits: Callable[[object], bool], kind: str) -> Any:
-        """The value at ``key`` if it ``fits``; None when absent or null."""
-        value = self.data.get(key)
-        if value is not None and not fits(value):
-            raise StatusError(f"{self._at(key)}: expected {kind}, got {_kind(value)}")
-        return value
-
-    def _required(self, key: str, fits: Callable[[object], bool], kind: str) -> Any:
-        value = self.value(key, fits, kind)
-        if value is None:
-            raise StatusError(f"{self._at(key)}: expected {kind}, got {_kind(None)}")
-        return value
-
-    def text(self, key: str) -> str:
-        return str(self._required(key, _is_text, "text"))
-
-    def text_or_none(self, key: str) -> str | None:
-        value = self.value(key, _is_text, "text")
-        return None if value is None else str(value)
-
-    def number(self, key: str) -> float:
-        value: float = self._required(key, _is_number, "a number")
-        return value
-
-    def number_or_none(self, key: str) -> float | None:
-        value: float | None = self.value(key, _is_number, "a number")
-        return value
-
-    def integer(self, key: str) -> int:
-        return int(self._required(key, _is_integer, "an integer"))
-
-    def integer_or_none(self, key: str) -> int | None:
-        value = self.value(key, _is_integer, "an integer")
-        return None if value is None else int(value)
-
-    def flag(self, key: str) -> bool:
-        return bool(self._required(key, _is_flag, "true or false"))
-
-    def flag_or_none(self, key: str) -> bool | None:
-        value = self.value(key, _is_flag, "true or false")
-        return None if value is None else bool(value)
-
-    def mapping_or_none(self, key: str) -> dict[str, Any] | None:
-        value = self.value(key, _is_object, "an object")
-        return None if value is None else dict(value)
-
-    def mapping(self, key: str) -> dict[str, Any]:
-        return self.mapping_or_none(key) or {}
-
-    def texts(self, key: str) -> tuple[str, ...]:
-        return self.parts(key, _text_item)
-
-    def part(self, key: str, read: Callable[[object, str], _T]) -> _T | None:
-        """A nested object read by ``read``; None when absent or null."""
-        value = self.data.get(key)
-        return None if value is None else read(value, self._at(key))
-
-    def parts(self, key: str, read: Callable[[object, str], _T]) -> tuple[_T, ...]:
-        """A list, each item read by ``read``; empty when absent or null."""
-        items = self.value(key, _is_list, "a list") or []
-        return tuple(read(item, f"{self._at(key)}[{i}]") for i, item in enumerate(items))
-
-
-def _is_text(value: object) -> bool:
-    return isinstance(value, str)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return super().from_json(data, where)
 
 
 def _is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_flag(value: object) -> bool:
-    return isinstance(value, bool)
-
-
-def _is_object(value: object) -> bool:
-    return isinstance(value, dict)
-
-
-def _is_list(value: object) -> bool:
-    return isinstance(value, list)
-
-
-def _text_item(value: object, where: str) -> str:
-    if not isinstance(value, str):
-        raise StatusError(f"{where}: expected text, got {_kind(value)}")
-    return value
-
-
-def _object_item(value: object, where: str) -> dict[str, Any]:
-    return dict(_Fields(value, where).data)
 
 
 _KINDS = (
