@@ -182,6 +182,22 @@ def test_a_damaged_state_file_costs_the_baseline_not_the_start(tmp_path: Path) -
     assert status.exit_code(report, time.time()) == status.StatusCode.CRITICAL
 
 
+def test_a_damaged_trend_costs_the_sparkline_not_the_baseline(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "http://127.0.0.1:9")
+    (tmp_path / "state").mkdir()
+    first = Daemon.offline(path, io.StringIO())
+    saved = {"engine": first.state.to_json(), "judged": {"3": True}, "trend": [[1.0, "fast"]]}
+    first.close()
+    (tmp_path / "state" / STATE_FILE).write_text(json.dumps(saved))
+    stream = io.StringIO()
+    daemon = Daemon.offline(path, stream)
+    try:
+        assert daemon.trend == () and daemon.judged == {3: True}
+    finally:
+        daemon.close()
+    assert "state.write_failed" not in [e["event"] for e in events_of(stream)]
+
+
 def test_the_ledger_gives_the_policy_restarts_and_aborted_attempts(tmp_path: Path) -> None:
     path = write_config(tmp_path, "http://127.0.0.1:9")
     now = time.time()

@@ -743,14 +743,7 @@ class Daemon:
             trend = _trend(data.get("trend", []))
         except FileNotFoundError:
             return EngineState(), {}, ()
-        except (
-            OSError,
-            ValueError,
-            KeyError,
-            TypeError,
-            AttributeError,
-            status.StatusError,
-        ) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             self.events.emit(
                 "state.write_failed",
                 f"{path}: unreadable ({exc}); starting with no baseline",
