@@ -619,14 +619,14 @@ class Config:
     def engine_settings(self, mode: str | None = None) -> Settings:
         """The engine's settings from this (loaded, hence valid) configuration; ``mode``
         overrides ``policy.mode``."""
-        policy = self.policy.settings(self.restart.drain_max_in_flight)
+        rules = self.policy.settings(self.restart.drain_max_in_flight)
         if mode is not None:
-            policy = dataclasses.replace(policy, mode=mode)
+            rules = dataclasses.replace(rules, mode=mode)
         probe_after = self.probe.after if self.probe.enabled else 0.0
         return Settings(
             baseline=self.baseline.settings(),
             diagnosis=dataclasses.replace(self.diagnosis.settings(), probe_after=probe_after),
-            policy=policy,
+            policy=rules,
         )
 
 

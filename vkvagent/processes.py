@@ -1,7 +1,7 @@
 """Stopping a child process: SIGTERM, a grace period, then SIGKILL.
 
-The demo, the benchmarks, the reliability checks and the tests start helpers of their own (the
-simulator, etcd, Prometheus, a scraper) and must not leave them behind. The agent itself starts
+The demo, the benchmarks and the tests start helpers of their own (the simulator, etcd,
+Prometheus, a scraper) and must not leave them behind. The agent itself starts
 no process to stop: systemd stops vLLM, and ``hooks.py`` kills a hook's process group on a
 timeout with its own output handling.
 """
