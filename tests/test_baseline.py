@@ -17,6 +17,7 @@ from vkvagent.engine.baseline import (
     compare,
     regime_label,
     regime_of,
+    speed_change,
     window_stats,
 )
 from vkvagent.engine.samples import Histogram
@@ -51,6 +52,8 @@ def test_window_stats_reads_rates_load_and_the_exact_mean_latency() -> None:
     assert got.itl_p50 == pytest.approx(0.0175)
     assert got.per_request == pytest.approx(10.0 / 10.0)
     assert got.waiting == 2.5 and got.kv_usage == pytest.approx(0.5)
+    # what a client sees: 10 tokens/s shared by the 12.5 requests in the system
+    assert got.in_system == pytest.approx(10.0 / 12.5)
     # demand = completions (0.05/s) + the queue's growth (5 requests in 100 s)
     assert got.arrivals_per_s == pytest.approx(0.10)
     assert window_stats([(0.0, before)]) is None
@@ -185,3 +188,28 @@ def test_settings_refuse_impossible_values() -> None:
     with pytest.raises(ValueError):
         BaselineSettings(buckets_per_octave=0)
     assert replace(SETTINGS, buckets_per_octave=4).buckets_per_octave == 4
+
+
+def _run(name: str, speeds: dict[int, float], count: int = SETTINGS.min_values) -> Baseline:
+    """A run whose regimes (by key) learned ``count`` windows at these in_system speeds."""
+    regimes = {key: Regime(count, {"in_system": (speed,) * count}) for key, speed in speeds.items()}
+    return Baseline(run=name, regimes=regimes)
+
+
+def test_a_flag_changes_speed_is_judged_at_the_loads_both_runs_learned() -> None:
+    before = _run("start:1", {20: 100.0, 22: 80.0, 24: 60.0})
+    slower = _run("start:2", {22: 56.0, 24: 42.0, 26: 10.0})
+    change = speed_change(before, slower, SETTINGS)
+    assert change is not None
+    assert change.ratio == pytest.approx(0.7)  # both shared loads at 0.7; load 26 not compared
+    assert (change.before, change.after) == (70.0, 49.0)
+    assert change.loads == (regime_label(22, SETTINGS), regime_label(24, SETTINGS))
+    assert change.verdict(0.10) == "worse" and change.verdict(0.5) == "same"
+    faster = speed_change(before, _run("start:3", {20: 130.0}), SETTINGS)
+    assert faster is not None and faster.verdict(0.10) == "better"
+    # No load in common, a load not yet known (too few windows), or an older baseline without
+    # the measure: no verdict.
+    assert speed_change(before, _run("start:4", {30: 5.0}), SETTINGS) is None
+    assert speed_change(before, _run("start:5", {20: 5.0}, count=1), SETTINGS) is None
+    old = Baseline("start:0", {20: Regime(10, {"itl": (0.02,) * 10})})
+    assert speed_change(old, _run("start:6", {20: 5.0}), SETTINGS) is None

@@ -78,7 +78,7 @@ def test_the_values_are_immutable(etc: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "line", "expected"),
     [
-        ("[vllm]\nurll = 'x'\n", 2, "vllm.urll: unknown key (allowed: connect_timeout,"),
+        ("[vllm]\nurll = 'x'\n", 2, "vllm.urll: unknown key (allowed: apply_flags, connect"),
         (
             "[vlm]\nurl = 'x'\n",
             1,

@@ -13,6 +13,7 @@ import pytest
 
 from vkvagent.engine.policy import (
     DAY,
+    FLAGS,
     PROFILE_MAX_VALUES,
     PROFILE_MIN_VALUES,
     SCHEDULED,
@@ -347,6 +348,27 @@ def test_a_scheduled_restart_is_opt_in_and_waits_for_the_window() -> None:
     assert v.action == "hold" and v.cause == SCHEDULED and v.reason.startswith("outside")
     # A broken GPU or a dead engine is no time for a scheduled restart.
     assert verdict(daily, cause="gpu_fault", wanted=False, uptime=90000.0).action == "none"
+
+
+def test_a_flag_change_waits_for_the_window_and_never_escalates() -> None:
+    due = "apply --max-num-seqs 64"
+    v = verdict(cause=None, flags_due=due)
+    assert (v.action, v.cause) == ("restart", FLAGS)
+    v = verdict(now=OUT, cause=None, flags_due=due)
+    assert (v.action, v.cause) == ("hold", FLAGS) and v.reason.startswith("outside window")
+    observe = replace(ENFORCE, mode="observe")
+    assert verdict(observe, cause=None, flags_due=due).reason.startswith(
+        "observe mode: would restart now (in window)"
+    )
+    # Before a scheduled restart; after a cause to fix (that restart carries the flags).
+    daily = replace(ENFORCE, max_uptime=3600.0)
+    assert verdict(daily, cause=None, flags_due=due).cause == FLAGS
+    assert verdict(cause="kv_pressure", flags_due=due).cause == "kv_pressure"
+    assert verdict(cause="gpu_fault", wanted=False, flags_due=due).action == "none"
+    # A flag change is never judged as a cure: two in a row that "did not recover" (the new
+    # flags' speed is judged separately) do not stop the restarts of the causes.
+    history = [restart(10, cause=FLAGS, recovered=False), restart(9, cause=FLAGS, recovered=False)]
+    assert escalated(ENFORCE, history, Controls()) == 0
 
 
 def test_settings_report_every_problem_at_once() -> None:

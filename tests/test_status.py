@@ -12,6 +12,8 @@ import pytest
 
 from vkvagent import status
 from vkvagent.status import (
+    FlagChange,
+    FlagsStatus,
     FleetStatus,
     GpuStatus,
     LastProbe,
@@ -228,7 +230,23 @@ def full_report() -> StatusReport:
         probe=ProbeStatus(
             enabled=True, wanted=True, in_flight_s=12.0, last=last_probe, failing="timeout: no data"
         ),
-        pending_flags={"gpu-memory-utilization": 0.85},
+        flags=FlagsStatus(
+            apply="next-window",
+            desired={"gpu-memory-utilization": 0.85, "max-num-seqs": 4},
+            running={"gpu-memory-utilization": 0.9, "max-num-seqs": 4},
+            pending={"gpu-memory-utilization": 0.85},
+            waiting_for="outside window (next 2026-12-03T02:00:00Z)",
+            last_change=FlagChange(
+                action=3,
+                flags={"max-num-seqs": 4},
+                verdict="worse",
+                ratio=0.61,
+                speed_before=20.5,
+                speed_after=12.5,
+                loads=("16-23 generated tokens/s",),
+                rollback="done (action 4)",
+            ),
+        ),
         trend=(TrendPoint(NOW - 300, 5100.0, 0.75), TrendPoint(NOW, 5000.0, None)),
         fleet=FleetStatus(
             group="default",
@@ -252,7 +270,7 @@ def test_a_full_report_survives_its_own_document() -> None:
     assert list(document) == [
         "version", "updated", "agent_version", "interval", "unit_name", "verdict", "policy",
         "pid", "unit", "unit_error", "vllm", "now", "gpus", "last_restart", "probe",
-        "pending_flags", "trend", "fleet", "stale_after", "progress",
+        "flags", "trend", "fleet", "stale_after", "progress",
     ]  # fmt: skip
     assert document["trend"] == [[NOW - 300, 5100.0, 0.75], [NOW, 5000.0, None]]
     assert document["fleet"]["holders"][0]["lease"] == "7587"
@@ -261,10 +279,20 @@ def test_a_full_report_survives_its_own_document() -> None:
     # Not restarting: neither key is written, as before.
     idle = StatusReport.from_json(dict(document, stale_after=None, progress=None))
     assert "stale_after" not in idle.to_json() and "progress" not in idle.to_json()
-    assert StatusReport.from_json(dict(document, pending_flags="unknown: no unit")).pending_flags
+    # A document of an older version, with pending flags as they were written, still reads.
+    older = dict(document, pending_flags="unknown: no unit", flags=None)
+    assert StatusReport.from_json(older).flags is None
     shown = render(written, NOW)
     assert "  fleet       group default, 1 of 1 slots held: gpu-a (slot 0" in shown
-    assert "  flags       pending: {'gpu-memory-utilization': 0.85}" in shown
+    assert (
+        "  flags       pending: --gpu-memory-utilization 0.85 (running --gpu-memory-utilization "
+        "0.9 --max-num-seqs 4); waiting for outside window (next 2026-12-03T02:00:00Z)"
+    ) in shown
+    assert (
+        "  last change action 3 --max-num-seqs 4: worse: 0.61 of the previous fresh speed "
+        "(20.5 -> 12.5 tokens/s per request at 16-23 generated tokens/s); rolled back: done "
+        "(action 4)"
+    ) in shown
 
 
 def test_an_old_document_reads_with_what_it_lacked_as_unknown() -> None:
@@ -273,7 +301,7 @@ def test_an_old_document_reads_with_what_it_lacked_as_unknown() -> None:
     assert old.probe is None and old.fleet is None and old.last_restart is None
     assert old.vllm.recognised is None and old.now.running is None and old.gpus == ()
     assert old.verdict.suggestion == {} and old.policy.paused_until is None
-    assert old.trend == () and old.stale_after is None and old.pending_flags is None
+    assert old.trend == () and old.stale_after is None and old.flags is None
     rewritten = old.to_json()
     assert rewritten["now"]["tokens_per_s"] == 5000.0 and rewritten["probe"] is None
     assert StatusReport.from_json(rewritten) == old
@@ -290,7 +318,8 @@ def test_an_old_document_reads_with_what_it_lacked_as_unknown() -> None:
         ({"gpus": [{"index": 0}, {"index": True}]}, "gpus[1].index: expected an integer"),
         ({"trend": [[NOW, 1.0]]}, "trend[0]: expected [at, tokens_per_s, ratio], got a list"),
         ({"fleet": {"group": "g"}}, "fleet.host: expected text, got nothing"),
-        ({"pending_flags": 7}, "pending_flags: expected an object or text, got an integer"),
+        ({"flags": {"apply": "manual", "desired": {}, "last_change": {"action": 1}}},
+         "flags.last_change.flags: expected an object, got nothing"),
         ({"version": 2}, "version: expected 1, got 2"),
         ({"last_restart": {"kind": "restart", "reason": "r", "started": NOW,
                            "costs": {"drain_seconds": "2 s"}}},

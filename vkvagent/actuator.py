@@ -21,7 +21,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,6 +257,12 @@ class Actuator:
             changes = dict(values)
         return Plan(self.unit, current, after, values, attestable, after != current, changes)
 
+    def plan_back(self, argv: Sequence[str]) -> Plan:
+        """The change that puts ``argv`` (a command line an earlier change replaced) back."""
+        current = _argv(self._unit())
+        after = tuple(argv)
+        return Plan(self.unit, current, after, {}, (), after != current, {})
+
     def vllm_version(self) -> str | None:
         """The running vLLM's version: as it says (``/version``), else as configured."""
         return self.probe.version() or self._vllm_version
@@ -344,7 +350,12 @@ class Actuator:
         change = plan is not None and plan.changed
         detail: dict[str, Any] = {"previous_dropin": self.dropin.read()}
         if change and plan is not None:
-            detail.update(intended=list(plan.after), flags=plan.flags, changes=plan.changes)
+            detail.update(
+                intended=list(plan.after),
+                before=list(plan.before),
+                flags=plan.flags,
+                changes=plan.changes,
+            )
         action = self.ledger.begin(
             "apply" if change else "restart", reason, self._wall(), detail, mono=started
         )

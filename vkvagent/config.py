@@ -28,6 +28,7 @@ from vkvagent.engine.diagnosis import FIXABLE, DiagnosisSettings
 from vkvagent.engine.policy import PolicySettings
 from vkvagent.engine.tick import Settings
 from vkvagent.errors import VkvagentError
+from vkvagent.reconcile import APPLY_MODES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -159,6 +160,21 @@ class VllmConfig:
         "gpu-memory-utilization = 0.88), through a drop-in; `vkvagent plan` shows the change.",
         _check_flag,
     )
+    apply_flags: str = setting(
+        "next-window",
+        "When the daemon (mode enforce) applies [vllm.flags] the unit does not run yet: "
+        "next-window (a restart for them in the next window the policy allows), "
+        "with-next-restart (only with a restart that happens anyway) or manual (only "
+        "`vkvagent apply`). Any restart but in manual carries them.",
+        choices=APPLY_MODES,
+    )
+    rollback_margin: float = setting(
+        0.10,
+        "A flag change whose run is slower than the run before it by more than this fraction "
+        "(fresh speed at the loads both served) is rolled back in the next window and its "
+        "flag set rejected until [vllm.flags] changes; 1 never rolls back.",
+        min=0.01, max=1,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -30,21 +30,22 @@ import sdnotify
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from vkvagent import __version__, config, controls, fleet, status
-from vkvagent.actuator import STOP_MARGIN, Actuator, ActuatorError, Outcome
+from vkvagent.actuator import STOP_MARGIN, Actuator, ActuatorError, Outcome, Plan
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
 from vkvagent.engine.diagnosis import ProbeFacts
-from vkvagent.engine.policy import DAY, RestartRecord, window_state
+from vkvagent.engine.policy import DAY, FLAGS, RestartRecord, window_state
 from vkvagent.engine.rates import Rates, window_rates
 from vkvagent.engine.samples import GpuReading, Sample, UnitFacts
 from vkvagent.events import Events
 from vkvagent.exporter import AgentMetrics, Exporter
-from vkvagent.flags import FlagError
+from vkvagent.flags import FlagError, VllmCommandError, parse_command
 from vkvagent.gpu import reader_for
 from vkvagent.history import History, HistoryError
 from vkvagent.jsonsafe import finite
 from vkvagent.ledger import Ledger, LedgerError
 from vkvagent.probe import Prober, ProbeResult
+from vkvagent.reconcile import FlagState, change_of, flags_key, shown
 from vkvagent.sampler import Sampler
 from vkvagent.systemd import Systemd, SystemdError
 from vkvagent.vllm import VllmClient
@@ -65,6 +66,17 @@ class Clock:
     wall: Callable[[], float] = time.time
     mono: Callable[[], float] = time.monotonic
     scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class _FlagsDue:
+    """A flag change waiting for a restart: [vllm.flags] to apply, or a slower change to
+    roll back."""
+
+    kind: str  # apply | rollback
+    what: str  # "apply --max-num-seqs 4": for the decision's reason and the events
+    plan: Plan
+    key: str  # flags_key of the set applied (of the set rolled back, for a rollback)
 
 
 class Parts:
@@ -123,7 +135,7 @@ class Parts:
                 progress=progress,
                 mono=clock.mono,
             )
-        self._pending: dict[str, Any] | None = None  # the plan's changes, once planned
+        self._plan: Plan | str | None = None  # what [vllm.flags] asks for, once planned
 
     @property
     def action_seconds(self) -> float:
@@ -133,25 +145,33 @@ class Parts:
         hooks = r.hook_timeout * (bool(r.pre_stop) + bool(r.post_ready))
         return hooks + r.drain_timeout + STOP_MARGIN + r.job_timeout + r.ready_timeout + 60.0
 
-    def pending_flags(self, vllm_version: str | None) -> dict[str, Any] | str | None:
-        """The [vllm.flags] the unit does not run with yet (``vkvagent apply`` applies them),
-        asked of systemd once per config and again after ``replan()``; a string when they
-        cannot be planned (asked again next time)."""
+    def flag_plan(self, vllm_version: str | None) -> Plan | str | None:
+        """The change [vllm.flags] asks for, planned against the unit once per config and
+        again after ``replan()``; None without [vllm.flags] (or systemd). A string says why
+        it cannot be planned: ``invalid: ...`` stays until the config changes, ``unknown:
+        ...`` (systemd did not answer) is asked again next time."""
         if not self.config.vllm.flags or self.actuator is None:
             return None
-        if self._pending is None:
+        if self._plan is None:
             try:
-                plan = self.actuator.plan(
+                self._plan = self.actuator.plan(
                     self.config.vllm.flags, vllm_version or self.config.vllm.version or None
                 )
-            except (ActuatorError, FlagError) as exc:
+            except FlagError as exc:
+                self._plan = f"invalid: {exc}"
+            except ActuatorError as exc:
                 return f"unknown: {exc}"
-            self._pending = {k: v for k, v in plan.flags.items()} if plan.changed else {}
-        return self._pending or None
+        return self._plan
+
+    def drain_flag_names(self, vllm_version: str | None) -> frozenset[str]:
+        """The flags a restart adds for the drain: not [vllm.flags]' own."""
+        if self.actuator is None:
+            return frozenset()
+        return frozenset(self.actuator.drain_flags(vllm_version or self.config.vllm.version))
 
     def replan(self) -> None:
         """Forget the plan: an action may have changed the unit's command line."""
-        self._pending = None
+        self._plan = None
 
     def close(self) -> None:
         for closing in (self.history.close, self.ledger.close):
@@ -189,7 +209,9 @@ class Daemon:
         self._wake = threading.Event()
         self._reload = False
         self.recent = Recent(self.parts.settings.baseline, margin=3 * cfg.agent.sample_interval)
-        self.state, self.judged, self.trend = self._load_state()
+        self.state, self.judged, self.trend, self.flag_state = self._load_state()
+        self._flags_said: tuple[str, ...] = ()  # the pending or refused flags last reported
+        self._version: str | None = None  # vLLM's, as the last sample said
         self._logged: tuple[Any, ...] | None = None
         self._logged_at = -math.inf
         self._failing: dict[str, str] = {}  # source or "state" -> its last error
@@ -357,6 +379,10 @@ class Daemon:
             restarts = self._restarts(sample.time, sample.mono)
             for result in p.prober.collect():
                 self._note_probe(result)
+            version = self._version = sample.vllm.version if sample.vllm else None
+            plan = p.flag_plan(version)
+            self._notice_flag_change(version)
+            due = self._flags_due(plan, version)
             observed = Observation(
                 samples=tuple(self.recent.samples),
                 unit_active=None if sample.unit is None else sample.unit.active_state == "active",
@@ -366,32 +392,36 @@ class Daemon:
                 flags=p.config.vllm.flags,
                 probe=p.prober.facts() if p.config.probe.enabled else ProbeFacts(),
                 unit_started=sample.unit.active_since if sample.unit else None,
+                flags_due=due.what if due and p.config.vllm.apply_flags == "next-window" else "",
             )
             decision = decide(p.settings, self.state, observed, now)
             self.state = decision.state
+            self._judge_flags(decision)
             if decision.probe_wanted:
                 self._send_probe(sample)
             self._judge(decision)
             self._log(decision)
+            self._say_flags(plan, due, decision)
             outcome = None
-            version = sample.vllm.version if sample.vllm else None
             if decision.action == "restart" and p.actuator is not None:
                 # Say "acting" for as long as the restart may take, before it begins.
                 acting = self._status(
-                    sample,
-                    decision,
-                    restarts,
-                    p.pending_flags(version),
-                    stale_after=p.action_seconds,
+                    sample, decision, restarts, plan, due, stale_after=p.action_seconds
                 )
                 self._write_state("status", lambda: self._write_status(acting))
                 self._acting = acting
+                carried = due if due and p.config.vllm.apply_flags != "manual" else None
                 try:
-                    outcome = self._restart(p.actuator, decision)
+                    outcome = self._restart(p.actuator, decision, carried)
                 finally:
                     self._acting = None
+                if carried is not None:
+                    self._carried(carried, outcome)
                 restarts = self._restarts(sample.time, sample.mono)
                 p.replan()
+                plan = p.flag_plan(version)
+                self._notice_flag_change(version)
+                due = self._flags_due(plan, version)
             self.last = decision
             self.metrics.count(
                 action=decision.action,
@@ -401,7 +431,7 @@ class Daemon:
                     "systemd": sample.unit_error is not None,
                 },
             )
-            report = self._status(sample, decision, restarts, p.pending_flags(version))
+            report = self._status(sample, decision, restarts, plan, due)
             if outcome is not None or sample.time - self._saved_at >= STATE_EVERY:
                 self._saved_at = sample.time
                 self._write_state("state", self._save_state)
@@ -628,13 +658,15 @@ class Daemon:
             **_decision_fields(decision),
         )
 
-    def _restart(self, actuator: Actuator, decision: Decision) -> Outcome | None:
+    def _restart(
+        self, actuator: Actuator, decision: Decision, carried: _FlagsDue | None
+    ) -> Outcome | None:
         """Restart, after taking a slot of the fleet's group when one is configured (none
         free, or etcd unreachable under on_unreachable = hold: not this tick; the next tick
         decides again). The slot is given back after the outcome, whatever it is."""
         gate = self.parts.fleet
         if gate is None:
-            return self._act(actuator, decision)
+            return self._act(actuator, decision, carried)
         cause = decision.cause or "unknown"
         emergency = cause in self.parts.settings.policy.emergency
         with gate.slot(
@@ -645,16 +677,21 @@ class Daemon:
             self._slot = turn.admission.slot
             turn.result = "refused"  # until the actuator says what the restart came to
             try:
-                outcome = self._act(actuator, decision)
+                outcome = self._act(actuator, decision, carried)
             finally:
                 self._slot = None
             if outcome is not None:
                 turn.result = outcome.result
         return outcome
 
-    def _act(self, actuator: Actuator, decision: Decision) -> Outcome | None:
+    def _act(
+        self, actuator: Actuator, decision: Decision, carried: _FlagsDue | None
+    ) -> Outcome | None:
+        """Restart, carrying the flag change that is due (``carried``), if any."""
         cause = decision.cause or "unknown"
         reason = f"{cause}: {decision.reason}"
+        if carried is not None and cause != FLAGS:
+            reason += f"; flags: {carried.what}"
         drain = decision.drain_max_in_flight is not None
         self.events.emit(
             "restart.started",
@@ -664,6 +701,7 @@ class Daemon:
             ratio=decision.ratio,
             drain=drain,
             evidence=dict(decision.evidence),
+            flags=None if carried is None else carried.what,
         )
         # The action may outlast WatchdogSec (a cold start takes minutes): give systemd its
         # own bound for the time being, then the unit's again.
@@ -672,7 +710,9 @@ class Daemon:
             self.notify(f"WATCHDOG_USEC={int(self.parts.action_seconds * 1e6)}")
         try:
             with actuator.exclusive():
-                outcome = actuator.restart(reason, drain=drain, cause=cause)
+                outcome = actuator.restart(
+                    reason, drain=drain, cause=cause, plan=None if carried is None else carried.plan
+                )
         except (ActuatorError, LedgerError) as exc:
             self.metrics.count_restart(cause, "failed")
             self.events.emit(
@@ -730,19 +770,200 @@ class Daemon:
                 result=outcome.result,
             )
 
+    # -- the flags loop (reconcile.py) ------------------------------------------------------
+
+    def _notice_flag_change(self, version: str | None) -> None:
+        """Take the ledger's newest flag change (the daemon's or `vkvagent apply`'s) as the
+        one to judge."""
+        try:
+            actions = self.parts.ledger.recent(5)
+        except LedgerError:
+            return
+        ignore = self.parts.drain_flag_names(version)
+        for action in actions:
+            if action.kind != "apply" or action.outcome != "done":
+                continue
+            change = change_of(action.id, action.started, action.ended, action.detail, ignore)
+            if change is not None:
+                self.flag_state = self.flag_state.noticed(change)
+                return
+
+    def _flags_due(self, plan: Plan | str | None, version: str | None) -> _FlagsDue | None:
+        """The flag change the next restart should carry: a slower change to put back, else
+        [vllm.flags] when the unit runs other values and the set was not rejected."""
+        p, state = self.parts, self.flag_state
+        last = state.last
+        if last is not None and last.rollback_due and p.actuator is not None:
+            try:
+                back = p.actuator.plan_back(last.before)
+            except ActuatorError:
+                return None
+            if back.changed:
+                what = f"roll back {shown(last.flags)} ({last.ratio or 0:.2f} of the fresh speed)"
+                return _FlagsDue("rollback", what, back, last.key)
+            self.flag_state = state.rolled_back("not needed: the unit runs the line before")
+        if not isinstance(plan, Plan):
+            return None
+        ignore = p.drain_flag_names(version)
+        changes = {k: v for k, v in plan.changes.items() if k not in ignore}
+        key = self._desired_key(plan)
+        if not plan.changed or not changes or key in self.flag_state.rejected:
+            return None
+        return _FlagsDue("apply", f"apply {shown(changes)}", plan, key)
+
+    def _say_flags(
+        self, plan: Plan | str | None, due: _FlagsDue | None, decision: Decision
+    ) -> None:
+        """An event when flags become pending (and when they will be applied), or are
+        refused; once each."""
+        apply = self.parts.config.vllm.apply_flags
+        if isinstance(plan, str) and plan.startswith("invalid"):
+            said: tuple[str, ...] = ("refused", plan)
+        elif due is not None:
+            said = ("pending", due.what)
+        else:
+            said = ()
+        if said == self._flags_said:
+            return
+        self._flags_said = said
+        if said and said[0] == "refused":
+            self.flag_state = self.flag_state.reject(
+                flags_key(self.parts.config.vllm.flags), plan if isinstance(plan, str) else ""
+            )
+            self.events.emit(
+                "flags.refused",
+                f"[vllm.flags] refused, not applied until the config changes: {plan}",
+                flags=dict(self.parts.config.vllm.flags),
+                error=plan,
+            )
+        elif said and due is not None:
+            self.events.emit(
+                "flags.pending",
+                f"flags pending: {due.what}; {_waiting_for(apply, decision, due)}",
+                kind=due.kind,
+                flags=dict(due.plan.changes),
+                apply=apply,
+                next_window=_iso(decision.next_window.timestamp())
+                if decision.next_window
+                else None,
+            )
+
+    def _carried(self, due: _FlagsDue, outcome: Outcome | None) -> None:
+        """What a restart that carried a flag change did with it."""
+        if outcome is None or outcome.result == "aborted":
+            return  # nothing reached the unit: due again at the next restart
+        if due.kind == "rollback":
+            how = f"{outcome.result} (action {outcome.action_id})"
+            if outcome.result != "done":
+                how += f": {outcome.message}"
+            self.flag_state = self.flag_state.rolled_back(how)
+        elif outcome.result != "done":
+            why = f"did not start or could not be proven (action {outcome.action_id}): "
+            why += outcome.vllm_error or outcome.message
+            self.flag_state = self.flag_state.reject(due.key, why)
+            self.events.emit(
+                "flags.refused",
+                f"{due.what} refused, not tried again until [vllm.flags] changes: {why}",
+                flags=dict(due.plan.changes),
+                error=why,
+            )
+
+    def _judge_flags(self, decision: Decision) -> None:
+        """The verdict on the last flag change, once its run can be compared."""
+        p = self.parts
+        run = decision.state
+        self.flag_state, judged = self.flag_state.judge(
+            run_started=run.run.started,
+            run_uptime=decision.uptime,
+            previous=run.previous,
+            current=run.baseline,
+            settings=p.settings.baseline,
+            margin=p.config.vllm.rollback_margin,
+        )
+        if judged is None:
+            return
+        change, found = judged.change, judged.comparison
+        if found is None:
+            message = f"no verdict on flag change {change.action}: {judged.why}"
+        else:
+            message = (
+                f"flag change {change.action} ({shown(change.flags)}): {change.verdict}, "
+                f"{found.ratio:.2f} of the previous flags' fresh speed at "
+                f"{', '.join(found.loads)}"
+            )
+            if change.verdict == "worse":
+                message += "; the previous command line goes back in the next window"
+        self.events.emit(
+            "flags.judged",
+            message,
+            action=change.action,
+            flags=dict(change.flags),
+            verdict=change.verdict,
+            ratio=change.ratio,
+            speed_before=change.speed_before,
+            speed_after=change.speed_after,
+            loads=list(change.loads),
+        )
+
+    def _flags_status(
+        self, plan: Plan | str | None, due: _FlagsDue | None, decision: Decision
+    ) -> status.FlagsStatus | None:
+        cfg, last = self.parts.config.vllm, self.flag_state.last
+        if not cfg.flags and last is None:
+            return None
+        running: dict[str, Any] | None = None
+        pending: dict[str, Any] | None = None
+        problem = plan if isinstance(plan, str) else None
+        if isinstance(plan, Plan):
+            running = _running_values(plan)
+            pending = dict(plan.changes) if plan.changes else None
+            why = self.flag_state.rejected.get(self._desired_key(plan))
+            if pending and why:
+                problem = f"rejected: {why}"
+        change = None
+        if last is not None:
+            change = status.FlagChange(
+                action=last.action,
+                flags=dict(last.flags),
+                verdict=last.verdict,
+                ratio=last.ratio,
+                speed_before=last.speed_before,
+                speed_after=last.speed_after,
+                loads=last.loads,
+                rollback=last.rollback,
+            )
+        return status.FlagsStatus(
+            apply=cfg.apply_flags,
+            desired=dict(cfg.flags),
+            running=running,
+            pending=pending,
+            waiting_for=_waiting_for(cfg.apply_flags, decision, due) if due else None,
+            problem=problem,
+            last_change=change,
+        )
+
+    def _desired_key(self, plan: Plan) -> str:
+        """The name of the flag set ``plan`` applies, the drain's flags left out."""
+        ignore = self.parts.drain_flag_names(self._version)
+        return flags_key({k: v for k, v in plan.flags.items() if k not in ignore})
+
     # -- persisted state --------------------------------------------------------------------
 
-    def _load_state(self) -> tuple[EngineState, dict[int, bool], tuple[status.TrendPoint, ...]]:
-        """The engine state, the restarts judged and the trend, as the last run left them. A
-        missing or damaged file costs the learned baselines, never the start."""
+    def _load_state(
+        self,
+    ) -> tuple[EngineState, dict[int, bool], tuple[status.TrendPoint, ...], FlagState]:
+        """The engine state, the restarts judged, the trend and the flags loop's state, as the
+        last run left them. A missing or damaged file costs the learned baselines, never the
+        start."""
         path = self.parts.state_dir / STATE_FILE
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             engine = EngineState.from_json(data["engine"])
             judged = {int(k): bool(v) for k, v in data.get("judged", {}).items()}
             trend = _trend(data.get("trend", []))
+            flag_state = FlagState.from_json(data.get("flags"))
         except FileNotFoundError:
-            return EngineState(), {}, ()
+            return EngineState(), {}, (), FlagState()
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             self.events.emit(
                 "state.write_failed",
@@ -750,8 +971,8 @@ class Daemon:
                 what="state",
                 error=str(exc),
             )
-            return EngineState(), {}, ()
-        return engine, judged, trend
+            return EngineState(), {}, (), FlagState()
+        return engine, judged, trend, flag_state
 
     def _save_state(self) -> None:
         judged = dict(sorted(self.judged.items())[-50:])
@@ -759,6 +980,7 @@ class Daemon:
             "engine": self.state.to_json(),
             "judged": {str(k): v for k, v in judged.items()},
             "trend": [point.to_json() for point in self.trend],
+            "flags": self.flag_state.to_json(),
         }
         write_atomically(
             self.parts.state_dir / STATE_FILE,
@@ -779,7 +1001,8 @@ class Daemon:
         sample: Sample,
         decision: Decision,
         restarts: tuple[RestartRecord, ...],
-        pending_flags: dict[str, Any] | str | None,
+        plan: Plan | str | None,
+        due: _FlagsDue | None,
         *,
         stale_after: float | None = None,
     ) -> status.StatusReport:
@@ -814,7 +1037,7 @@ class Daemon:
             policy=self._policy_status(sample, decision, restarts),
             last_restart=self._last_restart(),
             probe=self._probe_status(sample, decision),
-            pending_flags=pending_flags,
+            flags=self._flags_status(plan, due, decision),
             trend=self.trend,
             fleet=group,
             stale_after=stale_after,
@@ -956,6 +1179,30 @@ def _trend(points: object) -> tuple[status.TrendPoint, ...]:
         return tuple(status.TrendPoint.from_json(point) for point in points)
     except status.StatusError:
         return ()
+
+
+def _waiting_for(apply: str, decision: Decision, due: _FlagsDue) -> str:
+    """What a due flag change waits for, in words."""
+    if apply == "manual":
+        return (
+            "`vkvagent apply` (apply_flags = manual)"
+            if due.kind == "apply"
+            else ("`vkvagent rollback` (apply_flags = manual)")
+        )
+    if apply == "with-next-restart":
+        return "the next restart (apply_flags = with-next-restart)"
+    if decision.cause == FLAGS:
+        return "a restart now" if decision.action == "restart" else decision.reason.split(";")[0]
+    return "the next window the policy allows, once nothing else needs a restart"
+
+
+def _running_values(plan: Plan) -> dict[str, Any]:
+    """The values the unit's command line gives the flags ``plan`` sets (None: unset)."""
+    try:
+        running = parse_command(plan.before)
+    except VllmCommandError:
+        return {}
+    return {name: running.value(name) for name in plan.flags}
 
 
 def _status_line(report: status.StatusReport) -> str:

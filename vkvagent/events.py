@@ -69,6 +69,15 @@ CATALOGUE: Mapping[str, EventType] = {
     "policy.escalated": EventType(
         CRIT, "restarts in a row did not help: no more until `vkvagent resume`"
     ),
+    "flags.pending": EventType(
+        NOTICE, "the unit runs other flags than [vllm.flags] (or a slower change): when they go"
+    ),
+    "flags.refused": EventType(
+        ERR, "a flag set is invalid, or did not start: not tried again until the config changes"
+    ),
+    "flags.judged": EventType(
+        NOTICE, "the verdict on a flag change: its run's fresh speed against the run before"
+    ),
     "unit.exited": EventType(
         WARNING, "vLLM's process ended without vkvagent asking (a crash); reported, not restarted"
     ),

@@ -22,7 +22,9 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from vkvagent.engine.policy import PLANNED
 from vkvagent.errors import VkvagentError
+from vkvagent.reconcile import shown
 
 FILE_NAME = "status.json"
 VERSION = 1
@@ -268,6 +270,33 @@ class ProbeStatus(_Part):
 
 
 @dataclass(frozen=True)
+class FlagChange(_Part):
+    """The last flag change and its verdict: its run's fresh speed against the run before."""
+
+    action: int  # the ledger's id
+    flags: dict[str, Any]  # the flags whose values it changed
+    verdict: str  # better | same | worse | not judged | no verdict
+    ratio: float | None = None  # fresh speed after / before
+    speed_before: float | None = None  # generated tokens/s per request in the system
+    speed_after: float | None = None
+    loads: tuple[str, ...] = ()  # the loads compared
+    rollback: str | None = None  # for a worse one: how putting it back went
+
+
+@dataclass(frozen=True)
+class FlagsStatus(_Part):
+    """[vllm.flags] against the unit: as desired, as running, what is pending and what for."""
+
+    apply: str  # [vllm] apply_flags
+    desired: dict[str, Any]
+    running: dict[str, Any] | None = None  # those flags' values on the unit's command line
+    pending: dict[str, Any] | None = None  # the ones whose values differ
+    waiting_for: str | None = None  # what the pending flags wait for
+    problem: str | None = None  # why they cannot be planned, or are not applied (rejected)
+    last_change: FlagChange | None = None
+
+
+@dataclass(frozen=True)
 class SlotHolder(_Part):
     """A host holding one of its fleet group's restart slots, as its etcd key says."""
 
@@ -331,8 +360,7 @@ class StatusReport(_Part):
     gpus: tuple[GpuStatus, ...] = ()
     last_restart: LastRestart | None = None
     probe: ProbeStatus | None = None  # None: written before the probe existed
-    # The [vllm.flags] the unit does not run with yet; a string when they could not be planned.
-    pending_flags: dict[str, Any] | str | None = None
+    flags: FlagsStatus | None = None  # None: no [vllm.flags] and no flag change seen
     trend: tuple[TrendPoint, ...] = ()
     fleet: FleetStatus | None = None  # None: no [fleet]
     stale_after: float | None = None  # while restarting: the longest the restart may take
@@ -394,7 +422,7 @@ def verdict_state(*, action: str, cause: str | None, reason: str, has_data: bool
         return "unknown"
     if action == "restart":
         return "acting"
-    if cause is not None:
+    if cause is not None and cause not in PLANNED:
         return "degraded"
     return "healthy"
 
@@ -559,8 +587,8 @@ def render(status: StatusReport | None, now: float, *, explain: bool = False) ->
         for hook in last.hooks or ():
             if hook.get("problem"):
                 lines.append(f"              {hook['name']} failed: {hook['problem']}")
-    if status.pending_flags:
-        lines.append(f"  flags       pending: {status.pending_flags}")
+    if status.flags is not None:
+        lines.extend(flags_lines(status.flags))
     if v.suggestion:
         shown = ", ".join(f"--{k} {val}" for k, val in v.suggestion.items())
         lines.append(f"  suggestion  {shown} (review, then set [vllm.flags])")
@@ -569,6 +597,34 @@ def render(status: StatusReport | None, now: float, *, explain: bool = False) ->
         for key, value in sorted(v.evidence.items()):
             lines.append(f"    {key:34} {value}")
     return "\n".join(lines) + "\n"
+
+
+def flags_lines(flags: FlagsStatus) -> list[str]:
+    """[vllm.flags] against the unit, and the verdict on the last change."""
+    lines = []
+    if flags.problem:
+        lines.append(f"  flags       {flags.problem}")
+    elif flags.pending:
+        lines.append(
+            f"  flags       pending: {shown(flags.pending)} (running "
+            f"{shown(flags.running or {})}); waiting for {flags.waiting_for}"
+        )
+    elif flags.desired:
+        lines.append(f"  flags       in effect: {shown(flags.desired)}")
+    last = flags.last_change
+    if last is not None:
+        speed = ""
+        if last.ratio is not None:
+            speed = (
+                f": {last.ratio:.2f} of the previous fresh speed ({last.speed_before:.3g} -> "
+                f"{last.speed_after:.3g} tokens/s per request at {', '.join(last.loads)})"
+            )
+        rollback = f"; rolled back: {last.rollback}" if last.rollback else ""
+        lines.append(
+            f"  last change action {last.action} {shown(last.flags)}: "
+            f"{last.verdict}{speed}{rollback}"
+        )
+    return lines
 
 
 def costs_line(costs: Mapping[str, Any]) -> str:

@@ -8,7 +8,7 @@ daemon, replay, the demo and the benchmark feed it the same way, and tests/test_
 keeps it so.
 """
 
-from vkvagent.engine.baseline import BaselineSettings
+from vkvagent.engine.baseline import BaselineSettings, SpeedChange, speed_change
 from vkvagent.engine.diagnosis import (
     CAUSES,
     FIXABLE,
@@ -62,9 +62,11 @@ __all__ = [
     "RunState",
     "Sample",
     "Settings",
+    "SpeedChange",
     "TrafficProfile",
     "UnitFacts",
     "VllmMetrics",
     "decide",
     "server_identity",
+    "speed_change",
 ]

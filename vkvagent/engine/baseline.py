@@ -40,6 +40,7 @@ METRICS = (
     "tokens_per_s",
     "generation_tokens_per_s",
     "per_request",
+    "in_system",
     "requests_per_s",
     "preemptions_per_s",
     "running",
@@ -90,6 +91,9 @@ class WindowStats:
     ttft_p50: float | None
     prompt_share: float | None  # prompt tokens / all tokens: the request mix
     per_request: float | None  # generation tokens/s per running request
+    # Generation tokens/s per request in the system (running + waiting): a client's speed,
+    # queueing included. A flag that caps the batch keeps per_request and makes requests wait.
+    in_system: float | None = None
     # Mean over the window's samples of the slowest GPU's SM clock / its maximum: a busy GPU
     # at its power cap runs well below the maximum, fresh or not (None: no GPU readings).
     sm_clock_ratio: float | None = None
@@ -114,6 +118,7 @@ def window_stats(points: Sequence[Point], min_running: float = 0.5) -> WindowSta
     tokens = rates.tokens_per_s
     generated = rates.generation_tokens_per_s
     running = rates.mean_running
+    present = None if running is None else running + (rates.mean_waiting or 0.0)
     return WindowStats(
         seconds=rates.seconds,
         running=running,
@@ -135,6 +140,11 @@ def window_stats(points: Sequence[Point], min_running: float = 0.5) -> WindowSta
         per_request=(
             generated / running
             if generated is not None and running is not None and running >= min_running
+            else None
+        ),
+        in_system=(
+            generated / present
+            if generated is not None and present is not None and present >= min_running
             else None
         ),
     )
@@ -352,6 +362,47 @@ def compare(stats: WindowStats, key: int, regime: Regime) -> Comparison:
         throughput=_ratio(stats.tokens_per_s, base.get("tokens_per_s")),
         ttft=_ratio(base.get("ttft_p50"), stats.ttft_p50),
         baseline=base,
+    )
+
+
+@dataclass(frozen=True)
+class SpeedChange:
+    """A later run's fresh speed against an earlier run's, at the loads both learned while
+    fresh: per load, the median generated tokens/s per request in the system (``in_system``:
+    what a client waits for, queueing included)."""
+
+    ratio: float  # the median over the loads of later / earlier
+    before: float  # the earlier run's speed, median over the loads
+    after: float  # the later run's
+    loads: tuple[str, ...]  # the loads compared, as regime_label names them
+
+    def verdict(self, margin: float) -> str:
+        """``worse``, ``better`` or ``same``: beyond ``margin`` (a fraction) either way."""
+        if self.ratio < 1 - margin:
+            return "worse"
+        if self.ratio > 1 + margin:
+            return "better"
+        return "same"
+
+
+def speed_change(
+    earlier: Baseline, later: Baseline, settings: BaselineSettings
+) -> SpeedChange | None:
+    """How ``later``'s fresh speed compares with ``earlier``'s; None while no load is known
+    to both (not enough comparable load is no verdict)."""
+    keys = sorted(set(earlier.known_keys(settings)) & set(later.known_keys(settings)))
+    pairs = [
+        (earlier.regimes[k].median("in_system"), later.regimes[k].median("in_system"), k)
+        for k in keys
+    ]
+    found = [(old, new, k) for old, new, k in pairs if old and new is not None]
+    if not found:
+        return None
+    return SpeedChange(
+        ratio=statistics.median(new / old for old, new, _k in found),
+        before=statistics.median(old for old, _new, _k in found),
+        after=statistics.median(new for _old, new, _k in found),
+        loads=tuple(regime_label(k, settings) for _old, _new, k in found),
     )
 
 

@@ -28,6 +28,8 @@ from vkvagent.engine.diagnosis import FIXABLE
 MODES = ("off", "observe", "enforce")
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 SCHEDULED = "scheduled"  # the cause of a restart for reaching the maximum uptime
+FLAGS = "flags"  # the cause of a restart that changes vLLM's flags ([vllm] apply_flags)
+PLANNED = (FLAGS, SCHEDULED)  # restarts nothing was wrong before: never judged as a cure
 DAY = 86400.0
 
 
@@ -349,11 +351,12 @@ def escalated(
     settings: PolicySettings, history: Sequence[RestartRecord], controls: Controls
 ) -> int:
     """How many restarts in a row, since the last resume, did not restore performance, once
-    that reaches ``escalate_after`` (else 0). Scheduled restarts are not judged."""
+    that reaches ``escalate_after`` (else 0). Planned restarts (scheduled, flags) are not
+    judged."""
     judged = [
         r
         for r in sorted(history, key=lambda r: r.time)
-        if r.cause != SCHEDULED
+        if r.cause not in PLANNED
         and not r.aborted
         and (controls.resumed_at is None or r.time > controls.resumed_at)
     ]
@@ -377,9 +380,11 @@ def evaluate(
     now: datetime,
     traffic: TrafficProfile | None = None,
     mono: float | None = None,
+    flags_due: str = "",
 ) -> Verdict:
     """The verdict for a diagnosed ``cause``; ``wanted`` says a restart would fix it. With no
-    such cause, a scheduled restart is proposed once the uptime passes ``max_uptime``.
+    such cause, a flag change (``flags_due`` says which) is proposed, else a scheduled
+    restart once the uptime passes ``max_uptime``; both wait for a window like any cause.
     ``traffic``: this host's rates by local hour, for the percentile gate. ``mono``: the
     monotonic time of ``now``, which the intervals, cooldown, budget and back-off are measured
     on for every restart that has one (``RestartRecord.age``)."""
@@ -389,8 +394,11 @@ def evaluate(
         return Verdict(action, reason, cause, is_open, upcoming, drain)
 
     due = settings.max_uptime > 0 and uptime is not None and uptime >= settings.max_uptime
-    if due and not wanted and cause not in ("gpu_fault", "engine_down"):
-        cause, wanted = SCHEDULED, True
+    if not wanted and cause not in ("gpu_fault", "engine_down"):
+        if flags_due:
+            cause, wanted = FLAGS, True
+        elif due:
+            cause, wanted = SCHEDULED, True
     if settings.mode == "off":
         return verdict("none", "mode off")
     if not wanted:

@@ -79,6 +79,9 @@ class Observation:
     controls: Controls = field(default_factory=Controls)
     flags: Mapping[str, FlagValue] = field(default_factory=dict)  # vLLM flags in effect
     probe: ProbeFacts = field(default_factory=ProbeFacts)  # the active probe's findings
+    # A flag change waiting for a restart ("apply --max-num-seqs 64"): with nothing to fix,
+    # the policy proposes one for it, in a window like a scheduled restart. Empty: none.
+    flags_due: str = ""
 
 
 @dataclass(frozen=True)
@@ -325,8 +328,9 @@ def decide(
         now=now,
         mono=mono,
         traffic=traffic,
+        flags_due=observed.flags_due,
     )
-    action, reason = _action(settings.policy, diagnosis, verdict, uptime)
+    action, reason = _action(settings.policy, diagnosis, verdict, uptime, observed.flags_due)
     evidence = dict(diagnosis.evidence)
     evidence["uptime_s"] = uptime
     evidence["run"] = state.run.key
@@ -335,7 +339,7 @@ def decide(
     return Decision(
         time=now,
         action=action,
-        cause=verdict.cause if verdict.cause == policy.SCHEDULED else diagnosis.cause,
+        cause=verdict.cause if verdict.cause in policy.PLANNED else diagnosis.cause,
         reason=reason,
         evidence=evidence,
         ratio=comparison.ratio if comparison and diagnosis.cause != "engine_down" else None,
@@ -351,11 +355,17 @@ def decide(
 
 
 def _action(
-    settings: PolicySettings, diagnosis: Diagnosis, verdict: policy.Verdict, uptime: float | None
+    settings: PolicySettings,
+    diagnosis: Diagnosis,
+    verdict: policy.Verdict,
+    uptime: float | None,
+    flags_due: str,
 ) -> tuple[str, str]:
     """Combine what diagnosis found with what the policy allows into (action, reason)."""
     if settings.mode == "off":
         return "none", verdict.reason
+    if verdict.cause == policy.FLAGS:
+        return verdict.action, f"{verdict.reason}; flags: {flags_due}"
     if verdict.cause == policy.SCHEDULED:
         why = f"scheduled: uptime {(uptime or 0) / 3600:.1f} h >= {settings.max_uptime / 3600:g} h"
         return verdict.action, f"{verdict.reason}; {why}"

@@ -1,0 +1,117 @@
+"""The flags loop's memory and verdicts (vkvagent/reconcile.py): pure, on values. The loop in
+the daemon, against a real systemd, is tests/test_flag_loop.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vkvagent.engine.baseline import Baseline, BaselineSettings, Regime
+from vkvagent.reconcile import Change, FlagState, Judged, change_of, flags_key, shown
+
+SETTINGS = BaselineSettings()
+BEFORE = ("vllm", "serve", "m")
+APPLIED = 1000.0  # the change's action: from 1000 to 1030 (UTC seconds)
+
+
+def run(name: str, speed: float | None) -> Baseline:
+    if speed is None:
+        return Baseline(run=name)
+    n = SETTINGS.min_values
+    return Baseline(run=name, regimes={24: Regime(n, {"in_system": (speed,) * n})})
+
+
+def change(**values: object) -> Change:
+    fields: dict[str, object] = dict(
+        action=7, started=APPLIED, ended=APPLIED + 30, flags={"max-num-seqs": 20},
+        key=flags_key({"max-num-seqs": 20}), before=BEFORE,
+    )  # fmt: skip
+    fields.update(values)
+    return Change(**fields)  # type: ignore[arg-type]
+
+
+def judge(
+    state: FlagState, started: float | None, speed: float | None, uptime: float = 900.0
+) -> tuple[FlagState, Judged | None]:
+    return state.judge(
+        run_started=started,
+        run_uptime=uptime,
+        previous=run("start:1", 100.0),
+        current=run("start:2", speed),
+        settings=SETTINGS,
+        margin=0.10,
+    )
+
+
+def test_a_slower_change_is_rejected_and_due_for_rollback_once() -> None:
+    state = FlagState().noticed(change())
+    # The run before the change, and the new run before it learned a load in common: wait.
+    assert judge(state, APPLIED - 3600, 60.0) == (state, None)
+    assert judge(state, APPLIED + 20, None) == (state, None)
+    judged_state, judged = judge(state, APPLIED + 20, 60.0)
+    assert judged is not None and judged.comparison is not None
+    last = judged_state.last
+    assert last is not None
+    assert (last.verdict, last.ratio, last.speed_before, last.speed_after) == (
+        "worse", 0.6, 100.0, 60.0,
+    )  # fmt: skip
+    assert last.rollback_due
+    assert judged_state.rejected[last.key].startswith("slower: 0.60 of the previous flags'")
+    # Judged once; the rollback's outcome is kept and ends what is due.
+    assert judge(judged_state, APPLIED + 20, 10.0) == (judged_state, None)
+    done = judged_state.rolled_back("done (action 8)")
+    assert done.last is not None and not done.last.rollback_due
+    # An older action is not taken for a newer change.
+    assert done.noticed(change(action=3)) is done
+
+
+@pytest.mark.parametrize(("speed", "verdict"), [(95.0, "same"), (120.0, "better")])
+def test_a_change_that_is_not_slower_stays(speed: float, verdict: str) -> None:
+    state, judged = judge(FlagState().noticed(change()), APPLIED + 20, speed)
+    assert judged is not None and state.last is not None
+    assert state.last.verdict == verdict and not state.last.rollback_due and not state.rejected
+
+
+def test_too_little_comparable_load_is_no_verdict_never_a_rollback() -> None:
+    state = FlagState().noticed(change())
+    fresh_until = SETTINGS.warmup + SETTINGS.learn_for + SETTINGS.window
+    assert judge(state, APPLIED + 20, None, uptime=fresh_until - 1) == (state, None)
+    ended, judged = judge(state, APPLIED + 20, None, uptime=fresh_until + 1)
+    assert judged is not None and judged.why == "no load both runs served while fresh"
+    assert ended.last is not None and ended.last.verdict == "no verdict"
+    assert not ended.last.rollback_due and not ended.rejected
+    # A run begun after the change's own (a crash, another restart) cannot speak for it.
+    later, judged = judge(state, APPLIED + 600, 10.0)
+    assert judged is not None and later.last is not None and later.last.verdict == "no verdict"
+
+
+def test_the_ledger_says_which_actions_changed_flags() -> None:
+    drain = frozenset({"shutdown-timeout"})
+    detail = {
+        "flags": {"max-num-seqs": 20, "shutdown-timeout": 120},
+        "changes": {"max-num-seqs": 20, "shutdown-timeout": 120},
+        "before": list(BEFORE),
+    }
+    found = change_of(7, APPLIED, APPLIED + 30, detail, drain)
+    assert found == change()
+    # The drain's flag alone (a plain restart's), a rollback's empty change, an open action.
+    only_drain = {"flags": {"shutdown-timeout": 120}, "changes": {"shutdown-timeout": 120}}
+    assert change_of(8, APPLIED, APPLIED + 30, only_drain, drain) is None
+    assert change_of(9, APPLIED, APPLIED + 30, {"flags": {}, "changes": {}}, drain) is None
+    assert change_of(10, APPLIED, None, detail, drain) is None
+    assert shown({"max-num-seqs": 20, "enable-prefix-caching": False}) == (
+        "--max-num-seqs 20 --enable-prefix-caching False"
+    )
+
+
+def test_the_state_survives_engine_json_and_refuses_garbage() -> None:
+    state, _ = judge(FlagState().noticed(change()), APPLIED + 20, 60.0)
+    state = state.rolled_back("done (action 8)")
+    assert FlagState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    assert FlagState.from_json(None) == FlagState()  # a state written before the loop
+    bad: object
+    for bad in ({"last": {"action": 1}}, {"last": None}, {"last": dict(state.to_json()["last"],
+                verdict="fine"), "rejected": {}}, []):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^flag state: "):
+            FlagState.from_json(bad)

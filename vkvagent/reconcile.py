@@ -1,0 +1,236 @@
+"""The flags loop: keep vLLM's command line as ``[vllm.flags]`` says, and judge every change.
+
+``[vllm] apply_flags`` says when a flag set the unit does not run yet is applied:
+``next-window`` (the policy proposes a restart for it, cause ``flags``, in the next window it
+allows), ``with-next-restart`` (only when a restart happens anyway) or ``manual`` (only
+``vkvagent apply``). Any restart the daemon makes carries the pending flags unless manual, so
+a diagnosed restart and a flag change cost one restart, not two.
+
+Each change the ledger records (the daemon's, or ``vkvagent apply``'s) is judged once: the
+fresh speed of the run it started against the run before it, at the loads both served while
+fresh (``engine.speed_change``). Slower by more than ``rollback_margin`` puts the previous
+command line back in the next window it may, and rejects the set; so does a set that does
+not start or cannot be proven. A rejected or invalid set is not tried again until
+``[vllm.flags]`` changes. Too little comparable load is no verdict, never a rollback.
+
+Pure: the daemon brings the ledger's actions, the engine's baselines and the plan, and does
+what ``FlagState`` decides; ``to_json``/``from_json`` keep it in engine.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from vkvagent.engine import BaselineSettings, SpeedChange, speed_change
+from vkvagent.engine.baseline import Baseline
+from vkvagent.engine.samples import FlagValue
+
+APPLY_MODES = ("next-window", "with-next-restart", "manual")
+# A change's verdict: what its run's fresh speed says, against the run before it.
+VERDICTS = ("better", "same", "worse", "not judged", "no verdict")
+UNJUDGED = "not judged"
+
+
+def flags_key(flags: Mapping[str, object]) -> str:
+    """A flag set's name for remembering it: the same flags and values, the same key."""
+    text = json.dumps(sorted(flags.items()), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def shown(flags: Mapping[str, object]) -> str:
+    """``--max-num-seqs 4 --block-size 16``: flags as a command line has them."""
+    return " ".join(f"--{name} {value}" for name, value in flags.items()) or "(none)"
+
+
+@dataclass(frozen=True)
+class Change:
+    """A flag change that took effect (a ledger action ``done``), and its verdict."""
+
+    action: int  # the ledger's id
+    started: float  # UTC seconds: the action began ...
+    ended: float  # ... and ended; the run it started began in between
+    flags: Mapping[str, FlagValue]  # the flags whose values it changed
+    key: str  # flags_key of the whole set it applied
+    before: tuple[str, ...]  # the command line it replaced: what a rollback puts back
+    verdict: str = UNJUDGED
+    ratio: float | None = None  # the new run's fresh speed / the previous run's
+    speed_before: float | None = None  # generated tokens/s per request in the system
+    speed_after: float | None = None
+    loads: tuple[str, ...] = ()  # the loads compared
+    rollback: str | None = None  # for a worse one: how putting it back went; None: not yet
+
+    @property
+    def rollback_due(self) -> bool:
+        return self.verdict == "worse" and self.rollback is None and bool(self.before)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "started": self.started,
+            "ended": self.ended,
+            "flags": dict(self.flags),
+            "key": self.key,
+            "before": list(self.before),
+            "verdict": self.verdict,
+            "ratio": self.ratio,
+            "speed_before": self.speed_before,
+            "speed_after": self.speed_after,
+            "loads": list(self.loads),
+            "rollback": self.rollback,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Change:
+        if data["verdict"] not in VERDICTS:
+            raise ValueError(f"unknown verdict {data['verdict']!r}")
+        return cls(
+            action=int(data["action"]),
+            started=float(data["started"]),
+            ended=float(data["ended"]),
+            flags=dict(data["flags"]),
+            key=str(data["key"]),
+            before=tuple(str(a) for a in data["before"]),
+            verdict=data["verdict"],
+            ratio=_number(data.get("ratio")),
+            speed_before=_number(data.get("speed_before")),
+            speed_after=_number(data.get("speed_after")),
+            loads=tuple(str(load) for load in data.get("loads", ())),
+            rollback=None if data.get("rollback") is None else str(data["rollback"]),
+        )
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A verdict reached this tick, for the event that tells it."""
+
+    change: Change
+    comparison: SpeedChange | None  # None: no verdict (the run ended or its fresh period did)
+    why: str
+
+
+@dataclass(frozen=True)
+class FlagState:
+    """What the loop remembers: the last change and the flag sets it will not try again."""
+
+    last: Change | None = None
+    rejected: Mapping[str, str] = field(default_factory=dict)  # flags_key -> why
+
+    def noticed(self, change: Change) -> FlagState:
+        """With ``change`` (the ledger's newest flag change) as the last, if it is new."""
+        if self.last is not None and change.action <= self.last.action:
+            return self
+        return replace(self, last=change)
+
+    def reject(self, key: str, why: str) -> FlagState:
+        return replace(self, rejected={**self.rejected, key: why})
+
+    def rolled_back(self, how: str) -> FlagState:
+        assert self.last is not None
+        return replace(self, last=replace(self.last, rollback=how))
+
+    def judge(
+        self,
+        *,
+        run_started: float | None,
+        run_uptime: float | None,
+        previous: Baseline | None,
+        current: Baseline | None,
+        settings: BaselineSettings,
+        margin: float,
+    ) -> tuple[FlagState, Judged | None]:
+        """Judge the last change once the run it started and the run before it have learned
+        a load in common. ``run_started``: the engine's run's process start time (UTC)."""
+        change = self.last
+        if change is None or change.verdict != UNJUDGED:
+            return self, None
+        if run_started is None or run_started < change.started - 1:
+            return self, None  # still the run before the change (or no start time to tell)
+        if run_started > change.ended + 1:
+            why = "the run it started ended before it could be judged"
+            return self._concluded(replace(change, verdict="no verdict"), None, why)
+        found = (
+            speed_change(previous, current, settings)
+            if previous is not None and current is not None
+            else None
+        )
+        if found is None:
+            fresh_until = settings.warmup + settings.learn_for + settings.window
+            if run_uptime is not None and run_uptime > fresh_until:
+                why = "no load both runs served while fresh"
+                return self._concluded(replace(change, verdict="no verdict"), None, why)
+            return self, None
+        verdict = found.verdict(margin)
+        judged = replace(
+            change,
+            verdict=verdict,
+            ratio=found.ratio,
+            speed_before=found.before,
+            speed_after=found.after,
+            loads=found.loads,
+        )
+        state, _ = self._concluded(judged, found, "")
+        if verdict == "worse":
+            state = state.reject(
+                change.key,
+                f"slower: {found.ratio:.2f} of the previous flags' fresh speed "
+                f"(action {change.action})",
+            )
+        return state, Judged(judged, found, "")
+
+    def _concluded(
+        self, change: Change, found: SpeedChange | None, why: str
+    ) -> tuple[FlagState, Judged]:
+        return replace(self, last=change), Judged(change, found, why)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "last": None if self.last is None else self.last.to_json(),
+            "rejected": dict(self.rejected),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> FlagState:
+        """The inverse of ``to_json``; ValueError (one line) for anything malformed."""
+        if data is None:
+            return cls()
+        try:
+            last = None if data["last"] is None else Change.from_json(data["last"])
+            rejected = {str(k): str(v) for k, v in data["rejected"].items()}
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"flag state: {type(exc).__name__}: {exc}") from None
+        return cls(last, rejected)
+
+
+def change_of(
+    action: int,
+    started: float,
+    ended: float | None,
+    detail: Mapping[str, Any],
+    ignore: frozenset[str],
+) -> Change | None:
+    """The flag change a ledger action (``apply``, ``done``) made, or None when it changed
+    only flags in ``ignore`` (the drain's, which a plain restart adds) or none."""
+    changes = detail.get("changes") or {}
+    flags = detail.get("flags") or {}
+    if not isinstance(changes, dict) or not set(changes) - ignore or ended is None:
+        return None
+    return Change(
+        action=action,
+        started=started,
+        ended=ended,
+        flags={k: v for k, v in changes.items() if k not in ignore},
+        key=flags_key({k: v for k, v in flags.items() if k not in ignore}),
+        before=tuple(str(a) for a in detail.get("before") or ()),
+    )
+
+
+def _number(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
