@@ -192,7 +192,14 @@ def test_flags_that_make_vllm_slower_are_rolled_back_and_rejected() -> None:
         assert shown["flags"]["pending"] == {"max-num-seqs": SLOW_SEQS}
         assert shown["flags"]["problem"].startswith("rejected: slower: ")
         assert max_num_seqs(box) is None
-        rollback = [e for e in events(box, "restart.started")][-1]
+        text = box.run(
+            sys.executable, "-m", "vkvagent", "status", "--config", CONFIG_DIR, check=False
+        ).stdout
+        print(text)
+        assert "  flags       rejected: slower: " in text
+        assert f"  last change action 1 --max-num-seqs {SLOW_SEQS}: worse: 0." in text
+        assert "; rolled back: done (action 2)" in text
+        rollback = events(box, "restart.started")[-1]
         assert rollback["VKV_CAUSE"] == "flags" and rollback["VKV_FLAGS"].startswith("roll back")
         time.sleep(8)  # rejected: not applied again
         assert len(events(box, "restart.started")) == 2, log(box)

@@ -292,7 +292,9 @@ class FakeActuator:
     def exclusive(self) -> Iterator[None]:
         yield
 
-    def restart(self, reason: str, *, drain: bool = True, cause: str = "manual") -> Outcome:
+    def restart(
+        self, reason: str, *, drain: bool = True, cause: str = "manual", plan: object = None
+    ) -> Outcome:
         self.reasons.append(reason)
         if self.during is not None:
             self.during()

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from vkvagent.engine.baseline import Baseline, BaselineSettings, Regime
-from vkvagent.reconcile import Change, FlagState, Judged, change_of, flags_key, shown
+from vkvagent.flags import shown
+from vkvagent.reconcile import Change, FlagState, Judged, change_of, flags_key
 
 SETTINGS = BaselineSettings()
 BEFORE = ("vllm", "serve", "m")
@@ -101,7 +102,7 @@ def test_the_ledger_says_which_actions_changed_flags() -> None:
     assert change_of(9, APPLIED, APPLIED + 30, {"flags": {}, "changes": {}}, drain) is None
     assert change_of(10, APPLIED, None, detail, drain) is None
     assert shown({"max-num-seqs": 20, "enable-prefix-caching": False}) == (
-        "--max-num-seqs 20 --enable-prefix-caching False"
+        "--max-num-seqs 20 --no-enable-prefix-caching"
     )
 
 

@@ -247,6 +247,65 @@ def test_a_killed_engine_core_is_restarted_by_systemd_and_reported_by_vkvagent(
     assert unit(vllm_box).active_state == "active"
 
 
+# -- 5. the daemon keeps [vllm.flags]: applied in a window, proven ----------------------------
+
+
+def test_the_daemon_applies_a_flag_change_in_a_window_and_proves_it(vllm_box: Sandbox) -> None:
+    """An edit of [vllm.flags] and a reload: the daemon restarts the real vLLM with the new
+    block size in the (always open) window, and vLLM's own cache_config_info proves it."""
+    flags = {**FLAGS, "enable-prefix-caching": True, "block-size": 32}
+    table = "".join(f"{name} = {json.dumps(value)}\n" for name, value in flags.items())
+    daemon_config = (
+        DAEMON_CONFIG.format(timeout=START_TIMEOUT).replace(
+            "drain_max_in_flight = 100000\n",
+            "drain_max_in_flight = 100000\ngraceful_shutdown = false\n",
+        )
+        # The tests before restarted vLLM minutes ago: no interval, cooldown or budget here.
+        + "min_interval = 0\ncooldown = 0\nmax_per_day = 100\n"
+    )
+    (vllm_box.root / "etc/vkvagent/config.toml").write_text(daemon_config)
+    vllm_box.write_unit(AGENT, agent_unit(watchdog=30))
+    vllm_box.run("systemctl", "daemon-reload")
+    vllm_box.run("systemctl", "start", AGENT)
+    wait_event(vllm_box, "agent.started", timeout=30)
+    actions_before = len(actions(vllm_box))
+    (vllm_box.root / "etc/vkvagent/config.toml").write_text(
+        daemon_config + f"[vllm.flags]\n{table}"
+    )
+    vllm_box.run("systemctl", "reload", AGENT)
+    pending = wait_event(vllm_box, "flags.pending", timeout=30)
+    assert "--block-size 32" in listed(pending["VKV_FLAGS"]) and pending["VKV_KIND"] == "apply"
+    # The journal has the earlier tests' restarts (cause manual): wait for the daemon's.
+    wait_until(
+        lambda: [e for e in events(vllm_box, "restart.completed") if e["VKV_CAUSE"] == "flags"],
+        START_TIMEOUT + 60,
+        "the daemon's restart for the flags",
+    )
+    (completed,) = [e for e in events(vllm_box, "restart.completed") if e["VKV_CAUSE"] == "flags"]
+    assert completed["VKV_RESULT"] == "done", completed
+    assert "--block-size 32" in listed(completed["VKV_FLAGS"])
+    (started,) = events(vllm_box, "restart.started")
+    assert started["VKV_CAUSE"] == "flags" and "--block-size 32" in started["VKV_FLAGS"]
+    argv = running_argv(vllm_box)
+    assert argv[argv.index("--block-size") + 1] == "32"
+    shown = cache_config(vllm_box)
+    assert (shown["block_size"], shown["user_specified_block_size"]) == ("32", "True")
+    assert complete(vllm_box, max_tokens=4)[0] == 200
+    status = vkvagent(vllm_box, "status", "--json")
+    flags_status = json.loads(status.stdout)["flags"]
+    assert flags_status["pending"] is None and flags_status["running"]["block-size"] == 32
+    assert flags_status["last_change"]["flags"]["block-size"] == 32
+    vllm_box.run("systemctl", "stop", AGENT)
+    found = actions(vllm_box)[actions_before:]
+    assert [(a.kind, a.outcome) for a in found] == [("apply", "done")]
+    assert [s.step for s in found[0].steps if s.state == "done"][-2:] == ["ready", "attest"]
+
+
+def listed(field: str) -> list[str]:
+    """A list field's items: vkvagent writes a list to the journal joined by commas."""
+    return field.split(",")
+
+
 def test_plan_reads_the_real_units_command_line(vllm_box: Sandbox) -> None:
     write_config(vllm_box, {**FLAGS, "enable-prefix-caching": True, "max-num-seqs": 2})
     invocation = unit(vllm_box).invocation_id

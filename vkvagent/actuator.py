@@ -147,9 +147,7 @@ class Outcome:
             "service_seconds": self.service_seconds,
         }
         if self.flags:
-            fields["flags"] = [
-                " ".join(vflags.render_flag(name, value)) for name, value in self.flags.items()
-            ]
+            fields["flags"] = vflags.rendered(self.flags)
         if self.vllm_error is not None:
             fields["vllm_error"] = self.vllm_error
         if self.costs is not None:

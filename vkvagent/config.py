@@ -169,7 +169,7 @@ class VllmConfig:
         choices=APPLY_MODES,
     )
     rollback_margin: float = setting(
-        0.10,
+        0.20,
         "A flag change whose run is slower than the run before it by more than this fraction "
         "(fresh speed at the loads both served) is rolled back in the next window and its "
         "flag set rejected until [vllm.flags] changes; 1 never rolls back.",

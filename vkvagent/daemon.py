@@ -39,13 +39,13 @@ from vkvagent.engine.rates import Rates, window_rates
 from vkvagent.engine.samples import GpuReading, Sample, UnitFacts
 from vkvagent.events import Events
 from vkvagent.exporter import AgentMetrics, Exporter
-from vkvagent.flags import FlagError, VllmCommandError, parse_command
+from vkvagent.flags import FlagError, VllmCommandError, parse_command, rendered, shown
 from vkvagent.gpu import reader_for
 from vkvagent.history import History, HistoryError
 from vkvagent.jsonsafe import finite
 from vkvagent.ledger import Ledger, LedgerError
 from vkvagent.probe import Prober, ProbeResult
-from vkvagent.reconcile import FlagState, change_of, flags_key, shown
+from vkvagent.reconcile import FlagState, change_of, flags_key
 from vkvagent.sampler import Sampler
 from vkvagent.systemd import Systemd, SystemdError
 from vkvagent.vllm import VllmClient
@@ -389,7 +389,7 @@ class Daemon:
                 memory=self.recent.memory,
                 restarts=restarts,
                 controls=controls.read(p.state_dir),
-                flags=p.config.vllm.flags,
+                flags=self._flags_in_effect(plan),
                 probe=p.prober.facts() if p.config.probe.enabled else ProbeFacts(),
                 unit_started=sample.unit.active_since if sample.unit else None,
                 flags_due=due.what if due and p.config.vllm.apply_flags == "next-window" else "",
@@ -659,7 +659,7 @@ class Daemon:
         )
 
     def _restart(
-        self, actuator: Actuator, decision: Decision, carried: _FlagsDue | None
+        self, actuator: Actuator, decision: Decision, carried: _FlagsDue | None = None
     ) -> Outcome | None:
         """Restart, after taking a slot of the fleet's group when one is configured (none
         free, or etcd unreachable under on_unreachable = hold: not this tick; the next tick
@@ -685,7 +685,7 @@ class Daemon:
         return outcome
 
     def _act(
-        self, actuator: Actuator, decision: Decision, carried: _FlagsDue | None
+        self, actuator: Actuator, decision: Decision, carried: _FlagsDue | None = None
     ) -> Outcome | None:
         """Restart, carrying the flag change that is due (``carried``), if any."""
         cause = decision.cause or "unknown"
@@ -827,13 +827,10 @@ class Daemon:
             return
         self._flags_said = said
         if said and said[0] == "refused":
-            self.flag_state = self.flag_state.reject(
-                flags_key(self.parts.config.vllm.flags), plan if isinstance(plan, str) else ""
-            )
             self.events.emit(
                 "flags.refused",
                 f"[vllm.flags] refused, not applied until the config changes: {plan}",
-                flags=dict(self.parts.config.vllm.flags),
+                flags=rendered(self.parts.config.vllm.flags),
                 error=plan,
             )
         elif said and due is not None:
@@ -841,7 +838,7 @@ class Daemon:
                 "flags.pending",
                 f"flags pending: {due.what}; {_waiting_for(apply, decision, due)}",
                 kind=due.kind,
-                flags=dict(due.plan.changes),
+                flags=rendered(due.plan.changes),
                 apply=apply,
                 next_window=_iso(decision.next_window.timestamp())
                 if decision.next_window
@@ -864,7 +861,7 @@ class Daemon:
             self.events.emit(
                 "flags.refused",
                 f"{due.what} refused, not tried again until [vllm.flags] changes: {why}",
-                flags=dict(due.plan.changes),
+                flags=rendered(due.plan.changes),
                 error=why,
             )
 
@@ -897,7 +894,7 @@ class Daemon:
             "flags.judged",
             message,
             action=change.action,
-            flags=dict(change.flags),
+            flags=rendered(change.flags),
             verdict=change.verdict,
             ratio=change.ratio,
             speed_before=change.speed_before,
@@ -941,6 +938,16 @@ class Daemon:
             problem=problem,
             last_change=change,
         )
+
+    def _flags_in_effect(self, plan: Plan | str | None) -> dict[str, Any]:
+        """The managed flags as the unit's command line sets them (the drain's left out): part
+        of the server's identity, so a run is compared only with runs of the same flags. The
+        configured ones when the command line cannot be read."""
+        if not isinstance(plan, Plan):
+            return dict(self.parts.config.vllm.flags)
+        ignore = self.parts.drain_flag_names(self._version)
+        running = _running_values(plan).items()
+        return {k: v for k, v in running if v is not None and k not in ignore}
 
     def _desired_key(self, plan: Plan) -> str:
         """The name of the flag set ``plan`` applies, the drain's flags left out."""

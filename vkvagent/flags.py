@@ -545,6 +545,23 @@ def render_value(value: FlagValue) -> str:
     return text
 
 
+def rendered(flags: Mapping[str, object]) -> list[str]:
+    """Each flag as today's command line has it (``--max-num-seqs 64``,
+    ``--no-enable-prefix-caching``), for people; a value the catalogue refuses, as given."""
+    out = []
+    for name, value in flags.items():
+        try:
+            out.append(" ".join(render_flag(name, value)))  # type: ignore[arg-type]
+        except ValueError:
+            out.append(f"--{name} {value}")
+    return out
+
+
+def shown(flags: Mapping[str, object]) -> str:
+    """``--max-num-seqs 4 --block-size 16``: flags on one line, ``(none)`` for none."""
+    return " ".join(rendered(flags)) or "(none)"
+
+
 def render_flag(name: str, value: FlagValue, vllm_version: str | None = None) -> list[str]:
     """The argv tokens that set flag ``name`` to ``value`` on ``vllm_version``.
 

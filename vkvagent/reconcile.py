@@ -41,11 +41,6 @@ def flags_key(flags: Mapping[str, object]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def shown(flags: Mapping[str, object]) -> str:
-    """``--max-num-seqs 4 --block-size 16``: flags as a command line has them."""
-    return " ".join(f"--{name} {value}" for name, value in flags.items()) or "(none)"
-
-
 @dataclass(frozen=True)
 class Change:
     """A flag change that took effect (a ledger action ``done``), and its verdict."""

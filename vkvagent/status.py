@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from vkvagent.engine.policy import PLANNED
 from vkvagent.errors import VkvagentError
-from vkvagent.reconcile import shown
+from vkvagent.flags import shown
 
 FILE_NAME = "status.json"
 VERSION = 1
@@ -607,7 +607,8 @@ def flags_lines(flags: FlagsStatus) -> list[str]:
     elif flags.pending:
         lines.append(
             f"  flags       pending: {shown(flags.pending)} (running "
-            f"{shown(flags.running or {})}); waiting for {flags.waiting_for}"
+            f"{shown({k: v for k, v in (flags.running or {}).items() if v is not None})}); "
+            f"waiting for {flags.waiting_for}"
         )
     elif flags.desired:
         lines.append(f"  flags       in effect: {shown(flags.desired)}")
@@ -616,8 +617,8 @@ def flags_lines(flags: FlagsStatus) -> list[str]:
         speed = ""
         if last.ratio is not None:
             speed = (
-                f": {last.ratio:.2f} of the previous fresh speed ({last.speed_before:.3g} -> "
-                f"{last.speed_after:.3g} tokens/s per request at {', '.join(last.loads)})"
+                f": {last.ratio:.2f} of the previous fresh speed ({last.speed_before:.4g} -> "
+                f"{last.speed_after:.4g} tokens/s per request at {', '.join(last.loads)})"
             )
         rollback = f"; rolled back: {last.rollback}" if last.rollback else ""
         lines.append(
