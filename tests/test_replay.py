@@ -56,8 +56,10 @@ ENFORCE = '[policy]\nmode = "enforce"\nwindows = ["daily 03:15-06:00"]\n'
 # -- histories made from the simulator ---------------------------------------------------------
 
 
-def new_cluster(scenario: str, onset: float | None, flavor: str, seed: int) -> Cluster:
-    cap = capacity(MODEL, gpu_memory_utilization=0.9, block_size=16, max_num_seqs=256,
+def new_cluster(
+    scenario: str, onset: float | None, flavor: str, seed: int, memory: float = 0.9
+) -> Cluster:
+    cap = capacity(MODEL, gpu_memory_utilization=memory, block_size=16, max_num_seqs=256,
                    max_num_batched_tokens=8192, max_model_len=32768)  # fmt: skip
     return Cluster(
         engines=[EngineModel(cap, histogram_bounds(flavor))],
@@ -110,25 +112,34 @@ def history(
     restart_at: float | None = None,
     new_instance: bool = False,
     cold_start: float = 120.0,
+    restart_memory: float | None = None,
 ) -> str:
     """A query_range response (JSON text) of ``hours`` of a simulated vLLM from START, scraped
     every ``step`` s; ``restart_at`` (hours) restarts it for real: a new process after a cold
-    start with no data, on a new instance if ``new_instance``."""
+    start with no data, on a new instance if ``new_instance``, with ``--gpu-memory-utilization
+    restart_memory`` (0.9 before) if given, which cache_config_info then shows."""
     recorder = Recorder()
     started, seed, instance = START.timestamp(), 7, VLLM
+    memory = 0.9
+    cache_config = {"block_size": "16"}
+    if restart_memory is not None:
+        cache_config["gpu_memory_utilization"] = str(memory)
     cluster = new_cluster(scenario, onset, flavor, seed)
     t, end = started, started + hours * 3600
     while t + step <= end + 1e-9:
         t += step
         if restart_at is not None and t >= START.timestamp() + restart_at * 3600:
             restart_at, started, seed = None, t + cold_start, seed + 1
-            cluster = new_cluster(scenario, onset, flavor, seed)
+            if restart_memory is not None:
+                memory = restart_memory
+                cache_config = {**cache_config, "gpu_memory_utilization": str(memory)}
+            cluster = new_cluster(scenario, onset, flavor, seed, memory)
             instance = "10.0.0.8:8000" if new_instance else instance
         if t < started:
             continue  # the port is closed while the model loads: no scrape succeeds
         cluster.advance_to(t - started)
         info = ServerInfo(model=MODEL, flavor=flavor, version="0.11.0", max_model_len=32768,
-                          cache_config={"block_size": "16"}, start_time=started)  # fmt: skip
+                          cache_config=cache_config, start_time=started)  # fmt: skip
         page = render(info, cluster.published(), t)
         recorder.scrape(t, page, {"instance": instance, "job": "vllm"})
         for index, device in enumerate(cluster.gpu_recording(gpus)["devices"]):
@@ -318,6 +329,36 @@ def test_a_real_restart_in_the_data_starts_a_new_run_and_baseline(tmp_path: Path
     assert any(d["reason"].startswith("learning: warm-up: uptime ") for d in new)
     # Its fresh baseline was learned and compared with the previous run's: the same speed.
     assert new[-1]["reason"].startswith("healthy: ") and new[-1]["recovered"] is True
+
+
+@pytest.mark.parametrize(("memory", "verdict"), [(0.5, "same"), (0.245, "worse")])
+def test_a_new_cache_config_is_a_flag_change_judged_by_its_fresh_speed(
+    tmp_path: Path, memory: float, verdict: str
+) -> None:
+    """A restart with another memory share: cache_config_info changes, so the new run is a new
+    server identity (the old run's baselines do not stand in for it), and its fresh speed is
+    compared with the old run's, as the daemon judges a flag change. 0.5 of 80 GB still holds
+    this load (0.89 of the speed before: two runs' noise at 7 requests running, inside the
+    0.20 margin); at 0.245 the KV cache falls short and requests queue (0.77)."""
+    text = history("healthy", 2.0, step=30.0, restart_at=1.0, restart_memory=memory)
+    data = replay_json(tmp_path, text)
+    (change,) = data["summary"]["flag_changes"]
+    assert change["at"] == at(1.0, 2)  # the first scrape of the new process
+    assert change["cache_config"] == {"gpu_memory_utilization": str(memory)}
+    assert change["verdict"] == verdict, change
+    assert change["loads"] and (change["ratio"] < 0.8) == (verdict == "worse")
+    new_run = data["decisions"][-1]["evidence"]["run"]
+    assert all(
+        "baseline_run" not in d["evidence"]
+        for d in data["decisions"]
+        if d["evidence"]["run"] == new_run
+    )
+    code, out, _err = run_cli(
+        str(tmp_path / "range-0.json"), "--config", str(tmp_path / "config.toml")
+    )
+    assert code == 0
+    shown = f"flag change at {at(1.0, 2)} (cache_config gpu_memory_utilization {memory}): "
+    assert shown + verdict in out
 
 
 def test_memory_growing_with_requests_served_is_found_from_the_process_rss(

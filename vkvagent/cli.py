@@ -437,6 +437,7 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
         model=loaded.vllm.model,
         instance=args.instance,
         trace=bool(args.plot),
+        margin=loaded.vllm.rollback_margin,
     )
     if args.plot:
         plot.draw(result, args.plot)

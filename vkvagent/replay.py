@@ -48,6 +48,7 @@ from vkvagent.engine.samples import GpuReading, Sample, VllmMetrics
 from vkvagent.errors import VkvagentError
 from vkvagent.gpu import decode_clock_event_reasons
 from vkvagent.jsonsafe import finite
+from vkvagent.reconcile import Change, FlagState, flags_key
 from vkvagent.vllm_metrics import WANTED, ExpositionError, Normaliser
 
 MAX_POINTS = 10_000  # per series per query: under Prometheus' 11,000, with a margin
@@ -655,6 +656,9 @@ class Result:
     # Time during which the live daemon would have sent its probe (no counter moved for
     # probe_after): replay has none, so there it cannot tell idle from a hung engine.
     probe_seconds: float = 0.0
+    # A new run whose cache_config_info differs is a flag change (and a new server identity):
+    # each judged as the daemon judges one, by its fresh speed against the run before.
+    flag_changes: list[Change] = field(default_factory=list)
     trace: Trace | None = None  # every evaluation, when asked for (``--plot``)
 
     def summary(self) -> dict[str, Any]:
@@ -672,6 +676,16 @@ class Result:
                 for cause, seconds in sorted(self.cause_seconds.items())
             },
             "probe_wanted_min": round(self.probe_seconds / 60, 1),
+            "flag_changes": [
+                {
+                    "at": _iso(c.ended),
+                    "cache_config": dict(c.flags),
+                    "verdict": c.verdict,
+                    "ratio": None if c.ratio is None else round(c.ratio, 4),
+                    "loads": list(c.loads),
+                }
+                for c in self.flag_changes
+            ],
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -680,10 +694,14 @@ class Result:
         return {"decisions": decisions, "summary": self.summary()}
 
 
-def replay(settings: Settings, line: Timeline, *, trace: bool = False) -> Result:
+def replay(
+    settings: Settings, line: Timeline, *, trace: bool = False, margin: float = 0.20
+) -> Result:
     """Run the engine over the timeline, one decision per timestamp; ``trace`` keeps every
-    evaluation's numbers in ``Result.trace``."""
+    evaluation's numbers in ``Result.trace``; ``margin``: [vllm] rollback_margin, for the
+    verdict on each flag change."""
     result = Result(settings, line.step, trace=Trace() if trace else None)
+    flags = _FlagChanges(settings, margin)
     recent = Recent(settings.baseline, margin=2 * line.step)
     restarts: list[RestartRecord] = []
     state = EngineState()
@@ -697,6 +715,7 @@ def replay(settings: Settings, line: Timeline, *, trace: bool = False) -> Result
         )
         decision = decide(settings, state, observed, now)
         state = decision.state
+        flags.observe(sample, decision)
         result.evaluations += 1
         if result.trace is not None:
             result.trace.add(decision)
@@ -720,7 +739,51 @@ def replay(settings: Settings, line: Timeline, *, trace: bool = False) -> Result
         previous, previous_key = decision, key
     if previous is not None and result.decisions[-1].time != previous.time:
         result.decisions.append(_slim(previous))  # the timeline ends where the data does
+    result.flag_changes = flags.changes()
     return result
+
+
+class _FlagChanges:
+    """The flag changes the data shows (a new run with another cache_config_info), judged
+    with reconcile.FlagState as the daemon judges its own."""
+
+    def __init__(self, settings: Settings, margin: float) -> None:
+        self.settings, self.margin = settings, margin
+        self.state = FlagState()
+        self.found: dict[int, Change] = {}
+        self._last: tuple[str | None, Mapping[str, str], float] | None = None  # run, config, time
+
+    def observe(self, sample: Sample, decision: Decision) -> None:
+        run = decision.state.run
+        if sample.vllm is not None:
+            config = sample.vllm.cache_config
+            last = self._last
+            if last is not None and run.key != last[0] and config != last[1]:
+                labels = sorted(set(config) | set(last[1]))
+                changed = {k: config.get(k) for k in labels if config.get(k) != last[1].get(k)}
+                change = Change(
+                    action=len(self.found) + 1,
+                    started=last[2],
+                    ended=sample.time,
+                    flags=changed,  # type: ignore[arg-type]
+                    key=flags_key(config),
+                    before=(),  # replay puts nothing back
+                )
+                self.state = self.state.noticed(change)
+            self._last = (run.key, config, sample.time)
+        self.state, _judged = self.state.judge(
+            run_started=run.started,
+            run_uptime=decision.uptime,
+            previous=decision.state.previous,
+            current=decision.state.baseline,
+            settings=self.settings.baseline,
+            margin=self.margin,
+        )
+        if self.state.last is not None:
+            self.found[self.state.last.action] = self.state.last
+
+    def changes(self) -> list[Change]:
+        return [self.found[k] for k in sorted(self.found)]
 
 
 def _slim(decision: Decision) -> Decision:
@@ -766,6 +829,12 @@ def describe(result: Result) -> str:
         f"summary: {s['restarts']} restart{'s' if s['restarts'] != 1 else ''} "
         f"({s['restarts_outside_window']} outside a window); causes: {causes}"
     )
+    for change in result.flag_changes:
+        shown = ", ".join(f"{k} {v}" for k, v in change.flags.items())
+        speed = "" if change.ratio is None else f", {change.ratio:.2f} of the fresh speed before"
+        lines.append(
+            f"flag change at {_iso(change.ended)} (cache_config {shown}): {change.verdict}{speed}"
+        )
     if s["probe_wanted_min"]:
         lines.append(
             f"probe: for {s['probe_wanted_min']:g} min no token moved, where the live daemon "
@@ -783,8 +852,9 @@ def run(
     model: str = "",
     instance: str = "",
     trace: bool = False,
+    margin: float = 0.20,
 ) -> Result:
     """Replay ``store``'s series with ``settings``."""
     line = timeline(store.series(), step=step, model=model, instance=instance, seen=store.names)
     check_step(settings, line.step)
-    return replay(settings, line, trace=trace)
+    return replay(settings, line, trace=trace, margin=margin)
