@@ -111,6 +111,23 @@ def test_manual_applies_nothing_and_next_window_waits_for_the_window() -> None:
         assert not events(box, "restart.started"), log(box)
         assert max_num_seqs(box) is None
 
+        # observe: says it would, now, and does not.
+        write_config(
+            box,
+            config(
+                policy='mode = "observe"\nwindows = ["daily 00:00-24:00"]\n',
+                flags="max-num-seqs = 64\n",
+            ).replace('mode = "enforce"\n', ""),
+        )
+        box.run("systemctl", "reload", AGENT)
+        wait_event(box, "agent.reloaded", timeout=15)
+        shown = wait_status(box, lambda s: s["verdict"]["cause"] == "flags", 15)
+        assert shown["verdict"]["reason"] == (
+            "observe mode: would restart now (in window); flags: apply --max-num-seqs 64"
+        )
+        time.sleep(5)
+        assert not events(box, "restart.started"), log(box)
+
         # next-window, with the window a minute or so away: nothing until it opens.
         opens, window = next_minute(at_least=20)
         write_config(
@@ -122,7 +139,7 @@ def test_manual_applies_nothing_and_next_window_waits_for_the_window() -> None:
         )
         box.run("systemctl", "reload", AGENT)
         wait_event(box, "agent.reloaded", timeout=15)
-        shown = wait_status(box, lambda s: s["flags"]["apply"] == "next-window", 15)
+        shown = wait_status(box, lambda s: s["policy"]["mode"] == "enforce", 15)
         assert shown["flags"]["waiting_for"].startswith("outside window (next "), shown["flags"]
         assert shown["verdict"]["state"] == "healthy"  # a pending change is not degradation
         started = wait_event(box, "restart.started", timeout=150)
@@ -142,13 +159,38 @@ def test_manual_applies_nothing_and_next_window_waits_for_the_window() -> None:
         assert found[0].reason.startswith("flags: restart: in window; flags: apply")
 
 
+def test_a_set_this_vllm_refuses_is_refused_once_and_never_tried() -> None:
+    # --swap-space: gone from vLLM 0.11; the simulator says it is 0.32.
+    with boot({"vllm.service": sim_unit(*RATE)}) as box:
+        write_config(
+            box,
+            config(
+                policy='windows = ["daily 00:00-24:00"]\ncooldown = 0\nmin_interval = 0\n',
+                flags="swap-space = 4\n",
+            ),
+        )
+        box.run("systemctl", "start", AGENT)
+        refused = wait_event(box, "flags.refused", timeout=30)
+        assert "--swap-space: not settable on vLLM 0.32.0" in refused["MESSAGE"]
+        assert refused["PRIORITY"] == "3" and refused["VKV_FLAGS"] == "--swap-space 4"
+        time.sleep(6)
+        assert len(events(box, "flags.refused")) == 1 and not events(box, "restart.started")
+        shown = status(box)["flags"]
+        assert shown["problem"].startswith("invalid: --swap-space") and shown["due"] is None
+
+
 def test_a_diagnosed_restart_carries_the_pending_flags_in_one_restart() -> None:
-    # A stall (an emergency: any time) with flags pending only "with the next restart".
+    # A stall, made a cause for the window (no emergency: an emergency's restart carries no
+    # flags), with flags pending only "with the next restart".
     vllm = sim_unit("--scenario", "stall", "--scenario-onset", "600", *RATE)
     with boot({"vllm.service": vllm}) as box:
         write_config(
             box,
-            config(vllm='apply_flags = "with-next-restart"\n', flags="max-num-seqs = 64\n"),
+            config(
+                policy='windows = ["daily 00:00-24:00"]\nemergency = []\n',
+                vllm='apply_flags = "with-next-restart"\n',
+                flags="max-num-seqs = 64\n",
+            ),
         )
         box.run("systemctl", "start", AGENT)
         completed = wait_event(box, "restart.completed", timeout=90)
@@ -160,7 +202,8 @@ def test_a_diagnosed_restart_carries_the_pending_flags_in_one_restart() -> None:
         box.run("systemctl", "stop", AGENT)
         (action,) = actions(box)
         assert (action.kind, action.outcome) == ("apply", "done")
-        assert action.reason.startswith("stall: restart: emergency")
+        assert action.reason.startswith("stall: restart: in window")
+        assert action.reason.endswith("; flags: apply --max-num-seqs 64")
         assert action.detail["changes"] == {"max-num-seqs": 64}
 
 
@@ -203,6 +246,12 @@ def test_flags_that_make_vllm_slower_are_rolled_back_and_rejected() -> None:
         assert rollback["VKV_CAUSE"] == "flags" and rollback["VKV_FLAGS"].startswith("roll back")
         time.sleep(8)  # rejected: not applied again
         assert len(events(box, "restart.started")) == 2, log(box)
+        # The loop's memory survives the agent's own restart: still rejected, not re-applied.
+        box.run("systemctl", "restart", AGENT)
+        time.sleep(6)
+        assert len(events(box, "restart.started")) == 2, log(box)
+        again = status(box)["flags"]
+        assert again["last_change"] == change and again["problem"] == shown["flags"]["problem"]
         box.run("systemctl", "stop", AGENT)
         found = actions(box)
         assert [(a.kind, a.outcome) for a in found] == [("apply", "done"), ("apply", "done")]

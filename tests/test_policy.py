@@ -364,7 +364,9 @@ def test_a_flag_change_waits_for_the_window_and_never_escalates() -> None:
     daily = replace(ENFORCE, max_uptime=3600.0)
     assert verdict(daily, cause=None, flags_due=due).cause == FLAGS
     assert verdict(cause="kv_pressure", flags_due=due).cause == "kv_pressure"
+    # Never over a veto: the new flags' run would be judged under throttling or a surge.
     assert verdict(cause="gpu_fault", wanted=False, flags_due=due).action == "none"
+    assert verdict(cause="load_shift", wanted=False, flags_due=due).action == "none"
     # A flag change is never judged as a cure: two in a row that "did not recover" (the new
     # flags' speed is judged separately) do not stop the restarts of the causes.
     history = [restart(10, cause=FLAGS, recovered=False), restart(9, cause=FLAGS, recovered=False)]

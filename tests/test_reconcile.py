@@ -87,6 +87,24 @@ def test_too_little_comparable_load_is_no_verdict_never_a_rollback() -> None:
     assert judged is not None and later.last is not None and later.last.verdict == "no verdict"
 
 
+def test_a_change_is_judged_only_against_the_run_just_before_it() -> None:
+    # The run before the change learned nothing while fresh: the engine's previous run is an
+    # older one, of other flags, and says nothing about this change.
+    state = FlagState().noticed(change(previous_run="start:0"))
+    ended, judged = judge(state, APPLIED + 20, 60.0)
+    assert judged is not None and judged.why == "the run before it learned no load while fresh"
+    assert ended.last is not None and ended.last.verdict == "no verdict" and not ended.rejected
+    # The run just before it ("start:1" in judge()) is the one compared with.
+    assert judge(FlagState().noticed(change(previous_run="start:1")), APPLIED + 20, 60.0)[1]
+
+
+def test_a_rejection_lasts_until_the_config_asks_for_another_set() -> None:
+    state = FlagState().reject("slow", "slower: 0.6").reject("broken", "did not start")
+    assert state.desired("slow").rejected == {"slow": "slower: 0.6"}
+    assert state.desired("slow").desired("slow") == state.desired("slow")
+    assert state.desired("new").rejected == {}
+
+
 def test_the_ledger_says_which_actions_changed_flags() -> None:
     drain = frozenset({"shutdown-timeout"})
     detail = {

@@ -235,6 +235,7 @@ def full_report() -> StatusReport:
             desired={"gpu-memory-utilization": 0.85, "max-num-seqs": 4},
             running={"gpu-memory-utilization": 0.9, "max-num-seqs": 4},
             pending={"gpu-memory-utilization": 0.85},
+            due="apply --gpu-memory-utilization 0.85",
             waiting_for="outside window (next 2026-12-03T02:00:00Z)",
             last_change=FlagChange(
                 action=3,
@@ -285,8 +286,9 @@ def test_a_full_report_survives_its_own_document() -> None:
     shown = render(written, NOW)
     assert "  fleet       group default, 1 of 1 slots held: gpu-a (slot 0" in shown
     assert (
-        "  flags       pending: --gpu-memory-utilization 0.85 (running --gpu-memory-utilization "
-        "0.9 --max-num-seqs 4); waiting for outside window (next 2026-12-03T02:00:00Z)"
+        "  flags       due: apply --gpu-memory-utilization 0.85 (running "
+        "--gpu-memory-utilization 0.9 --max-num-seqs 4); waiting for outside window (next "
+        "2026-12-03T02:00:00Z)"
     ) in shown
     assert (
         "  last change action 3 --max-num-seqs 4: worse: 0.61 of the previous fresh speed "

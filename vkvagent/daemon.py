@@ -52,6 +52,7 @@ from vkvagent.vllm import VllmClient
 
 STATE_FILE = "engine.json"
 RESTART_KINDS = ("restart", "apply", "rollback")
+DRAIN_FLAG = "shutdown-timeout"  # what actuator.drain_flags adds
 HISTORY_PRUNE_EVERY = 3600.0
 # engine.json is rewritten (and fsynced) at most this often, and after every action: a crash
 # costs at most this much of the state's progress, never the baseline. Every tick cost 1.5 ms.
@@ -135,7 +136,9 @@ class Parts:
                 progress=progress,
                 mono=clock.mono,
             )
-        self._plan: Plan | str | None = None  # what [vllm.flags] asks for, once planned
+        # What [vllm.flags] asks for, and of which vLLM version and unit invocation.
+        self._plan: Plan | str | None = None
+        self._planned_for: tuple[str | None, str | None] | None = None
 
     @property
     def action_seconds(self) -> float:
@@ -145,29 +148,34 @@ class Parts:
         hooks = r.hook_timeout * (bool(r.pre_stop) + bool(r.post_ready))
         return hooks + r.drain_timeout + STOP_MARGIN + r.job_timeout + r.ready_timeout + 60.0
 
-    def flag_plan(self, vllm_version: str | None) -> Plan | str | None:
-        """The change [vllm.flags] asks for, planned against the unit once per config and
+    def flag_plan(self, vllm_version: str | None, invocation: str | None) -> Plan | str | None:
+        """The change [vllm.flags] asks for, planned against the unit once per config, vLLM
+        version and unit invocation (anyone's restart may have changed the command line), and
         again after ``replan()``; None without [vllm.flags] (or systemd). A string says why
-        it cannot be planned: ``invalid: ...`` stays until the config changes, ``unknown:
-        ...`` (systemd did not answer) is asked again next time."""
+        it cannot be planned: ``invalid: ...`` stays until one of those changes; ``unknown:
+        ...`` (systemd did not answer, or no version to check the flags against yet) is asked
+        again next time."""
         if not self.config.vllm.flags or self.actuator is None:
             return None
-        if self._plan is None:
+        version = vllm_version or self.config.vllm.version or None
+        if self._plan is None or self._planned_for != (version, invocation):
             try:
-                self._plan = self.actuator.plan(
-                    self.config.vllm.flags, vllm_version or self.config.vllm.version or None
-                )
+                self._plan = self.actuator.plan(self.config.vllm.flags, version)
             except FlagError as exc:
+                if version is None:  # a version-limited flag cannot be checked yet
+                    return f"unknown: vLLM's version is not known yet: {exc}"
                 self._plan = f"invalid: {exc}"
             except ActuatorError as exc:
                 return f"unknown: {exc}"
+            self._planned_for = (version, invocation)
         return self._plan
 
-    def drain_flag_names(self, vllm_version: str | None) -> frozenset[str]:
-        """The flags a restart adds for the drain: not [vllm.flags]' own."""
-        if self.actuator is None:
+    def drain_flag_names(self) -> frozenset[str]:
+        """The flags a restart adds for the drain (``--shutdown-timeout``), unless
+        [vllm.flags] sets them itself: never part of the flag set a change is judged by."""
+        if not self.config.restart.graceful_shutdown:
             return frozenset()
-        return frozenset(self.actuator.drain_flags(vllm_version or self.config.vllm.version))
+        return frozenset({DRAIN_FLAG}) - set(self.config.vllm.flags)
 
     def replan(self) -> None:
         """Forget the plan: an action may have changed the unit's command line."""
@@ -211,7 +219,6 @@ class Daemon:
         self.recent = Recent(self.parts.settings.baseline, margin=3 * cfg.agent.sample_interval)
         self.state, self.judged, self.trend, self.flag_state = self._load_state()
         self._flags_said: tuple[str, ...] = ()  # the pending or refused flags last reported
-        self._version: str | None = None  # vLLM's, as the last sample said
         self._logged: tuple[Any, ...] | None = None
         self._logged_at = -math.inf
         self._failing: dict[str, str] = {}  # source or "state" -> its last error
@@ -379,10 +386,11 @@ class Daemon:
             restarts = self._restarts(sample.time, sample.mono)
             for result in p.prober.collect():
                 self._note_probe(result)
-            version = self._version = sample.vllm.version if sample.vllm else None
-            plan = p.flag_plan(version)
-            self._notice_flag_change(version)
-            due = self._flags_due(plan, version)
+            version = sample.vllm.version if sample.vllm else None
+            invocation = sample.unit.invocation_id if sample.unit else None
+            plan = p.flag_plan(version, invocation)
+            self._notice_flag_change()
+            due = self._flags_due(plan)
             observed = Observation(
                 samples=tuple(self.recent.samples),
                 unit_active=None if sample.unit is None else sample.unit.active_state == "active",
@@ -392,7 +400,7 @@ class Daemon:
                 flags=self._flags_in_effect(plan),
                 probe=p.prober.facts() if p.config.probe.enabled else ProbeFacts(),
                 unit_started=sample.unit.active_since if sample.unit else None,
-                flags_due=due.what if due and p.config.vllm.apply_flags == "next-window" else "",
+                flags_due=self._proposed(due),
             )
             decision = decide(p.settings, self.state, observed, now)
             self.state = decision.state
@@ -410,7 +418,11 @@ class Daemon:
                 )
                 self._write_state("status", lambda: self._write_status(acting))
                 self._acting = acting
-                carried = due if due and p.config.vllm.apply_flags != "manual" else None
+                # Any restart carries the change due, but an emergency's: that one must not
+                # risk vLLM's start on flags nobody has seen run.
+                emergency = decision.cause in p.settings.policy.emergency
+                manual = p.config.vllm.apply_flags == "manual"
+                carried = None if emergency or manual else due
                 try:
                     outcome = self._restart(p.actuator, decision, carried)
                 finally:
@@ -419,9 +431,9 @@ class Daemon:
                     self._carried(carried, outcome)
                 restarts = self._restarts(sample.time, sample.mono)
                 p.replan()
-                plan = p.flag_plan(version)
-                self._notice_flag_change(version)
-                due = self._flags_due(plan, version)
+                plan = p.flag_plan(version, invocation)
+                self._notice_flag_change()
+                due = self._flags_due(plan)
             self.last = decision
             self.metrics.count(
                 action=decision.action,
@@ -615,6 +627,9 @@ class Daemon:
         if not actions or actions[0].id in self.judged:
             return
         action = actions[0]
+        ignore = self.parts.drain_flag_names()
+        if change_of(action.id, action.started, action.ended, action.detail, ignore):
+            return  # new flags: the flags loop judges that run, against the flags before
         # Only the action that started this vLLM process (not a crash or an operator's
         # restart since) is judged by this run's speed.
         began = decision.state.run.started
@@ -772,27 +787,36 @@ class Daemon:
 
     # -- the flags loop (reconcile.py) ------------------------------------------------------
 
-    def _notice_flag_change(self, version: str | None) -> None:
+    def _notice_flag_change(self) -> None:
         """Take the ledger's newest flag change (the daemon's or `vkvagent apply`'s) as the
-        one to judge."""
+        one to judge, against the engine's run before it."""
         try:
             actions = self.parts.ledger.recent(5)
         except LedgerError:
             return
-        ignore = self.parts.drain_flag_names(version)
+        run, ignore = self.state.run, self.parts.drain_flag_names()
         for action in actions:
             if action.kind != "apply" or action.outcome != "done":
                 continue
-            change = change_of(action.id, action.started, action.ended, action.detail, ignore)
+            if self.flag_state.last is not None and action.id <= self.flag_state.last.action:
+                return
+            # The daemon's own change is noticed before the engine reads the new run; one of
+            # `vkvagent apply` may be noticed after: then the engine's previous run stands.
+            before = run.key if run.started is None or run.started < action.started else None
+            if before is None and self.state.previous is not None:
+                before = self.state.previous.run
+            change = change_of(
+                action.id, action.started, action.ended, action.detail, ignore, before
+            )
             if change is not None:
                 self.flag_state = self.flag_state.noticed(change)
                 return
 
-    def _flags_due(self, plan: Plan | str | None, version: str | None) -> _FlagsDue | None:
+    def _flags_due(self, plan: Plan | str | None) -> _FlagsDue | None:
         """The flag change the next restart should carry: a slower change to put back, else
         [vllm.flags] when the unit runs other values and the set was not rejected."""
-        p, state = self.parts, self.flag_state
-        last = state.last
+        p = self.parts
+        last = self.flag_state.last
         if last is not None and last.rollback_due and p.actuator is not None:
             try:
                 back = p.actuator.plan_back(last.before)
@@ -801,42 +825,52 @@ class Daemon:
             if back.changed:
                 what = f"roll back {shown(last.flags)} ({last.ratio or 0:.2f} of the fresh speed)"
                 return _FlagsDue("rollback", what, back, last.key)
-            self.flag_state = state.rolled_back("not needed: the unit runs the line before")
+            # Someone put it back already (`vkvagent rollback`): nothing left to do.
+            self.flag_state = self.flag_state.rolled_back("by someone: the line before runs")
         if not isinstance(plan, Plan):
             return None
-        ignore = p.drain_flag_names(version)
-        changes = {k: v for k, v in plan.changes.items() if k not in ignore}
         key = self._desired_key(plan)
+        self.flag_state = self.flag_state.desired(key)
+        changes = self._pending(plan)
         if not plan.changed or not changes or key in self.flag_state.rejected:
             return None
         return _FlagsDue("apply", f"apply {shown(changes)}", plan, key)
+
+    def _proposed(self, due: _FlagsDue | None) -> str:
+        """``Observation.flags_due``: the change the engine may propose a restart for. A
+        rollback in every mode but manual; [vllm.flags] only under next-window."""
+        apply = self.parts.config.vllm.apply_flags
+        if due is None or apply == "manual":
+            return ""
+        return due.what if due.kind == "rollback" or apply == "next-window" else ""
 
     def _say_flags(
         self, plan: Plan | str | None, due: _FlagsDue | None, decision: Decision
     ) -> None:
         """An event when flags become pending (and when they will be applied), or are
-        refused; once each."""
+        refused; once each. systemd not answering changes nothing."""
+        if isinstance(plan, str) and plan.startswith("unknown"):
+            return
         apply = self.parts.config.vllm.apply_flags
-        if isinstance(plan, str) and plan.startswith("invalid"):
-            said: tuple[str, ...] = ("refused", plan)
+        said: tuple[str, ...] = ()
+        if isinstance(plan, str):
+            said = ("refused", plan)
         elif due is not None:
             said = ("pending", due.what)
-        else:
-            said = ()
         if said == self._flags_said:
             return
         self._flags_said = said
-        if said and said[0] == "refused":
+        if isinstance(plan, str) and said:
             self.events.emit(
                 "flags.refused",
                 f"[vllm.flags] refused, not applied until the config changes: {plan}",
                 flags=rendered(self.parts.config.vllm.flags),
                 error=plan,
             )
-        elif said and due is not None:
+        elif due is not None:
             self.events.emit(
                 "flags.pending",
-                f"flags pending: {due.what}; {_waiting_for(apply, decision, due)}",
+                f"flags pending: {due.what}; waiting for {_waiting_for(apply, decision, due)}",
                 kind=due.kind,
                 flags=rendered(due.plan.changes),
                 apply=apply,
@@ -846,7 +880,9 @@ class Daemon:
             )
 
     def _carried(self, due: _FlagsDue, outcome: Outcome | None) -> None:
-        """What a restart that carried a flag change did with it."""
+        """What a restart that carried a flag change did with it. A set is rejected only when
+        vLLM failed with it (not ready, or not proven): a refused D-Bus call or a foreign
+        drop-in says nothing about the flags."""
         if outcome is None or outcome.result == "aborted":
             return  # nothing reached the unit: due again at the next restart
         if due.kind == "rollback":
@@ -854,16 +890,26 @@ class Daemon:
             if outcome.result != "done":
                 how += f": {outcome.message}"
             self.flag_state = self.flag_state.rolled_back(how)
-        elif outcome.result != "done":
-            why = f"did not start or could not be proven (action {outcome.action_id}): "
-            why += outcome.vllm_error or outcome.message
-            self.flag_state = self.flag_state.reject(due.key, why)
-            self.events.emit(
-                "flags.refused",
-                f"{due.what} refused, not tried again until [vllm.flags] changes: {why}",
-                flags=rendered(due.plan.changes),
-                error=why,
-            )
+            return
+        if outcome.result == "done" or not self._vllm_failed(outcome.action_id):
+            return
+        why = f"vLLM did not start or run with them (action {outcome.action_id}): "
+        why += outcome.vllm_error or outcome.message
+        self.flag_state = self.flag_state.reject(due.key, why)
+        self.events.emit(
+            "flags.refused",
+            f"{due.what} refused, not tried again until [vllm.flags] changes: {why}",
+            flags=rendered(due.plan.changes),
+            error=why,
+        )
+
+    def _vllm_failed(self, action_id: int) -> bool:
+        """Whether an action failed at vLLM's start or its proof, not before."""
+        try:
+            action = self.parts.ledger.action(action_id)
+        except LedgerError:
+            return False
+        return action.reached("ready") and not action.finished("attest")
 
     def _judge_flags(self, decision: Decision) -> None:
         """The verdict on the last flag change, once its run can be compared."""
@@ -889,7 +935,7 @@ class Daemon:
                 f"{', '.join(found.loads)}"
             )
             if change.verdict == "worse":
-                message += "; the previous command line goes back in the next window"
+                message += "; the previous command line goes back at the next restart allowed"
         self.events.emit(
             "flags.judged",
             message,
@@ -913,7 +959,7 @@ class Daemon:
         problem = plan if isinstance(plan, str) else None
         if isinstance(plan, Plan):
             running = _running_values(plan)
-            pending = dict(plan.changes) if plan.changes else None
+            pending = self._pending(plan) or None
             why = self.flag_state.rejected.get(self._desired_key(plan))
             if pending and why:
                 problem = f"rejected: {why}"
@@ -934,10 +980,16 @@ class Daemon:
             desired=dict(cfg.flags),
             running=running,
             pending=pending,
-            waiting_for=_waiting_for(cfg.apply_flags, decision, due) if due else None,
+            due=None if due is None else due.what,
+            waiting_for=None if due is None else _waiting_for(cfg.apply_flags, decision, due),
             problem=problem,
             last_change=change,
         )
+
+    def _pending(self, plan: Plan) -> dict[str, Any]:
+        """The values of [vllm.flags] the unit does not run (the drain's left out)."""
+        ignore = self.parts.drain_flag_names()
+        return {k: v for k, v in plan.changes.items() if k not in ignore}
 
     def _flags_in_effect(self, plan: Plan | str | None) -> dict[str, Any]:
         """The managed flags as the unit's command line sets them (the drain's left out): part
@@ -945,13 +997,13 @@ class Daemon:
         configured ones when the command line cannot be read."""
         if not isinstance(plan, Plan):
             return dict(self.parts.config.vllm.flags)
-        ignore = self.parts.drain_flag_names(self._version)
+        ignore = self.parts.drain_flag_names()
         running = _running_values(plan).items()
         return {k: v for k, v in running if v is not None and k not in ignore}
 
     def _desired_key(self, plan: Plan) -> str:
         """The name of the flag set ``plan`` applies, the drain's flags left out."""
-        ignore = self.parts.drain_flag_names(self._version)
+        ignore = self.parts.drain_flag_names()
         return flags_key({k: v for k, v in plan.flags.items() if k not in ignore})
 
     # -- persisted state --------------------------------------------------------------------
@@ -1191,16 +1243,13 @@ def _trend(points: object) -> tuple[status.TrendPoint, ...]:
 def _waiting_for(apply: str, decision: Decision, due: _FlagsDue) -> str:
     """What a due flag change waits for, in words."""
     if apply == "manual":
-        return (
-            "`vkvagent apply` (apply_flags = manual)"
-            if due.kind == "apply"
-            else ("`vkvagent rollback` (apply_flags = manual)")
-        )
-    if apply == "with-next-restart":
+        command = "apply" if due.kind == "apply" else "rollback"
+        return f"`vkvagent {command}` (apply_flags = manual)"
+    if apply == "with-next-restart" and due.kind == "apply":
         return "the next restart (apply_flags = with-next-restart)"
     if decision.cause == FLAGS:
         return "a restart now" if decision.action == "restart" else decision.reason.split(";")[0]
-    return "the next window the policy allows, once nothing else needs a restart"
+    return "the next restart the policy allows, once nothing else is wrong"
 
 
 def _running_values(plan: Plan) -> dict[str, Any]:

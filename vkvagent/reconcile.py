@@ -51,6 +51,9 @@ class Change:
     flags: Mapping[str, FlagValue]  # the flags whose values it changed
     key: str  # flags_key of the whole set it applied
     before: tuple[str, ...]  # the command line it replaced: what a rollback puts back
+    # The engine's run before it, when known: its fresh speed is what the change is judged
+    # against (a run in between that learned nothing would leave an older one in its place).
+    previous_run: str | None = None
     verdict: str = UNJUDGED
     ratio: float | None = None  # the new run's fresh speed / the previous run's
     speed_before: float | None = None  # generated tokens/s per request in the system
@@ -70,6 +73,7 @@ class Change:
             "flags": dict(self.flags),
             "key": self.key,
             "before": list(self.before),
+            "previous_run": self.previous_run,
             "verdict": self.verdict,
             "ratio": self.ratio,
             "speed_before": self.speed_before,
@@ -89,6 +93,7 @@ class Change:
             flags=dict(data["flags"]),
             key=str(data["key"]),
             before=tuple(str(a) for a in data["before"]),
+            previous_run=None if data.get("previous_run") is None else str(data["previous_run"]),
             verdict=data["verdict"],
             ratio=_number(data.get("ratio")),
             speed_before=_number(data.get("speed_before")),
@@ -123,6 +128,12 @@ class FlagState:
     def reject(self, key: str, why: str) -> FlagState:
         return replace(self, rejected={**self.rejected, key: why})
 
+    def desired(self, key: str) -> FlagState:
+        """With [vllm.flags] asking for set ``key``: a rejection lasts until the config asks
+        for another set, so only this set's is kept."""
+        kept = {k: why for k, why in self.rejected.items() if k == key}
+        return self if kept == self.rejected else replace(self, rejected=kept)
+
     def rolled_back(self, how: str) -> FlagState:
         assert self.last is not None
         return replace(self, last=replace(self.last, rollback=how))
@@ -147,6 +158,9 @@ class FlagState:
         if run_started > change.ended + 1:
             why = "the run it started ended before it could be judged"
             return self._concluded(replace(change, verdict="no verdict"), None, why)
+        if previous is not None and change.previous_run not in (None, previous.run):
+            why = "the run before it learned no load while fresh"
+            return self._concluded(replace(change, verdict="no verdict"), None, why)
         found = (
             speed_change(previous, current, settings)
             if previous is not None and current is not None
@@ -167,14 +181,14 @@ class FlagState:
             speed_after=found.after,
             loads=found.loads,
         )
-        state, _ = self._concluded(judged, found, "")
+        state, concluded = self._concluded(judged, found, "")
         if verdict == "worse":
             state = state.reject(
                 change.key,
                 f"slower: {found.ratio:.2f} of the previous flags' fresh speed "
                 f"(action {change.action})",
             )
-        return state, Judged(judged, found, "")
+        return state, concluded
 
     def _concluded(
         self, change: Change, found: SpeedChange | None, why: str
@@ -206,6 +220,7 @@ def change_of(
     ended: float | None,
     detail: Mapping[str, Any],
     ignore: frozenset[str],
+    previous_run: str | None = None,
 ) -> Change | None:
     """The flag change a ledger action (``apply``, ``done``) made, or None when it changed
     only flags in ``ignore`` (the drain's, which a plain restart adds) or none."""
@@ -220,6 +235,7 @@ def change_of(
         flags={k: v for k, v in changes.items() if k not in ignore},
         key=flags_key({k: v for k, v in flags.items() if k not in ignore}),
         before=tuple(str(a) for a in detail.get("before") or ()),
+        previous_run=previous_run,
     )
 
 

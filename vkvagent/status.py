@@ -291,7 +291,8 @@ class FlagsStatus(_Part):
     desired: dict[str, Any]
     running: dict[str, Any] | None = None  # those flags' values on the unit's command line
     pending: dict[str, Any] | None = None  # the ones whose values differ
-    waiting_for: str | None = None  # what the pending flags wait for
+    due: str | None = None  # what the next restart carries: "apply ..." or "roll back ..."
+    waiting_for: str | None = None  # what that change waits for
     problem: str | None = None  # why they cannot be planned, or are not applied (rejected)
     last_change: FlagChange | None = None
 
@@ -602,16 +603,17 @@ def render(status: StatusReport | None, now: float, *, explain: bool = False) ->
 def flags_lines(flags: FlagsStatus) -> list[str]:
     """[vllm.flags] against the unit, and the verdict on the last change."""
     lines = []
+    running = shown({k: v for k, v in (flags.running or {}).items() if v is not None})
     if flags.problem:
         lines.append(f"  flags       {flags.problem}")
-    elif flags.pending:
-        lines.append(
-            f"  flags       pending: {shown(flags.pending)} (running "
-            f"{shown({k: v for k, v in (flags.running or {}).items() if v is not None})}); "
-            f"waiting for {flags.waiting_for}"
-        )
-    elif flags.desired:
+    elif flags.pending and not flags.due:
+        lines.append(f"  flags       pending: {shown(flags.pending)} (running {running})")
+    elif flags.desired and not flags.due:
         lines.append(f"  flags       in effect: {shown(flags.desired)}")
+    if flags.due:
+        lines.append(
+            f"  flags       due: {flags.due} (running {running}); waiting for {flags.waiting_for}"
+        )
     last = flags.last_change
     if last is not None:
         speed = ""

@@ -394,11 +394,10 @@ def evaluate(
         return Verdict(action, reason, cause, is_open, upcoming, drain)
 
     due = settings.max_uptime > 0 and uptime is not None and uptime >= settings.max_uptime
-    if not wanted and cause not in ("gpu_fault", "engine_down"):
-        if flags_due:
-            cause, wanted = FLAGS, True
-        elif due:
-            cause, wanted = SCHEDULED, True
+    if flags_due and cause is None:  # not over a veto: the new run would be judged under it
+        cause, wanted = FLAGS, True
+    elif due and not wanted and cause not in ("gpu_fault", "engine_down"):
+        cause, wanted = SCHEDULED, True
     if settings.mode == "off":
         return verdict("none", "mode off")
     if not wanted:
