@@ -5,8 +5,10 @@ is scored on it from its restart times: never restart, every 6 h (the runbook's 
 at 04:00 (the guide's cron line), the runbook's alert acted on, vkvagent's default configuration
 in enforce mode, and the oracle (the exact optimum, by dynamic programming). vkvagent runs the
 real ``engine.decide`` on samples synthesised from the model every 30 s, in closed loop: its
-restarts change what the model serves and what the next samples say. bench/README.md has the
-definitions and the latest table.
+restarts change what the model serves and what the next samples say. Where the operator changes
+vLLM's flags (``slow-flags``), vkvagent also runs the daemon's flags loop (``vkvagent.reconcile``)
+that judges the change and rolls a slower one back. bench/README.md has the definitions and the
+latest table.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path as FilePath
@@ -48,8 +50,10 @@ from vkvagent.config import Config
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
 from vkvagent.engine.diagnosis import FIXABLE
 from vkvagent.engine.policy import PolicySettings, RestartRecord, window_state
-from vkvagent.engine.samples import GpuReading, Histogram, Sample, VllmMetrics
+from vkvagent.engine.samples import FlagValue, GpuReading, Histogram, Sample, VllmMetrics
+from vkvagent.flags import shown
 from vkvagent.gpu import GpuReader, RecordedBackend
+from vkvagent.reconcile import Change, FlagState, flags_key
 from vkvagent.sim.exposition import histogram_bounds
 
 SAMPLE_EVERY = 30.0  # seconds between samples, and between two decisions
@@ -58,6 +62,10 @@ BOUNDS = histogram_bounds("v1-latest")
 ITL_BOUNDS = BOUNDS["inter_token_latency_seconds"]
 TTFT_BOUNDS = BOUNDS["time_to_first_token_seconds"]
 MONO = 1_000_000.0  # the monotonic clock at START
+# The operator's [vllm.flags] in the slow-flags scenario, and the command line they replace.
+# They only name the change for the flags loop; what they do is the model's (``slow_flags``).
+SLOW_FLAGS: Mapping[str, FlagValue] = MappingProxyType({"max-num-seqs": 24})
+OLD_ARGV = ("vllm", "serve", MODEL)
 
 
 def vkvagent_settings() -> Settings:
@@ -281,35 +289,58 @@ class EngineRun:
     restarts: list[tuple[int, str, bool]] = field(default_factory=list)  # step, cause, in window
     detected: list[int] = field(default_factory=list)  # steps a run's first fixable cause came
     causes: dict[str, float] = field(default_factory=dict)  # minutes per named cause
+    # The flags loop's verdicts: step, verdict, the new run's fresh speed over the previous's.
+    verdicts: list[tuple[int, str, float | None]] = field(default_factory=list)
 
 
-def run_vkvagent(model: Model, settings: Settings, seed: int = 1) -> EngineRun:
+def run_vkvagent(
+    model: Model, settings: Settings, seed: int = 1, margin: float | None = None
+) -> EngineRun:
     """The real engine, deciding every ``SAMPLE_EVERY`` seconds on synthesised samples; a
-    restart it decides begins at the next step (a cold start, then a new process)."""
+    restart it decides begins at the next step (a cold start, then a new process).
+
+    With the daemon's flags loop around it, as ``Daemon.tick`` runs it: the operator's flag
+    change (``vkvagent apply``, a ledger action) is judged once the run it started and the run
+    before it have learned a load in common (``FlagState.judge``, ``margin``: ``[vllm]
+    rollback_margin``); a slower one is due to be rolled back, which the engine proposes as a
+    restart with cause ``flags`` (``Observation.flags_due``, ``apply_flags = next-window``),
+    and any restart the daemon makes while it is due carries it."""
+    vllm = Config().vllm
+    assert vllm.apply_flags == "next-window"  # the default: a rollback waits for a window
+    margin = vllm.rollback_margin if margin is None else margin
     path = Path(model)
     out = EngineRun(path)
     synth = Synth(model, seed)
     recent = Recent(settings.baseline, 2 * SAMPLE_EVERY)
     restarts: list[RestartRecord] = []
     state = EngineState()
+    flags = FlagState()
+    configured: Mapping[str, FlagValue] = {}  # the flags in effect, as the daemon passes them
     started = START.timestamp() - COLD_STEPS * STEP  # the first process came up at START
-    restart_next, drained, named = False, False, False
+    restart_next, drained, rollback, named = False, False, False, False
     per_step = round(STEP / SAMPLE_EVERY)
     for k in range(model.steps):
-        values = path.advance(restart_next, drained)
-        if path.u == 0:  # a restart (the policy's or an OOM kill): a new process
+        values = path.advance(restart_next, drained, rollback)
+        if path.u == 0:  # a restart (the policy's, an OOM kill, the operator's): a new process
             started = START.timestamp() + k * STEP
             named = False
-        restart_next = False
+            if path.applied and path.applied[-1] == k:
+                flags, configured = _operator_applied(flags, restarts, started), SLOW_FLAGS
+            elif rollback:  # the daemon passes the flags the unit runs: the old ones again
+                configured = {}
+        restart_next = rollback = False
         for part in range(1, per_step + 1):
             t = k * STEP + part * SAMPLE_EVERY
             sample, memory = synth.sample(t, values, started)
             recent.add(sample, memory)
+            due = _rollback_due(flags)  # from the last tick's verdict, as the daemon's
             observed = Observation(
                 samples=tuple(recent.samples),
                 unit_active=True,
                 memory=recent.memory,
                 restarts=tuple(restarts),
+                flags=configured,
+                flags_due=due,
             )
             now = datetime.fromtimestamp(sample.time, timezone.utc)
             began = time.process_time_ns()
@@ -317,10 +348,22 @@ def run_vkvagent(model: Model, settings: Settings, seed: int = 1) -> EngineRun:
             out.cpu_ns.append(time.process_time_ns() - began)
             state = decision.state
             out.decisions += 1
+            flags, judged = flags.judge(
+                run_started=state.run.started,
+                run_uptime=decision.uptime,
+                previous=state.previous,
+                current=state.baseline,
+                settings=settings.baseline,
+                margin=margin,
+            )
+            if judged is not None:
+                out.verdicts.append((k, judged.change.verdict, judged.change.ratio))
             _judge(restarts, decision)
             if decision.cause is not None:
                 out.causes[decision.cause] = out.causes.get(decision.cause, 0.0) + 0.5
-            if decision.cause in FIXABLE and not named:
+            # A slower flag change named is a cause found that a restart (the rollback) fixes.
+            worse = judged is not None and judged.change.verdict == "worse"
+            if (decision.cause in FIXABLE or worse) and not named:
                 out.detected.append(k)
                 named = True
             if decision.action == "restart" and not restart_next:
@@ -329,7 +372,35 @@ def run_vkvagent(model: Model, settings: Settings, seed: int = 1) -> EngineRun:
                 # vLLM drains by its --shutdown-timeout ([restart] graceful_shutdown), except
                 # in an emergency.
                 restart_next, drained = True, decision.drain_max_in_flight is not None
+                if due:  # the restart carries the rollback, whatever its cause (reconcile.py)
+                    rollback = True
+                    flags = flags.rolled_back(f"done (action {len(restarts)})")
     return out
+
+
+def _operator_applied(flags: FlagState, restarts: list[RestartRecord], at: float) -> FlagState:
+    """The operator's `vkvagent apply` of ``SLOW_FLAGS`` at ``at``: a ledger action (reason
+    ``manual``) that the policy counts as a restart and the flags loop takes as the change to
+    judge; it ends once vLLM is ready, after the cold start."""
+    restarts.append(RestartRecord(at, "manual"))
+    change = Change(
+        action=len(restarts),
+        started=at,
+        ended=at + COLD_STEPS * STEP,
+        flags=SLOW_FLAGS,
+        key=flags_key(SLOW_FLAGS),
+        before=OLD_ARGV,
+    )
+    return flags.noticed(change)
+
+
+def _rollback_due(flags: FlagState) -> str:
+    """``Observation.flags_due`` for a slower change not yet rolled back, worded like the
+    daemon's ``_flags_due``; empty otherwise."""
+    last = flags.last
+    if last is None or not last.rollback_due:
+        return ""
+    return f"roll back {shown(last.flags)} ({last.ratio or 0:.2f} of the fresh speed)"
 
 
 def _judge(restarts: list[RestartRecord], decision: Decision) -> None:
@@ -386,7 +457,7 @@ def score_world(
     model = Model(world, server)
     best = oracle(model)
     paths: dict[str, Path] = {
-        "oracle": walk(model, best.restarts, drained=None),
+        "oracle": walk(model, best.restarts, drained=None, rollbacks=best.rollbacks),
         "never": walk(model, []),
         "every 6 h": walk(model, every_6h(model)),
         "daily 04:00": walk(model, daily_0400(model)),
@@ -408,7 +479,8 @@ def score_world(
             of_oracle=path.score() / top,
             restarts=len(path.restarts),
             outside=_outside(settings.policy, path.restarts),
-            wrong=len(path.restarts) if world.wrong else 0,
+            # A rollback cures the slow flags: the one restart that is right there.
+            wrong=len(path.restarts) - len(path.rollbacks) if world.wrong else 0,
             kills=len(path.kills),
             delay_min=_median(done),
             missed=len(found) - len(done),
@@ -493,9 +565,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{(START + timedelta(minutes=k)):%a %H:%M} {cause}{'' if inside else ' (outside)'}"
             for k, cause, inside in engine.restarts
         )
+        verdicts = "".join(
+            f"; flag change judged {verdict} ({ratio or 0:.2f}) "
+            f"{(START + timedelta(minutes=k)):%a %H:%M}"
+            for k, verdict, ratio in engine.verdicts
+        )
         print(
             f"{world.name}: {time.monotonic() - t0:.0f} s; vkvagent named {causes or 'nothing'};"
-            f" restarted {restarts or 'never'}",
+            f" restarted {restarts or 'never'}{verdicts}",
             file=sys.stderr,
         )
     variants = {w.name for w in VARIANTS}

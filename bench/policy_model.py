@@ -14,13 +14,19 @@ simulator's engine model (``sim/capacity.py``): decode throughput ``s1 * speed *
 leaked fraction of the ``kv-pressure`` scenario); when KV binds, preemption recomputes work, so
 only ``kv_waste`` of it is goodput. Served = min(demand, capacity); nothing is served during a
 cold start or a stall. Reward = served generated tokens x speed factor (the GPU's relative
-speed: the uptime decline, thermal throttling, a world-time slowdown).
+speed: the uptime decline, thermal throttling, a world-time slowdown) x the clients' speed under
+the flags in effect (1, but for the ``slow-flags`` scenario's new flags until rolled back).
 
 A restart also pays for the requests in flight when it begins (``restart_cost``). Cut off (a
 timer's ``systemctl restart`` of a vLLM that aborts on SIGTERM, an emergency, an OOM kill),
 their tokens already streamed are wasted: half an answer each, on average. Drained (vLLM's
 ``--shutdown-timeout``), they finish, but nothing new is admitted until the longest of them is
 done: the outage grows by that long. Every policy pays one or the other; the oracle the cheaper.
+
+In the ``slow-flags`` scenario the operator changes vLLM's flags at a fixed step (a drained
+restart that every policy gets, not one of its own), and the new flags make requests queue. A
+restart keeps them; only a restart that rolls them back cures it. The state is then (k, u, the
+flags in effect), and the oracle's programme has a layer for each.
 """
 
 from __future__ import annotations
@@ -116,7 +122,11 @@ class World:
     times. ``hangs``: world times (hours) at which the engine hangs until it is restarted.
     ``slowdown``: (start hour, loss per hour, floor): the GPU slows with world time, with no
     throttle reason, and a restart does not cure it. ``memory_growth``: the unit's memory
-    grows with every request served until the kernel OOM-kills vLLM."""
+    grows with every request served until the kernel OOM-kills vLLM. ``slow_flags``: (hour,
+    clients' speed): the operator restarts vLLM with new flags at that world time, under which
+    requests wait in the queue so that a client gets this fraction of the tokens/s it got
+    before, at every load; the server still serves the whole demand. A restart keeps the new
+    flags; a rollback (a restart with the old ones) cures it."""
 
     name: str
     summary: str
@@ -128,7 +138,13 @@ class World:
     hangs: tuple[float, ...] = ()
     slowdown: tuple[float, float, float] | None = None
     memory_growth: bool = False
+    slow_flags: tuple[float, float] | None = None
     wrong: bool = False  # any restart here is a wrong restart (nothing a restart cures)
+
+    def __post_init__(self) -> None:
+        # An OOM kill at the operator's step would need a third kind of forced restart.
+        if self.slow_flags is not None and self.memory_growth:
+            raise ValueError("World: slow_flags with memory_growth is not modelled")
 
     def uptime_effects(self, minutes: int) -> tuple[Array, Array]:
         """(speed factor, leaked KV fraction) for each uptime 0..minutes-1."""
@@ -161,6 +177,9 @@ def slowed(name: str, stretch: float, label: str = "") -> World:
 THROTTLED = Scenario("thermal-throttle", 0.0).speed_factor(0.0)  # 0.6
 SURGE = Scenario("load-surge", 0.0).demand_multiplier(0.0)  # 3.0
 SURGE_HOURS = 1.0  # the simulator's surge lasts an hour
+# Clients' tokens/s per request under the slow flags: each request waits 3/7 of its decode time
+# in the queue (a fluid model has no queue below capacity, so this is set, not derived).
+SLOW_FLAGS_SPEED = 0.7
 
 
 def _at(day: int, hour: float) -> float:
@@ -230,6 +249,13 @@ WORLDS: tuple[World, ...] = (
         "restart does not cure it",
         slowdown=(_at(1, 12), 0.01, 0.6),
     ),
+    World(
+        "slow-flags",
+        "Wed 10:00 the operator restarts vLLM with new flags that make requests queue (a "
+        "--max-num-seqs too low): clients get 0.7 of the speed; only a rollback cures it",
+        slow_flags=(_at(2, 10), SLOW_FLAGS_SPEED),
+        wrong=True,
+    ),
 )
 
 
@@ -241,8 +267,9 @@ class Values:
     demand: Array  # generated tokens/s demanded
     capacity: Array  # generated tokens/s the server could serve (were it working)
     served: Array  # generated tokens/s served
-    reward: Array  # served x speed
+    reward: Array  # served x speed x flags
     speed: Array  # the GPU's relative speed
+    flags: Array  # clients' relative speed under the flags in effect (1: the old flags)
     up: Mask  # the process answers (not in its cold start)
     stalled: Mask
     hot: Mask  # the GPU reports thermal throttling
@@ -284,13 +311,20 @@ class Model:
         self.requests = np.concatenate(([0.0], np.cumsum(self.rate * STEP)))
         self.uptimes = steps + COLD_STEPS + 2
         self.up_speed, self.leak = world.uptime_effects(self.uptimes)
+        # The step at which the operator applies the slow flags (None: never).
+        self.flag_step: int | None = None
+        self.flag_speed = 1.0
+        if world.slow_flags is not None:
+            self.flag_step = round(world.slow_flags[0] * 60)
+            self.flag_speed = world.slow_flags[1]
 
-    def evaluate(self, k: Any, u: Any) -> Values:
-        """The model at steps ``k`` with uptimes ``u`` (arrays or scalars, broadcast)."""
+    def evaluate(self, k: Any, u: Any, slow: Any = False) -> Values:
+        """The model at steps ``k`` with uptimes ``u``, and ``slow`` where the slow flags are
+        in effect (arrays or scalars, broadcast)."""
         s = self.server
         k = np.asarray(k, dtype=np.int64)
         u = np.asarray(u, dtype=np.int64)
-        k, u = np.broadcast_arrays(k, u)
+        k, u, slow = np.broadcast_arrays(k, u, np.asarray(slow, dtype=bool))
         rate, demand = self.rate[k], self.demand[k]
         up = u >= COLD_STEPS
         stalled = up & (k - u < self.hang[k])
@@ -304,7 +338,12 @@ class Model:
         served = np.where(working, np.minimum(demand, capacity), 0.0)
         running = np.where(up, np.minimum(need, n_max), 0.0)
         finished = served / s.output_tokens
-        waiting = np.where(up, np.maximum(0.0, rate - finished) * s.patience, 0.0)
+        # Slow flags: every request also waits (1 / flags - 1) of its decode time (Little's
+        # law), so tokens/s per request in the system is ``flags`` of the old flags'. With the
+        # old flags, + 0.0: the other scenarios' values are unchanged to the bit.
+        flags = np.where(slow, self.flag_speed, 1.0)
+        queued = running * (1 / flags - 1)
+        waiting = np.where(up, np.maximum(0.0, rate - finished) * s.patience + queued, 0.0)
         used = running * s.blocks_per_request + self.leak[u] * s.kv_blocks
         kv_usage = np.where(up, np.minimum(1.0, used / s.kv_blocks), 0.0)
         preemptions = np.where(working & kv_bound, finished * np.minimum(1.0, need / n_kv - 1), 0.0)
@@ -322,8 +361,9 @@ class Model:
             demand=demand,
             capacity=capacity,
             served=served,
-            reward=served * speed,
+            reward=served * speed * flags,
             speed=speed,
+            flags=flags,
             up=up,
             stalled=stalled,
             hot=self.hot[k],
@@ -348,9 +388,11 @@ class Model:
         working = values.up & ~values.stalled
         drained = np.asarray(drained) & working
         cut_off = np.where(values.up & ~drained, values.running, 0.0)
-        wasted = cut_off * s.output_tokens / 2 * values.speed
+        wasted = cut_off * s.output_tokens / 2 * values.speed * values.flags
         drain_seconds = np.minimum(DRAIN_BUDGET, _longest_output() * values.itl)
-        refused = np.where(drained, values.demand * drain_seconds * values.speed, 0.0)
+        refused = np.where(
+            drained, values.demand * drain_seconds * values.speed * values.flags, 0.0
+        )
         return wasted + refused, cut_off
 
 
@@ -359,8 +401,9 @@ class Model:
 
 class Path:
     """A run through the model, one step at a time: restart at a step (a cold start begins
-    there), or continue. The kernel's OOM kill restarts the process whatever the policy says.
-    The first step finds a fresh server that has just come up."""
+    there), or continue. The kernel's OOM kill restarts the process whatever the policy says,
+    and so does the operator's flag change (``slow_flags``). The first step finds a fresh
+    server that has just come up."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
@@ -369,29 +412,45 @@ class Path:
         self.reward = 0.0
         self.restarts: list[int] = []  # steps at which a restart (by the policy) began
         self.kills: list[int] = []  # steps at which an OOM kill restarted the process
+        self.applied: list[int] = []  # steps at which the operator's flag change restarted it
+        self.rollbacks: list[int] = []  # the restarts that put the old flags back
+        self.slow = False  # the slow flags are in effect
         self.served = np.zeros(model.steps)
         self.uptime = np.zeros(model.steps, dtype=np.int64)
+        self.slowed = np.zeros(model.steps, dtype=bool)  # per step: the slow flags in effect
         self.cut_off = 0.0  # requests in flight that restarts and kills cut off
 
-    def advance(self, restart: bool = False, drained: bool | None = False) -> Values:
+    def advance(
+        self, restart: bool = False, drained: bool | None = False, rollback: bool = False
+    ) -> Values:
         """Step ``k``: restart at its start, or continue; returns the step's values. A
         restart cuts its requests in flight off, or is ``drained``; None: whichever costs
-        less (the oracle's choice)."""
+        less (the oracle's choice). A restart with ``rollback`` puts the old flags back."""
         k, u = self.k, self.u + 1
-        values = self.model.evaluate(k, u)
+        values = self.model.evaluate(k, u, self.slow)
         if bool(values.killed):
             self.kills.append(k)
             self._pay(values, False)
             u = 0
+        elif k == self.model.flag_step:
+            # The operator's `vkvagent apply`: a drained restart with the new flags, the same
+            # for every policy and none of its own (a restart it asked for here is this one).
+            self.applied.append(k)
+            self._pay(values, True)
+            u, self.slow = 0, True
         elif restart:
             self.restarts.append(k)
             self._pay(values, drained)
             u = 0
+            if rollback and self.slow:
+                self.rollbacks.append(k)
+                self.slow = False
         if u == 0:
-            values = self.model.evaluate(k, u)
+            values = self.model.evaluate(k, u, self.slow)
         self.reward += float(values.reward) * STEP
         self.served[k] = float(values.served)
         self.uptime[k] = u
+        self.slowed[k] = self.slow
         self.k, self.u = k + 1, u
         return values
 
@@ -410,14 +469,17 @@ def walk(
     model: Model,
     restarts: Sequence[int] | Callable[[Path], bool],
     drained: bool | None = False,
+    rollbacks: Sequence[int] = (),
 ) -> Path:
-    """The path of a fixed schedule (restart steps) or of a policy asked at every step,
-    each restart ``drained`` or not (``Path.advance``)."""
+    """The path of a fixed schedule (restart steps, of which ``rollbacks`` put the old flags
+    back) or of a policy asked at every step (it never rolls back), each restart ``drained``
+    or not (``Path.advance``)."""
     path = Path(model)
     wanted = set(restarts) if not callable(restarts) else None
+    back = set(rollbacks)
     while path.k < model.steps:
         if wanted is not None:
-            path.advance(path.k in wanted, drained)
+            path.advance(path.k in wanted, drained, path.k in back)
         else:
             assert callable(restarts)
             path.advance(restarts(path), drained)
@@ -431,6 +493,7 @@ def walk(
 class Optimum:
     value: float  # the best reward (token x speed) over the whole run
     restarts: tuple[int, ...]  # the steps the best schedule restarts at
+    rollbacks: tuple[int, ...] = ()  # those of them that put the old flags back
 
     def score(self, model: Model) -> float:
         return self.value / model.total_demand()
@@ -444,6 +507,8 @@ def oracle(model: Model) -> Optimum:
     restart's cost: drained or not, whichever is cheaper), unless the process is OOM-killed at
     ``v`` (cut off). Uptimes beyond ``k + COLD_STEPS`` cannot be reached by step ``k``, so each
     step's vector is only as long as that (ties keep the process running)."""
+    if model.flag_step is not None:
+        return _oracle_with_flags(model, model.flag_step)
     steps = model.steps
     after = np.zeros(steps + COLD_STEPS + 1)  # A[steps][v] = 0
     chosen: list[npt.NDArray[np.uint8]] = []
@@ -468,6 +533,79 @@ def oracle(model: Model) -> Optimum:
     return Optimum(float(after[COLD_STEPS]), tuple(restarts))
 
 
+def _oracle_with_flags(model: Model, change: int) -> Optimum:
+    """``oracle`` in a world whose operator applies the slow flags at step ``change`` (a
+    drained restart no schedule can refuse). From there the programme has two layers: ``new``
+    (the slow flags in effect) and ``old`` (rolled back). A restart in ``new`` either keeps
+    the flags or rolls them back, at the same cost; in ``old`` it keeps them (the operator does
+    not apply them again). Ties keep the process running, and keep the flags."""
+    assert not model.world.memory_growth  # World refuses it: no OOM kill to choose around
+    steps = model.steps
+    old = np.zeros(steps + COLD_STEPS + 1)
+    new = np.zeros(steps + COLD_STEPS + 1)
+    # Per step (reversed until the end): restart bits in old, and in new; whether a restart
+    # in new rolls back (the same for every uptime: the cost does not depend on the choice).
+    restart_old: list[npt.NDArray[np.uint8] | None] = []
+    restart_new: list[npt.NDArray[np.uint8] | None] = []
+    roll_back: list[bool] = []
+    for k in range(steps - 1, -1, -1):
+        n = k + COLD_STEPS + 1
+        u = np.arange(n)
+        at_old = model.evaluate(k, u)
+        keep_old = at_old.reward * STEP + old[1 : n + 1]
+        if k == change:
+            first = model.evaluate(k, 0, True)
+            lost, _ = model.restart_cost(at_old, True)
+            old = float(first.reward) * STEP + new[1] - lost
+            restart_old.append(None)
+            restart_new.append(None)
+            roll_back.append(False)
+            continue
+        restarted = keep_old[0] - _cheaper_cost(model, at_old)
+        restart = restarted > keep_old
+        next_old = np.where(restart, restarted, keep_old)
+        restart_old.append(np.packbits(restart))
+        if k > change:
+            at_new = model.evaluate(k, u, True)
+            keep_new = at_new.reward * STEP + new[1 : n + 1]
+            back = bool(keep_old[0] > keep_new[0])
+            restarted_new = (keep_old[0] if back else keep_new[0]) - _cheaper_cost(model, at_new)
+            restart = restarted_new > keep_new
+            new = np.where(restart, restarted_new, keep_new)
+            restart_new.append(np.packbits(restart))
+            roll_back.append(back)
+        else:
+            restart_new.append(None)
+            roll_back.append(False)
+        old = next_old
+    restart_old.reverse()
+    restart_new.reverse()
+    roll_back.reverse()
+    restarts, rollbacks = [], []
+    v, slow = COLD_STEPS, False
+    for k in range(steps):
+        if k == change:
+            v, slow = 0, True
+        else:
+            bits = restart_new[k] if slow else restart_old[k]
+            assert bits is not None
+            if np.unpackbits(bits, count=k + COLD_STEPS + 1)[v]:
+                restarts.append(k)
+                if slow and roll_back[k]:
+                    rollbacks.append(k)
+                    slow = False
+                v = 0
+        v += 1
+    return Optimum(float(old[COLD_STEPS]), tuple(restarts), tuple(rollbacks))
+
+
+def _cheaper_cost(model: Model, values: Values) -> Any:
+    """What a restart that finds ``values`` loses, drained or cut off, whichever is less."""
+    cut, _ = model.restart_cost(values, False)
+    drained, _ = model.restart_cost(values, True)
+    return np.minimum(cut, drained)
+
+
 # -- ground truth for the report ---------------------------------------------------------------
 
 ONSET_LOSS = 0.05  # a run is degraded once a restart would win back 5 % of the demand
@@ -489,9 +627,10 @@ class Episode:
 
 def curable(model: Model, path: Path) -> npt.NDArray[np.float64]:
     """Per step: how much more (a share of the demand) a server that had just come up, and
-    had not hung, would have earned than the path's server: what a restart would win back."""
+    had not hung, would have earned than the path's server: what a restart would win back
+    (with the old flags: a rollback, where the slow flags are in effect)."""
     k = np.arange(model.steps)
-    now = model.evaluate(k, path.uptime)
+    now = model.evaluate(k, path.uptime, path.slowed)
     fresh = model.evaluate(k, np.full(model.steps, COLD_STEPS))
     fresh_reward = np.minimum(fresh.demand, fresh.capacity) * fresh.speed
     loss = (fresh_reward - now.reward) / np.maximum(now.demand, 1e-9)
@@ -499,9 +638,10 @@ def curable(model: Model, path: Path) -> npt.NDArray[np.float64]:
 
 
 def episodes(model: Model, path: Path) -> list[Episode]:
-    """The degraded runs of a path, in order."""
+    """The degraded runs of a path, in order. A restart that left the slow flags in effect
+    (not a rollback) ends nothing: the same flags, the same slowness."""
     degraded = curable(model, path) >= ONSET_LOSS
-    ends = set(path.restarts) | set(path.kills)
+    ends = {k for k in (*path.restarts, *path.kills) if not path.slowed[k]}
     out: list[Episode] = []
     onset: int | None = None
     for k in range(model.steps):

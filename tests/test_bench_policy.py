@@ -9,11 +9,22 @@ import pytest
 
 pytest.importorskip("numpy")
 
-from bench.policy import SAMPLE_EVERY, Alert, Synth, daily_0400, every_6h, run_vkvagent
+from bench.policy import (
+    SAMPLE_EVERY,
+    Alert,
+    Synth,
+    daily_0400,
+    every_6h,
+    run_vkvagent,
+    vkvagent_settings,
+)
 from bench.policy_model import (
     COLD_STEPS,
+    DAY_STEPS,
     GIB,
+    HOUR,
     STEP,
+    WORLDS,
     Model,
     Path,
     Server,
@@ -21,10 +32,11 @@ from bench.policy_model import (
     episodes,
     oracle,
     walk,
+    when,
 )
 from vkvagent.engine import Settings
 from vkvagent.engine.baseline import window_stats
-from vkvagent.engine.policy import PolicySettings
+from vkvagent.engine.policy import PolicySettings, window_state
 
 # Small worlds whose effects move within minutes, so that ten steps hold real choices.
 FAST = (
@@ -50,6 +62,25 @@ def test_the_oracle_is_the_best_of_every_schedule_on_small_instances(world: Worl
     best = oracle(model)
     assert best.value == pytest.approx(brute_force(model), rel=1e-12)
     assert walk(model, best.restarts, drained=None).reward == pytest.approx(best.value, rel=1e-12)
+
+
+def test_the_oracle_rolls_slow_flags_back_as_well_as_every_schedule() -> None:
+    # The operator applies the slow flags at step 2; each later step may also roll them back.
+    # At 0.3 of the speed, a rollback pays for its cold start within the eight steps.
+    model = Model(World("flags", "", slow_flags=(2 / 60, 0.3)), Server(kv_blocks=2500), steps=8)
+    assert model.flag_step == 2
+    best_reward = 0.0
+    for pattern in itertools.product((None, "restart", "rollback"), repeat=model.steps):
+        if pattern[2] is not None or "rollback" in pattern[:2]:
+            continue  # the operator's step is not the schedule's; nothing to roll back before
+        restarts = [k for k, on in enumerate(pattern) if on]
+        rollbacks = [k for k, on in enumerate(pattern) if on == "rollback"]
+        best_reward = max(best_reward, walk(model, restarts, None, rollbacks).reward)
+    best = oracle(model)
+    assert best.value == pytest.approx(best_reward, rel=1e-12)
+    path = walk(model, best.restarts, drained=None, rollbacks=best.rollbacks)
+    assert path.reward == pytest.approx(best.value, rel=1e-12)
+    assert best.rollbacks and path.applied == [2] and not path.slowed[-1]
 
 
 def test_the_oracle_respects_oom_kills_it_cannot_avoid() -> None:
@@ -189,3 +220,58 @@ def test_vkvagent_restarts_a_hung_engine_within_minutes_in_closed_loop() -> None
     assert restart[1] == "stall" and not restart[2]  # 01:00 is outside the window
     assert 60 + 2 <= restart[0] <= 60 + 4  # stall_after is 120 s
     assert run.decisions == 2 * model.steps and len(run.cpu_ns) == run.decisions
+
+
+def test_slow_flags_make_requests_wait_so_clients_see_their_speed() -> None:
+    # The same steps with the old flags and the slow ones: the same tokens served at the same
+    # per-request decode speed, but requests wait, so per request in the system is 0.7.
+    model = Model(World("flags", "", slow_flags=(0.0, 0.7)), steps=60)
+    stats = {}
+    for slow in (False, True):
+        synth = Synth(model, seed=4)
+        points = []
+        for k in range(model.steps):
+            values = model.evaluate(k, COLD_STEPS + k, slow)
+            for part in (1, 2):
+                sample, _memory = synth.sample(k * STEP + part * SAMPLE_EVERY, values, 0.0)
+                assert sample.vllm is not None
+                points.append((sample.mono, sample.vllm))
+        stats[slow] = window_stats(points)
+    old, new = stats[False], stats[True]
+    assert old is not None and new is not None
+    assert old.in_system is not None and new.in_system is not None
+    assert new.in_system / old.in_system == pytest.approx(0.7, rel=0.05)
+    assert new.generation_tokens_per_s == pytest.approx(old.generation_tokens_per_s, rel=0.03)
+    assert new.per_request == pytest.approx(old.per_request, rel=0.05)
+    assert old.waiting == 0 and new.waiting is not None and new.waiting > 5
+
+
+def test_vkvagent_rolls_slow_flags_back_in_the_window_and_the_timers_do_not() -> None:
+    # The scenario up to Thu 05:00: the operator's change Wed 10:00, the window Thu 02:00.
+    world = next(w for w in WORLDS if w.name == "slow-flags")
+    model = Model(world, steps=3 * DAY_STEPS + 5 * HOUR)
+    change = model.flag_step
+    assert change == 2 * DAY_STEPS + 10 * HOUR
+    settings = vkvagent_settings()
+    run = run_vkvagent(model, settings, seed=1)
+    # Judged once, against the run before at the loads both learned fresh: 0.7, worse.
+    [(judged_at, verdict, ratio)] = run.verdicts
+    assert verdict == "worse" and ratio == pytest.approx(0.7, abs=0.05)
+    assert change < judged_at < change + HOUR
+    # One restart, the rollback, in the next window; no other (a restart alone is wrong).
+    [(step, cause, inside)] = run.restarts
+    assert cause == "flags" and inside
+    assert run.path.restarts == run.path.rollbacks == [step]
+    assert window_state(settings.policy, when(step))[0] and step > judged_at
+    assert run.path.slowed[step - 1] and not run.path.slowed[step:].any()
+    # The timers restart after the change, and the alert never rolls back either: all keep
+    # the slow flags to the end.
+    for schedule in (every_6h(model), daily_0400(model)):
+        path = walk(model, schedule)
+        assert [k for k in path.restarts if k > change] and not path.rollbacks
+        assert path.applied == [change] and path.slowed[change:].all()
+    path = walk(model, Alert())
+    assert not path.rollbacks and path.slowed[change:].all()
+    # The oracle rolls back at once, in the change's own cold start.
+    best = oracle(model)
+    assert best.rollbacks == best.restarts == (change + 1,)
