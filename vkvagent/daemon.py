@@ -963,18 +963,8 @@ class Daemon:
             why = self.flag_state.rejected.get(self._desired_key(plan))
             if pending and why:
                 problem = f"rejected: {why}"
-        change = None
-        if last is not None:
-            change = status.FlagChange(
-                action=last.action,
-                flags=dict(last.flags),
-                verdict=last.verdict,
-                ratio=last.ratio,
-                speed_before=last.speed_before,
-                speed_after=last.speed_after,
-                loads=last.loads,
-                rollback=last.rollback,
-            )
+        # The status's part is the change's own document, less what only the loop needs.
+        change = None if last is None else status.FlagChange.from_json(last.to_json())
         return status.FlagsStatus(
             apply=cfg.apply_flags,
             desired=dict(cfg.flags),
