@@ -3,15 +3,17 @@
 ``[vllm] apply_flags`` says when a flag set the unit does not run yet is applied:
 ``next-window`` (the policy proposes a restart for it, cause ``flags``, in the next window it
 allows), ``with-next-restart`` (only when a restart happens anyway) or ``manual`` (only
-``vkvagent apply``). Any restart the daemon makes carries the pending flags unless manual, so
-a diagnosed restart and a flag change cost one restart, not two.
+``vkvagent apply``). Any restart the daemon makes in a window carries the pending flags unless
+manual, so a diagnosed restart and a flag change cost one restart, not two; an emergency's
+carries none.
 
 Each change the ledger records (the daemon's, or ``vkvagent apply``'s) is judged once: the
-fresh speed of the run it started against the run before it, at the loads both served while
-fresh (``engine.speed_change``). Slower by more than ``rollback_margin`` puts the previous
-command line back in the next window it may, and rejects the set; so does a set that does
-not start or cannot be proven. A rejected or invalid set is not tried again until
-``[vllm.flags]`` changes. Too little comparable load is no verdict, never a rollback.
+fresh speed of the run it started against the run just before it, at the loads both served
+while fresh (``engine.speed_change``). Slower by more than ``rollback_margin`` rejects the set
+and makes its rollback due (the previous command line, at the next restart the policy
+allows); vLLM failing to start or run with a set rejects it too. A rejected or invalid set is
+not tried again until ``[vllm.flags]`` asks for another. Too little comparable load is no
+verdict, never a rollback.
 
 Pure: the daemon brings the ledger's actions, the engine's baselines and the plan, and does
 what ``FlagState`` decides; ``to_json``/``from_json`` keep it in engine.json.
