@@ -277,6 +277,12 @@ class Streams(Clients):
         with self._lock:
             return [s for s in self.streams if s.started < when < s.ended]
 
+    def broken_since(self, when: float) -> list[Stream]:
+        """The streams that ended after ``when`` broken off (``cut``), or reset before vLLM
+        answered (``error``): the requests a killed vLLM held."""
+        with self._lock:
+            return [s for s in self.streams if s.ended > when and s.outcome in ("cut", "error")]
+
     def _client(self) -> None:
         while not self._stop.is_set():
             if self.paused():

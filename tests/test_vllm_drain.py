@@ -165,7 +165,10 @@ def test_without_the_drain_the_requests_cut_off_are_counted(vllm_box: Sandbox) -
         served = streams.count("ok")
         wait_until(lambda: streams.count("ok") >= served + 3, 60, "streams after the restart")
     spanning = streams.spanning(stop_requested(vllm_box))
-    failed = [s for s in spanning if s.outcome != "ok"]
+    # systemd's SIGKILL may come seconds after the ledger's restart step began on this 2-core
+    # host (once, in CI, every stream begun before that moment had finished by then): what the
+    # kill broke is counted from the step on.
+    failed = streams.broken_since(stop_requested(vllm_box))
     print(
         f"\n--no-drain under 4 streaming clients: {json.dumps(costs)}; clients: "
         f"{streams.outcomes()}; in flight at the stop: {[s.outcome for s in spanning]}"
