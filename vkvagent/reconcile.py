@@ -29,6 +29,7 @@ from typing import Any
 
 from vkvagent.engine import BaselineSettings, SpeedChange, speed_change
 from vkvagent.engine.baseline import Baseline
+from vkvagent.engine.diagnosis import optional_float
 from vkvagent.engine.samples import FlagValue
 
 APPLY_MODES = ("next-window", "with-next-restart", "manual")
@@ -97,9 +98,9 @@ class Change:
             before=tuple(str(a) for a in data["before"]),
             previous_run=None if data.get("previous_run") is None else str(data["previous_run"]),
             verdict=data["verdict"],
-            ratio=_number(data.get("ratio")),
-            speed_before=_number(data.get("speed_before")),
-            speed_after=_number(data.get("speed_after")),
+            ratio=optional_float(data.get("ratio")),
+            speed_before=optional_float(data.get("speed_before")),
+            speed_after=optional_float(data.get("speed_after")),
             loads=tuple(str(load) for load in data.get("loads", ())),
             rollback=None if data.get("rollback") is None else str(data["rollback"]),
         )
@@ -239,11 +240,3 @@ def change_of(
         before=tuple(str(a) for a in detail.get("before") or ()),
         previous_run=previous_run,
     )
-
-
-def _number(value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected a number, got {value!r}")
-    return float(value)
