@@ -377,6 +377,11 @@ def test_status_command_exit_codes_and_pause_resume(tmp_path: Path) -> None:
     out, err = io.StringIO(), io.StringIO()
     assert main(["status", "--config", str(path)], out, err) == 3  # no daemon has run
     assert "no status yet" in out.getvalue()
+    out = io.StringIO()
+    assert main(["status", "--config", str(path), "--json"], out, err) == 3
+    blank = json.loads(out.getvalue())
+    assert (blank["verdict"]["state"], blank["exit_code"]) == ("unknown", 3)
+    assert {"updated", "unit_name", "policy", "now", "last_restart", "flags"} <= blank.keys()
 
     daemon = Daemon.offline(path, io.StringIO())
     try:

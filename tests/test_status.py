@@ -102,8 +102,34 @@ def test_a_silent_daemon_is_unknown_but_a_restart_in_progress_is_not() -> None:
     acting = report("acting", stale_after=900.0)
     assert exit_code(acting, NOW + 600) == StatusCode.DEGRADED
     assert exit_code(acting, NOW + 901) == StatusCode.UNKNOWN
-    shown = render(report("healthy"), NOW + 3600)
-    assert "last update 60 min ago; daemon not running" in shown.splitlines()[0]
+
+
+def test_a_stale_status_headlines_unknown_with_the_last_verdict_beneath() -> None:
+    """The headline says what the exit code (3) says; the old verdict is history."""
+    stale = report("healthy")
+    assert exit_code(stale, NOW + 3600) == StatusCode.UNKNOWN
+    head, beneath = render(stale, NOW + 3600).splitlines()[:2]
+    assert head == "vkvagent 0.1.0: UNKNOWN (stale: last update 60 min ago; daemon not running)"
+    assert beneath == f"  last state  HEALTHY at {_iso(NOW)}"
+    assert "HEALTHY" not in head
+    assert render(stale, NOW + 5).splitlines()[0] == "vkvagent 0.1.0: HEALTHY"
+
+
+def test_status_json_always_has_every_key() -> None:
+    written = report("degraded")
+    full = status.shown_json(written, NOW + 5, "vllm.service")
+    assert (full["exit_code"], full["stale"]) == (1, False)
+    assert status.shown_json(written, NOW + 3600, "vllm.service")["stale"] is True
+    blank = status.shown_json(None, NOW, "vllm-7b.service")
+    assert blank.keys() == full.keys()  # the whole schema, not just {"exit_code": 3}
+    for part in ("verdict", "policy", "vllm", "now"):
+        assert blank[part].keys() == full[part].keys(), part
+    assert blank["exit_code"] == StatusCode.UNKNOWN and blank["stale"] is False
+    assert blank["verdict"]["state"] == "unknown"
+    assert blank["verdict"]["reason"].startswith("no status yet: the daemon has not run")
+    assert blank["unit_name"] == "vllm-7b.service"
+    assert blank["updated"] is None and blank["policy"]["mode"] is None
+    assert blank["now"]["tokens_per_s"] is None and blank["last_restart"] is None
 
 
 def test_render_explains_and_draws_the_trend() -> None:

@@ -509,6 +509,37 @@ def test_cli_scrape_refused_port(config_file: Path) -> None:
     assert "Traceback" not in err
 
 
+def test_cli_scrape_file_without_a_final_newline_is_read_with_a_warning(
+    tmp_path: Path, config_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """How `echo "$(curl ...)" >page` and many editors save a page: the same metrics as the page
+    with its newline, and one warning line; over HTTP such a page is refused as cut off."""
+    whole, bare = tmp_path / "whole.prom", tmp_path / "bare.prom"
+    whole.write_bytes(GOOD)
+    bare.write_bytes(GOOD.rstrip(b"\n"))
+    code, with_newline, _ = run_cli(
+        "scrape", "--file", str(whole), "--json", "--config", str(config_file)
+    )
+    assert (code, capsys.readouterr().err) == (0, "")
+    code, without, _ = run_cli(
+        "scrape", "--file", str(bare), "--json", "--config", str(config_file)
+    )
+    assert code == 0
+    assert json.loads(without) == json.loads(with_newline)
+    warning = capsys.readouterr().err.splitlines()
+    assert len(warning) == 1
+    assert warning[0].startswith(f"vkvagent: warning: {bare}: the last line has no final newline")
+
+
+def test_cli_scrape_without_cache_config_info_says_null(config_file: Path) -> None:
+    page = METRIC_PAGES / "v1-0.8-production-stack-318-qwen2.5-coder-32b.prom"
+    code, out, _ = run_cli("scrape", "--file", str(page), "--json", "--config", str(config_file))
+    assert code == 0
+    got = json.loads(out)
+    assert got["cache_config"] is None  # a missing signal, as the others: not {}
+    assert got["kv_cache_usage"] == 0.0
+
+
 def test_cli_scrape_refused_port_in_a_subprocess(config_file: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     done = subprocess.run(

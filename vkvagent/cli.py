@@ -343,22 +343,23 @@ def _run(args: argparse.Namespace, _out: TextIO) -> int:
 
 
 def _status(args: argparse.Namespace, out: TextIO) -> int:
-    state_dir = Path(config.load(args.config).agent.state_dir)
+    settings = config.load(args.config)
+    state_dir = Path(settings.agent.state_dir)
     while True:
         try:
             report = status.read(state_dir)
         except status.StatusError as exc:
             print(f"vkvagent: {exc}", file=sys.stderr)
             return status.StatusCode.UNKNOWN
-        code = status.exit_code(report, time.time())
+        now = time.time()
+        code = status.exit_code(report, now)
         if args.json:
-            shown = dict(report.to_json() if report else {}, exit_code=int(code))
-            json.dump(shown, out, indent=1)
+            json.dump(status.shown_json(report, now, settings.vllm.unit), out, indent=1)
             out.write("\n")
         else:
             if args.watch:
                 out.write("\033[H\033[2J")  # clear the terminal between views
-            out.write(status.render(report, time.time(), explain=args.explain))
+            out.write(status.render(report, now, explain=args.explain))
         out.flush()
         if not args.watch:
             return int(code)
@@ -483,9 +484,19 @@ def _read_page(path: Path, limit: int) -> str:
     if len(data) > limit:
         raise CommandError(f"{path}: page exceeds the {limit}-byte limit")
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CommandError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    # `$(curl ...)` and many editors drop the final newline. Over HTTP a page without one was
+    # cut off (and is refused); a file is read as the whole page, with a word of caution.
+    if text.strip() and not text.endswith("\n"):
+        print(
+            f"vkvagent: warning: {path}: the last line has no final newline; "
+            "read as complete (a page cut off mid-line would be misread)",
+            file=sys.stderr,
+        )
+        text += "\n"
+    return text
 
 
 def _gpu(args: argparse.Namespace, out: TextIO) -> int:

@@ -22,6 +22,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from vkvagent import __version__
 from vkvagent.engine.policy import PLANNED
 from vkvagent.errors import VkvagentError
 from vkvagent.flags import shown
@@ -458,6 +459,26 @@ def add_trend(
     return points[-TREND_KEPT:]
 
 
+NO_STATUS = "no status yet: the daemon has not run (or cannot write its state)"
+
+
+def shown_json(status: StatusReport | None, now: float, unit_name: str) -> dict[str, Any]:
+    """What ``vkvagent status --json`` prints: always every key of the document, plus
+    ``exit_code`` and ``stale``. With no status yet the state is "unknown", the reason says
+    why, and what only a daemon knows (when, its interval, the policy's window) is null."""
+    if status is not None:
+        code = int(exit_code(status, now))
+        return {**status.to_json(), "stale": is_stale(status, now), "exit_code": code}
+    blank = StatusReport(
+        updated=0.0, agent_version=__version__, interval=0.0, unit_name=unit_name,
+        verdict=Verdict(state="unknown", action="none", reason=NO_STATUS),
+        policy=PolicyStatus(mode="", window_open=False, budget_left=0),
+    ).to_json()  # fmt: skip
+    blank.update(updated=None, interval=None)
+    blank["policy"] = dict.fromkeys(blank["policy"])
+    return {**blank, "stale": False, "exit_code": int(StatusCode.UNKNOWN)}
+
+
 def path(state_dir: Path) -> Path:
     return state_dir / FILE_NAME
 
@@ -511,15 +532,20 @@ def sparkline(values: Sequence[float | None]) -> str:
 
 def render(status: StatusReport | None, now: float, *, explain: bool = False) -> str:
     if status is None:
-        return "vkvagent: no status yet: the daemon has not run (or cannot write its state)\n"
+        return f"vkvagent: {NO_STATUS}\n"
     v, u, m = status.verdict, status.unit, status.now
     lines = []
-    age = now - float(status.updated)
-    head = f"vkvagent {status.agent_version}: {v.state.upper()}"
     if is_stale(status, now):
+        # The headline says what the exit code says; the last verdict is history, beneath it.
         alive = "running but silent" if daemon_alive(status) else "not running"
-        head += f" (last update {_ago(age)} ago; daemon {alive})"
-    lines.append(head)
+        age = _ago(now - float(status.updated))
+        lines.append(
+            f"vkvagent {status.agent_version}: UNKNOWN (stale: last update {age} ago; "
+            f"daemon {alive})"
+        )
+        lines.append(f"  last state  {v.state.upper()} at {_iso(float(status.updated))}")
+    else:
+        lines.append(f"vkvagent {status.agent_version}: {v.state.upper()}")
     lines.append(f"  verdict     {v.action}: {v.reason}")
     if v.cause:
         lines.append(f"  cause       {v.cause}")

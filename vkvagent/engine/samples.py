@@ -110,6 +110,8 @@ class VllmMetrics:
                 continue
             if isinstance(value, Histogram):
                 value = value.to_json()
+            elif name == "cache_config" and not value:
+                value = None  # a page without cache_config_info: missing, like every signal
             elif isinstance(value, (tuple, MappingProxyType)):
                 value = list(value) if isinstance(value, tuple) else dict(value)
             out[name] = value
