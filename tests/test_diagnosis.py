@@ -29,7 +29,7 @@ from vkvagent.engine.diagnosis import (
     Situation,
     Stall,
     diagnose,
-    kv_suggestion,
+    kv_advice,
     memory_growth,
 )
 from vkvagent.engine.samples import EngineSignals, GpuReading, VllmMetrics
@@ -443,6 +443,10 @@ def test_memory_that_is_flat_noisy_short_or_from_an_earlier_run_is_not_growth() 
     assert memory_growth(S, leak(128 * 1024, minutes=50)) is None  # not an hour yet
     assert memory_growth(S, leak(128 * 1024), since=60.0 * 45) is None  # this run: 45 min
     assert memory_growth(S, []) is None
+
+
+def kv_suggestion(*args: Any) -> dict[str, Any]:
+    return {name: advice.value for name, advice in kv_advice(*args).items()}
 
 
 def test_kv_suggestions_stay_within_the_catalogue_and_only_use_what_is_known() -> None:

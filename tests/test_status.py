@@ -132,6 +132,19 @@ def test_status_json_always_has_every_key() -> None:
     assert blank["now"]["tokens_per_s"] is None and blank["last_restart"] is None
 
 
+def test_render_shows_a_suggestion_as_flags_and_where_to_review_it() -> None:
+    verdict = {**document("degraded")["verdict"], "cause": "kv_pressure"}
+    verdict["suggestion"] = {"enable-prefix-caching": True, "max-num-seqs": 32}
+    line = next(
+        x for x in render(report("degraded", verdict=verdict), NOW).splitlines()
+        if x.startswith("  suggestion")
+    )  # fmt: skip
+    assert line == (
+        "  suggestion  --enable-prefix-caching --max-num-seqs 32 "
+        "(review it as a change: vkvagent plan --suggested)"
+    )
+
+
 def test_render_explains_and_draws_the_trend() -> None:
     trend: tuple[TrendPoint, ...] = ()
     for minute in range(0, 120, 5):

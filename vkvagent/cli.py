@@ -9,19 +9,21 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from enum import IntEnum
 from pathlib import Path
 from typing import Callable, TextIO
 
-from vkvagent import __version__, config, controls, fleet, replay, status
+from vkvagent import __version__, advice, config, controls, fleet, replay, status
 from vkvagent.actuator import Actuator, Outcome, Plan
+from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.gpu_faults import describe_xid
 from vkvagent.engine.policy import MODES, PolicySettings, window_state
 from vkvagent.engine.samples import GpuReading, VllmMetrics
 from vkvagent.errors import VkvagentError
 from vkvagent.events import Events
+from vkvagent.flags import shown as flags_shown
 from vkvagent.gpu import GpuReader, NvmlBackend, RecordedBackend, reader_for, record
 from vkvagent.ledger import Ledger
 from vkvagent.systemd import Systemd
@@ -124,6 +126,20 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan", help="show the command line [vllm.flags] would give vLLM, before and after"
     )
+    plan.add_argument(
+        "--suggested",
+        action="store_true",
+        help="the [vllm.flags] change the daemon's last diagnosis suggests (status.json): "
+        "a TOML diff, a conf.d file and the command line it gives",
+    )
+    plan.add_argument(
+        "--write",
+        type=Path,
+        metavar="PATH",
+        help=f"with --suggested: write the conf.d file to PATH (e.g. "
+        f"/etc/vkvagent/conf.d/{advice.FILE_NAME})",
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
     _config_option(plan)
     plan.set_defaults(command=_plan)
 
@@ -584,14 +600,27 @@ def _report(unit: str, outcome: Outcome, out: TextIO) -> int:
     return ExitCode.FAILURE
 
 
-def _plan_for(actuator: Actuator, settings: config.Config) -> Plan:
-    return actuator.plan(settings.vllm.flags, actuator.vllm_version())
+def _plan_for(
+    actuator: Actuator, settings: config.Config, wanted: Mapping[str, object] | None = None
+) -> Plan:
+    """The change [vllm.flags] (or ``wanted``, a table in its place) makes on the unit."""
+    flags = settings.vllm.flags if wanted is None else wanted
+    return actuator.plan(flags, actuator.vllm_version())
 
 
 def _plan(args: argparse.Namespace, out: TextIO) -> int:
+    if args.write is not None and not args.suggested:
+        raise UsageError("--write needs --suggested")
     settings = config.load(args.config)
+    if args.suggested:
+        return _plan_suggested(args, settings, out)
     actuator = _actuator(settings, sys.stderr)
     plan = _plan_for(actuator, settings)
+    if args.json:
+        drains = actuator.drain_flags(actuator.vllm_version())
+        json.dump({**_plan_json(plan), "drain_flags": drains}, out, indent=1)
+        out.write("\n")
+        return ExitCode.OK
     print(f"unit:   {plan.unit}", file=out)
     print(f"before: {shlex.join(plan.before)}", file=out)
     print(f"after:  {shlex.join(plan.after)}", file=out)
@@ -610,6 +639,90 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
         file=out,
     )
     return ExitCode.OK
+
+
+def _plan_json(plan: Plan) -> dict[str, object]:
+    return {
+        "unit": plan.unit,
+        "before": list(plan.before),
+        "after": list(plan.after),
+        "changed": plan.changed,
+        "flags": plan.flags,
+        "attestable": list(plan.attestable),
+    }
+
+
+def _plan_suggested(args: argparse.Namespace, settings: config.Config, out: TextIO) -> int:
+    """The daemon's last suggestion as a [vllm.flags] change: diff, conf.d file, command
+    line. No status is a failure (nothing to read); a status without a suggestion is not."""
+    now = time.time()
+    report = status.read(Path(settings.agent.state_dir))
+    nothing = advice.nothing_to_suggest(report)
+    if report is None:
+        raise CommandError(f"{nothing} ({status.path(Path(settings.agent.state_dir))})")
+    if nothing is not None:
+        if args.json:
+            json.dump({"nothing": nothing, "diagnosis": advice.diagnosis_json(report, now)}, out)
+            out.write("\n")
+        else:
+            print(nothing, file=out)
+        return ExitCode.OK
+    actuator = _actuator(settings, sys.stderr)
+    version = actuator.vllm_version()
+    suggested = advice.suggest(report, settings.vllm.flags, version)
+    target = _suggested_path(args.config)
+    text = advice.conf_d_text(suggested)
+    plan = _plan_for(actuator, settings, suggested.after) if suggested.changes else None
+    if args.write is not None and suggested.changes:
+        try:  # root's, readable by all: the loader refuses files others could have written
+            args.write.parent.mkdir(mode=0o755, exist_ok=True)  # conf.d, on a first use
+            write_atomically(args.write, text, 0o644)
+        except OSError as exc:
+            raise CommandError(f"{args.write}: {exc.strerror or exc}") from None
+    if args.json:
+        shown = {
+            **suggested.to_json(now),
+            "diff": advice.toml_diff(suggested, _config_source(args.config)),
+            "conf_d": {"path": str(args.write or target or ""), "text": text},
+            "written": str(args.write) if args.write is not None and plan else None,
+            "plan": _plan_json(plan) if plan is not None else None,
+        }
+        json.dump(shown, out, indent=1)
+        out.write("\n")
+        return ExitCode.OK
+    print(advice.diagnosis_line(report, now), file=out)
+    for problem in suggested.left_out.values():
+        print(f"left out: {problem}", file=out)
+    for name, value in suggested.already.items():
+        print(f"already in [vllm.flags]: {flags_shown({name: value})}", file=out)
+    if plan is None:
+        print("nothing to suggest: [vllm.flags] already has every flag this vLLM takes", file=out)
+        return ExitCode.OK
+    out.write(advice.toml_diff(suggested, _config_source(args.config)))
+    if args.write is not None:
+        print(f"written: {args.write}", file=out)
+    elif target is not None:
+        print(f"as a conf.d file ({target}):", file=out)
+    else:
+        print("--config is a file, which reads no conf.d: add these lines to it", file=out)
+    out.write(text)
+    print(f"unit:   {plan.unit}", file=out)
+    print(f"before: {shlex.join(plan.before)}", file=out)
+    print(f"after:  {shlex.join(plan.after)}", file=out)
+    return ExitCode.OK
+
+
+def _config_source(path: Path | None) -> str:
+    return str(path if path is not None else config.DEFAULT_DIR)
+
+
+def _suggested_path(path: Path | None) -> Path | None:
+    """Where the conf.d file goes: the configuration directory's conf.d (None: --config
+    names a file, which reads no conf.d)."""
+    directory = path if path is not None else config.DEFAULT_DIR
+    if path is not None and not path.is_dir():
+        return None
+    return directory / config.DROPIN_DIR / advice.FILE_NAME
 
 
 def _apply(args: argparse.Namespace, out: TextIO) -> int:

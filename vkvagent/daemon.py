@@ -1203,6 +1203,7 @@ def _verdict(sample: Sample, decision: Decision) -> status.Verdict:
         ratio=decision.ratio,
         evidence=dict(decision.evidence),
         suggestion=dict(decision.suggestion),
+        reasons=dict(decision.suggestion_reasons),
     )
 
 

@@ -220,6 +220,7 @@ class Verdict(_Part):
     ratio: float | None = None  # speed over the fresh baseline at this load
     evidence: dict[str, Any] = field(default_factory=dict)
     suggestion: dict[str, Any] = field(default_factory=dict)  # vLLM flags to review
+    reasons: dict[str, Any] = field(default_factory=dict)  # why each suggested flag (text)
 
 
 @dataclass(frozen=True)
@@ -617,8 +618,10 @@ def render(status: StatusReport | None, now: float, *, explain: bool = False) ->
     if status.flags is not None:
         lines.extend(flags_lines(status.flags))
     if v.suggestion:
-        shown = ", ".join(f"--{k} {val}" for k, val in v.suggestion.items())
-        lines.append(f"  suggestion  {shown} (review, then set [vllm.flags])")
+        lines.append(
+            f"  suggestion  {shown(v.suggestion)} "
+            "(review it as a change: vkvagent plan --suggested)"
+        )
     if explain:
         lines.append("  evidence")
         for key, value in sorted(v.evidence.items()):

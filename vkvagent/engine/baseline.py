@@ -97,6 +97,7 @@ class WindowStats:
     # Mean over the window's samples of the slowest GPU's SM clock / its maximum: a busy GPU
     # at its power cap runs well below the maximum, fresh or not (None: no GPU readings).
     sm_clock_ratio: float | None = None
+    prefix_hit_ratio: float | None = None  # prefix-cache hits / queries (None: none queried)
 
     def values(self) -> dict[str, float]:
         """The METRICS this window has, by name."""
@@ -147,6 +148,7 @@ def window_stats(points: Sequence[Point], min_running: float = 0.5) -> WindowSta
             if generated is not None and present is not None and present >= min_running
             else None
         ),
+        prefix_hit_ratio=rates.prefix_cache_hit_ratio,
     )
 
 

@@ -36,6 +36,14 @@ CAUSES = (*sorted(FIXABLE), *sorted(VETOED), "engine_down")
 # The largest --gpu-memory-utilization a suggestion goes to: what is left is the CUDA context,
 # activations and fragmentation (flags.CATALOGUE lets an operator go to 0.98).
 MEMORY_SHARE_TOP = 0.95
+# Prefix caching can only save prompt work: suggested when prompt tokens are at least this share
+# of the tokens processed (docs/tuning.md).
+PROMPT_HEAVY = 0.5
+# Prefix-cache hits / queries at or above this: requests share prefixes, so the block size,
+# the granularity of a hit, matters.
+PREFIX_SHARED = 0.2
+# CUDA's default block size (vLLM's CacheConfig); other platforms pick their own (CPU: 128).
+CUDA_BLOCK_SIZE = 16
 
 EvidenceValue = Union[float, int, str, bool, None]
 Evidence = Mapping[str, EvidenceValue]
@@ -357,6 +365,7 @@ class Situation:
     # load this run has not learned (engine.CARRY_SPEED).
     baseline_of: str = "this run's"
     engines: Sequence[EngineWindow] = ()  # each data-parallel engine over the window (2 or more)
+    prefix_hit_ratio: float | None = None  # prefix-cache hits / queries over the window
 
 
 @dataclass(frozen=True)
@@ -386,6 +395,7 @@ class Diagnosis:
     evidence: Evidence = field(default_factory=dict)
     symptom: str | None = None
     suggestion: Mapping[str, FlagValue] = field(default_factory=dict)
+    reasons: Mapping[str, str] = field(default_factory=dict)  # why each suggested flag
 
     @property
     def fixable(self) -> bool:
@@ -666,7 +676,14 @@ def _kv_pressure(
             evidence,
             symptom=symptom,
         )
-    suggestion = kv_suggestion(capacity, situation.flags, situation.cache_config)
+    advice = kv_advice(
+        capacity,
+        situation.flags,
+        situation.cache_config,
+        stats=stats,
+        prefix_hit_ratio=situation.prefix_hit_ratio,
+        on_gpu=any(situation.gpus),
+    )
     return Diagnosis(
         "kv_pressure",
         f"{symptom} at {demand:.2f} requests/s of demand, a load "
@@ -674,7 +691,8 @@ def _kv_pressure(
         f"({capacity.requests_per_s:.2f}/s)",
         evidence,
         symptom=symptom,
-        suggestion=suggestion,
+        suggestion={name: a.value for name, a in advice.items()},
+        reasons={name: a.reason for name, a in advice.items()},
     )
 
 
@@ -870,31 +888,118 @@ def _first_from(points: Sequence[MemoryPoint], since: float) -> int:
 # -- suggestion --------------------------------------------------------------------------------
 
 
-def kv_suggestion(
-    capacity: Capacity, flags: Mapping[str, FlagValue], cache_config: Mapping[str, str]
-) -> dict[str, FlagValue]:
-    """Flag changes that give KV more room or ask less of it, for an operator to review:
-    a little more memory for the cache; at most 1.5 times the concurrency the fresh server
-    needed at its heaviest clean load (more only preempts); half the prefill chunk. Only
-    values derived from what is known, each within the catalogue's limits."""
-    out: dict[str, FlagValue] = {}
+@dataclass(frozen=True)
+class Advice:
+    """One flag change a diagnosis suggests, and why (words with the numbers behind them)."""
+
+    value: FlagValue
+    reason: str
+
+
+def kv_advice(
+    capacity: Capacity,
+    flags: Mapping[str, FlagValue],
+    cache_config: Mapping[str, str],
+    *,
+    stats: WindowStats | None = None,
+    prefix_hit_ratio: float | None = None,
+    on_gpu: bool = False,
+) -> dict[str, Advice]:
+    """Flag changes that give KV more room or ask less of it, for an operator to review, each
+    argued: a little more memory for the cache; at most 1.5 times the concurrency the fresh
+    server needed at its heaviest clean load (more only preempts); half the prefill chunk;
+    prefix caching where the request mix is mostly prompt; CUDA's block size where an
+    operator's larger one costs prefix-cache hits. Only values derived from what is known,
+    each within the catalogue's limits; unknown never suggests (docs/tuning.md).
+
+    ``flags``: the flags in effect; ``cache_config``: vLLM's ``cache_config_info`` labels;
+    ``on_gpu``: NVML saw a GPU (the block size is only suggested there: other platforms pick
+    their own, the CPU build 128)."""
+    out: dict[str, Advice] = {}
+    pressure = (
+        f"KV usage {_num(stats.kv_usage)} with {_num(stats.preemptions_per_s)} preemptions/s"
+        if stats is not None
+        else "KV pressure"
+    )
     memory = _number(flags.get("gpu-memory-utilization"))
     if memory is None:
         memory = _number(cache_config.get("gpu_memory_utilization"))
     top = MEMORY_SHARE_TOP
-    if memory is not None and memory < top:
-        out["gpu-memory-utilization"] = round(min(top, memory + 0.03), 2)
+    # vLLM 0.32's --kv-cache-memory-bytes sizes the KV cache itself: the share does not.
+    sized = _number(cache_config.get("kv_cache_memory_bytes"))
+    if memory is not None and memory < top and not sized:
+        share = round(min(top, memory + 0.03), 2)
+        out["gpu-memory-utilization"] = Advice(
+            share,
+            f"{pressure} at a load the fresh server served cleanly: {memory:g} -> {share:g} "
+            "gives the KV cache more blocks (what is left after weights and activations is "
+            f"KV), the remedy vLLM's preemption warning names; never above {top:g}",
+        )
     seqs = _number(flags.get("max-num-seqs"))
     if capacity.running is not None:
         cap = max(8, math.ceil(capacity.running * 1.5 / 8) * 8)
         if seqs is None or cap < seqs:
-            out["max-num-seqs"] = cap
+            was = "no cap set" if seqs is None else f"{seqs:g} allowed"
+            out["max-num-seqs"] = Advice(
+                cap,
+                f"the fresh server ran {capacity.running:.1f} requests at once at its heaviest "
+                f"clean load ({capacity.requests_per_s:.2f} requests/s); {cap} (1.5 times that, "
+                f"in steps of 8) keeps the batch the KV cache held ({was}): more are admitted "
+                "only to be preempted",
+            )
     batched = _number(flags.get("max-num-batched-tokens"))
     if batched is not None and batched > 2048:
         # Never below 2048, nor below the sequences one step must hold.
-        sequences = _number(out.get("max-num-seqs")) or seqs or 1
-        out["max-num-batched-tokens"] = int(max(2048, sequences, batched // 2))
+        sequences = _number(out["max-num-seqs"].value) if "max-num-seqs" in out else seqs
+        chunk = int(max(2048, sequences or 1, batched // 2))
+        out["max-num-batched-tokens"] = Advice(
+            chunk,
+            f"half the prefill chunk ({batched:g} -> {chunk}): a step admits fewer new prompt "
+            "tokens into the KV cache at once, so a burst of long prompts preempts less; never "
+            "below 2048 nor below --max-num-seqs",
+        )
+    caching = _flag_bool(
+        flags.get("enable-prefix-caching"), cache_config.get("enable_prefix_caching")
+    )
+    prompt_share = stats.prompt_share if stats is not None else None
+    if caching is False and prompt_share is not None and prompt_share >= PROMPT_HEAVY:
+        caching = True
+        out["enable-prefix-caching"] = Advice(
+            True,
+            f"prompt tokens are {prompt_share:.0%} of the tokens processed and prefix caching "
+            "is off: a prefix that requests share (a system prompt, a conversation so far) is "
+            "prefilled and held in KV once per request instead of once; cached blocks no "
+            "request holds count as free, so it takes no KV room from running requests",
+        )
+    block = _number(flags.get("block-size"))  # only an operator's own choice, never a platform's
+    shared = (
+        prefix_hit_ratio >= PREFIX_SHARED
+        if prefix_hit_ratio is not None
+        else prompt_share is not None and prompt_share >= PROMPT_HEAVY
+    )
+    if on_gpu and caching and block is not None and block > CUDA_BLOCK_SIZE and shared:
+        hits = (
+            f"{prefix_hit_ratio:.0%} of prompt tokens are prefix-cache hits"
+            if prefix_hit_ratio is not None
+            else f"prompt tokens are {_num(prompt_share, '.0%')} of the tokens processed"
+        )
+        out["block-size"] = Advice(
+            CUDA_BLOCK_SIZE,
+            f"{hits}, and a hit is counted in whole blocks: with --block-size {block:g} each "
+            f"shared prefix loses on average {block / 2:g} tokens of hits and each request "
+            f"half a block of KV; {CUDA_BLOCK_SIZE} is CUDA's default",
+        )
     return out
+
+
+def _flag_bool(value: FlagValue | None, label: str | None) -> bool | None:
+    """A boolean flag in effect: as set on the command line, else as cache_config_info shows
+    it (``"True"``/``"False"``); None when neither says."""
+    if isinstance(value, bool):
+        return value
+    if label in ("True", "False"):
+        return label == "True"
+    return None
 
 
 def _number(value: Any) -> float | None:

@@ -193,6 +193,7 @@ class Decision:
     uptime: float | None
     state: EngineState
     suggestion: Mapping[str, FlagValue] = field(default_factory=dict)  # kv_pressure flags
+    suggestion_reasons: Mapping[str, str] = field(default_factory=dict)  # why each one
     recovered: bool | None = None  # whether the last restart restored the fresh speed
     drain_max_in_flight: int | None = None  # for a restart; None: do not drain (emergency)
     # The engine's counters have not moved for probe_after: only a request can tell idle from
@@ -295,6 +296,7 @@ def decide(
         cache_config=latest.vllm.cache_config if latest is not None and latest.vllm else {},
         baseline_of="this run's" if borrowed is None else "an earlier run's",
         engines=_engine_windows(segment) if stats is not None else (),
+        prefix_hit_ratio=stats.prefix_hit_ratio if stats is not None else None,
     )
     diagnosis, dstate = diagnose(d, state.diagnosis, situation, mono)
 
@@ -348,6 +350,7 @@ def decide(
         uptime=uptime,
         state=state,
         suggestion=diagnosis.suggestion,
+        suggestion_reasons=diagnosis.reasons,
         recovered=recovered,
         drain_max_in_flight=verdict.drain_max_in_flight if action == "restart" else None,
         probe_wanted=_probe_wanted(d, dstate, observed, latest, mono),
