@@ -92,6 +92,7 @@ END
 cp -r packaging/prometheus "$stage/share/prometheus"
 rm -rf "$stage/share/prometheus/tests"
 cp -r packaging/grafana "$stage/share/grafana"
+cp -r packaging/siem "$stage/share/siem"  # tests/test_siem.py runs these very files
 find "$stage" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
 
 "$NFPM" package --config packaging/nfpm.yaml --packager deb --target "dist/vkvagent_${version}_all.deb" >/dev/null

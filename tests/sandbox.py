@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -94,6 +94,13 @@ MASKED = (
     # Debian's prometheus (tests/test_replay.py runs its own) enables it: in a sandbox it only
     # takes memory and CPU from the vLLM under test.
     "prometheus.service",
+    # The SIEM collectors `make deps` installs (tests/test_siem.py starts its own): rsyslog
+    # would read the whole journal at every boot.
+    "rsyslog.service",
+    "syslog-ng.service",
+    "systemd-journal-upload.service",
+    "systemd-journal-remote.socket",
+    "systemd-journal-remote.service",
 )
 
 _PR_SET_PDEATHSIG = 1
@@ -399,11 +406,22 @@ class Sandbox:
 
     def connect(self, port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> socket.socket:
         """A TCP connection to ``host:port`` made inside the container's network namespace."""
+        return self._socket_inside(lambda: socket.create_connection((host, port), timeout=timeout))
+
+    def listen(self, port: int, host: str = "127.0.0.1") -> socket.socket:
+        """A TCP socket listening on ``host:port`` inside the container's network namespace,
+        for a stand-in server that the container's services connect to (``accept`` works
+        from any thread of this process)."""
+        return self._socket_inside(lambda: socket.create_server((host, port)))
+
+    def _socket_inside(self, make: Callable[[], socket.socket]) -> socket.socket:
+        """``make()`` run on a short-lived thread that has entered the container's network
+        namespace: the socket stays in that namespace, the thread ends right after."""
         made: list[socket.socket] = []
         failed: list[BaseException] = []
         netns = f"/proc/{self._leader()}/ns/net"
 
-        def inside() -> None:  # runs on its own OS thread, which ends right after
+        def inside() -> None:
             try:
                 fd = os.open(netns, os.O_RDONLY)
                 try:
@@ -412,7 +430,7 @@ class Sandbox:
                         raise OSError(code, f"setns {netns}: {os.strerror(code)}")
                 finally:
                     os.close(fd)
-                made.append(socket.create_connection((host, port), timeout=timeout))
+                made.append(make())
             except BaseException as exc:
                 failed.append(exc)
 
