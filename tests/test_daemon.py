@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -440,6 +441,30 @@ class HangingServer:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("problem", ["config", "history", "ledger"])
+def test_run_exits_78_on_what_only_a_person_can_fix(
+    tmp_path: Path, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An invalid config, or state a newer vkvagent wrote (a downgrade): starting again would
+    fail the same way, so `run` exits 78, which the unit's RestartPreventExitStatus= keeps
+    systemd from retrying every RestartSec=. The state is left as it was."""
+    path = write_config(tmp_path, "http://127.0.0.1:9")
+    state = tmp_path / "state"
+    state.mkdir()
+    if problem == "config":
+        path.write_text(path.read_text() + "[policy]\nmode = 3\n")
+    else:
+        with sqlite3.connect(state / f"{problem}.sqlite3") as db:
+            db.execute("PRAGMA user_version = 99")
+    assert main(["run", "--config", str(path)]) == 78
+    said = capsys.readouterr().err.splitlines()
+    assert said and all(line.startswith("vkvagent: ") for line in said), said
+    if problem != "config":
+        assert "schema 99 is newer than this vkvagent supports" in said[0]
+        with sqlite3.connect(state / f"{problem}.sqlite3") as db:
+            assert db.execute("PRAGMA user_version").fetchone()[0] == 99
 
 
 def test_run_notifies_systemd_from_the_loop_and_handles_signals(

@@ -4,7 +4,9 @@ inside a booted systemd (tests/sandbox.py), where vkvagent.service starts from t
 runs under its own sandbox.
 
 Host installs refuse to run where a vkvagent package is already installed (they would remove
-it). rpm keeps its database in a temporary directory (``--dbpath``), not the host's."""
+it). rpm keeps its database in a temporary directory (``--dbpath``), not the host's. Upgrades
+(from the first release, built from its own commit) and downgrades run in the booted systemd,
+with the service running."""
 
 from __future__ import annotations
 
@@ -15,18 +17,22 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.sandbox import Sandbox, require, sandbox_fixture  # noqa: F401 - the `sandbox` fixture
+from tests.sandbox import Sandbox, SandboxError, require, sandbox_fixture  # noqa: F401 - the `sandbox` fixture
 from vkvagent import __version__, config
 from vkvagent.cli import main
+from vkvagent.history import History
 
 PROJECT = Path(__file__).resolve().parent.parent
 DIST = PROJECT / "dist"
@@ -36,6 +42,11 @@ UNIT = "vkvagent.service"
 MAX_EXPOSURE = 2.5
 PAGE = PROJECT / "tests/fixtures/metrics/v1-0.10.prom"
 NEWER = f"{__version__}.post1"  # the upgrade tests' second build
+# The release the upgrade tests start from: the first packaged commit, built from its own
+# tree, so an upgrade migrates state its own code wrote (history schema 2 -> 3) and replaces a
+# shipped config.toml whose defaults differ from this one's.
+OLD_COMMIT = "524ef5371e3f0a95894247a12fefba56064b98a8"
+OLD_VERSION = "0.1.0"
 # Every file a package puts outside its own directories, and those directories.
 OWN_DIRS = ("/usr/lib/vkvagent", "/usr/share/vkvagent", "/usr/share/doc/vkvagent", "/etc/vkvagent")
 COMMON_FILES = (
@@ -48,6 +59,7 @@ COMMON_FILES = (
     "/usr/share/vkvagent/prometheus/vllm-rules.yml",
     "/usr/share/vkvagent/prometheus/vkvagent-rules.yml",
     "/usr/share/vkvagent/grafana/vkvagent.json",
+    "/usr/share/vkvagent/siem/rsyslog-vkvagent.conf",
     "/usr/lib/vkvagent/vkvagent/cli.py",
     "/usr/lib/vkvagent/jeepney/__init__.py",
     "/usr/lib/vkvagent/prometheus_client/__init__.py",
@@ -135,6 +147,38 @@ def newer_packages(packages: tuple[Path, Path]) -> Iterator[tuple[Path, Path]]:
     finally:
         deb.unlink(missing_ok=True)
         rpm.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def old_packages(one_at_a_time: None) -> Iterator[tuple[Path, Path]]:
+    """OLD_COMMIT's .deb and .rpm, built by its own build.sh (with this venv's uv and nfpm)
+    from `git archive` of that commit: nothing in the checkout is touched."""
+    need("git", str(BIN / "uv"), str(BIN / "nfpm"))
+    found = run("git", "cat-file", "-e", f"{OLD_COMMIT}^{{commit}}", check=False)
+    if found.returncode != 0:
+        pytest.fail(
+            f"commit {OLD_COMMIT[:12]} (vkvagent {OLD_VERSION}, the upgrade tests' starting "
+            "point) is not in this clone: clone with full history (git fetch --unshallow)"
+        )
+    epoch = run("git", "log", "-1", "--format=%ct", OLD_COMMIT).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="vkvagent-old-") as temporary:
+        tree = Path(temporary) / "tree"
+        tree.mkdir()
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", OLD_COMMIT], cwd=PROJECT, capture_output=True,
+            check=True, timeout=60,
+        )  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        began = time.monotonic()
+        run("bash", tree / "packaging/build.sh", timeout=300, env={
+            "PYTHON": sys.executable, "UV": str(BIN / "uv"), "NFPM": str(BIN / "nfpm"),
+            "VKVAGENT_VERSION": OLD_VERSION, "SOURCE_DATE_EPOCH": epoch,
+        })  # fmt: skip
+        print(f"\nbuilt {OLD_VERSION} ({OLD_COMMIT[:7]}) in {time.monotonic() - began:.1f} s")
+        yield (
+            tree / f"dist/vkvagent_{OLD_VERSION}_all.deb",
+            tree / f"dist/vkvagent-{OLD_VERSION}-1.noarch.rpm",
+        )
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +298,27 @@ def test_rpmlint_finds_no_error(packages: tuple[Path, Path], rpm_home: dict[str,
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_the_launcher_answers_in_one_line_while_its_tree_is_half_replaced(tmp_path: Path) -> None:
+    """dpkg and rpm replace /usr/lib/vkvagent file by file: a command started meanwhile may
+    find a cli.py of one version importing a name another version's module lacks. It says so
+    in one line, no traceback; `status` exits 3 (unknown) as a check expects."""
+    lib = tmp_path / "lib"
+    (lib / "vkvagent").mkdir(parents=True)
+    (lib / "vkvagent/__init__.py").write_text("")
+    (lib / "vkvagent/flags.py").write_text("")  # the older module, without `shown`
+    (lib / "vkvagent/cli.py").write_text("from vkvagent.flags import shown\n")
+    launcher = tmp_path / "vkvagent"
+    launcher.write_text(
+        (PROJECT / "packaging/vkvagent").read_text().replace("/usr/lib/vkvagent", str(lib))
+    )
+    for args, code in ((["status"], 3), (["scrape", "--json"], 1)):
+        done = run(sys.executable, "-sE", launcher, *args, check=False)
+        assert done.returncode == code, done.stderr
+        said = done.stderr.splitlines()
+        assert len(said) == 1 and said[0].startswith(f"vkvagent: cannot load {lib} (ImportError: ")
+        assert "try again once it has finished" in said[0]
+
+
 def test_the_man_page_renders_without_warnings_and_covers_every_command() -> None:
     need("man")
     page = PROJECT / "packaging/vkvagent.8"
@@ -281,6 +346,7 @@ def test_the_units_exposure_is_at_most_2_5() -> None:
     text = unit.read_text(encoding="utf-8")
     for line in ("Type=notify", "NotifyAccess=main", "ExecStart=/usr/bin/vkvagent run",
                  "ExecReload=/bin/kill -HUP $MAINPID", "Restart=on-failure",
+                 "RestartPreventExitStatus=78",
                  "CapabilityBoundingSet=CAP_SYS_PTRACE", "ProtectSystem=strict"):  # fmt: skip
         assert f"\n{line}\n" in text, line
     assert re.search(r"^WatchdogSec=\d+$", text, re.M)
@@ -343,15 +409,24 @@ def forget_man_page() -> None:
         cached.unlink(missing_ok=True)
 
 
-def leftovers(paths: Sequence[str]) -> list[str]:
-    """What is still there of a package's paths, its directories and its systemd state."""
-    left = [p for p in paths if os.path.lexists(p) and not (os.path.isdir(p) and p in SHARED)]
-    left += [d for d in (*OWN_DIRS, "/var/lib/vkvagent") if os.path.lexists(d)]
+def leftovers(paths: Sequence[str], root: Path = Path("/")) -> list[str]:
+    """What is still there of a package's paths, its directories and its systemd state, on
+    this host or under ``root`` (a container's)."""
+
+    def there(path: str) -> str:
+        return str(root / path.lstrip("/"))
+
+    left = [
+        p for p in paths
+        if os.path.lexists(there(p)) and not (os.path.isdir(there(p)) and p in SHARED)
+    ]  # fmt: skip
+    left += [d for d in (*OWN_DIRS, "/var/lib/vkvagent") if os.path.lexists(there(d))]
     for place in ("/etc/systemd/system", "/var/lib/systemd/deb-systemd-helper-enabled",
                   "/var/lib/systemd/deb-systemd-helper-masked"):  # fmt: skip
         with contextlib.suppress(OSError):
-            left += [str(p) for p in Path(place).rglob("*vkvagent*")]
-    return sorted(set(left))
+            left += ["/" + str(p.relative_to(root)) for p in Path(there(place)).rglob("*vkvagent*")]
+    # vLLM's drop-in stays: vLLM's command line depends on it (a purge says so).
+    return sorted(set(left) - {"/" + DROPIN})
 
 
 # Directories packages share with the system; they stay.
@@ -410,62 +485,19 @@ def test_the_installed_tree_runs_on_the_oldest_and_newest_python(
 
 
 @pytest.mark.root
-def test_a_deb_upgrade_keeps_config_and_state_and_a_purge_leaves_nothing(
-    packages: tuple[Path, Path], newer_packages: tuple[Path, Path]
-) -> None:
-    need_root()
-    need("apt-get", "dpkg-query")
-    no_vkvagent_installed()
-    (old, _rpm), (new, _newer_rpm) = packages, newer_packages
-    conffile, state = Path("/etc/vkvagent/config.toml"), Path("/var/lib/vkvagent")
-    try:
-        apt_get("install", f"./{old.relative_to(PROJECT)}")
-        shipped = conffile.read_text()
-        edited = shipped.replace('# url = "http://127.0.0.1:8000"', 'url = "http://127.0.0.1:8001"')
-        assert edited != shipped
-        conffile.write_text(edited)
-        (Path("/etc/vkvagent/conf.d") / "50-local.toml").write_text("[gpu]\nenabled = false\n")
-        (state / "ledger.sqlite3").write_bytes(b"the ledger")
-        (state / "history.sqlite3").write_bytes(b"the history")
-        apt_get("install", f"./{new.relative_to(PROJECT)}")
-        status = run("dpkg-query", "-W", "-f", "${Version}", "vkvagent").stdout
-        assert status == f"{NEWER}-1"
-        assert conffile.read_text() == edited
-        assert (state / "ledger.sqlite3").read_bytes() == b"the ledger"
-        assert (state / "history.sqlite3").read_bytes() == b"the history"
-        assert Path("/etc/vkvagent/conf.d/50-local.toml").exists()
-        assert run("/usr/bin/vkvagent", "config", "check").returncode == 0
-
-        apt_get("remove", "vkvagent")  # removal keeps configuration and state
-        assert conffile.read_text() == edited
-        assert (state / "ledger.sqlite3").exists()
-        assert not Path("/usr/bin/vkvagent").exists()
-        assert not Path("/usr/lib/vkvagent").exists()  # the byte-code went too
-
-        apt_get("install", f"./{new.relative_to(PROJECT)}")
-        listed = run("dpkg", "-L", "vkvagent").stdout.split()
-        apt_get("purge", "vkvagent")
-        assert run("dpkg-query", "-W", "vkvagent", check=False).returncode != 0
-        assert leftovers(listed) == []
-    finally:
-        purge_deb()
-
-
-@pytest.mark.root
-def test_the_rpm_installs_upgrades_and_erases(
-    packages: tuple[Path, Path], newer_packages: tuple[Path, Path]
-) -> None:
+def test_the_rpm_installs_and_erases(packages: tuple[Path, Path]) -> None:
+    """On this host, without systemd's help (upgrades: in a booted systemd, below)."""
     need_root()
     need("rpm", "systemd-analyze")
     no_vkvagent_installed()
-    (_deb, old), (_newer_deb, new) = packages, newer_packages
+    _deb, package = packages
     conffile, state = Path("/etc/vkvagent/config.toml"), Path("/var/lib/vkvagent")
     # Parents rpm creates that Debian lacks (/usr/share/licenses): removed again at the end.
     parents = [Path(p) for p in ("/usr/share/licenses",) if not Path(p).exists()]
     with tempfile.TemporaryDirectory(prefix="vkvagent-rpmdb-") as dbpath:
         rpm = ("rpm", "--dbpath", dbpath)
         try:
-            run(*rpm, "-i", "--nodeps", old)
+            run(*rpm, "-i", "--nodeps", package)
             assert run(*rpm, "-q", "vkvagent").stdout.strip() == f"vkvagent-{__version__}-1.noarch"
             assert run("/usr/bin/vkvagent", "--version").stdout == f"vkvagent {__version__}\n"
             assert unit_checks(Path("/usr/lib/systemd/system/vkvagent.service")) <= MAX_EXPOSURE
@@ -473,11 +505,6 @@ def test_the_rpm_installs_upgrades_and_erases(
             edited = conffile.read_text() + "# edited\n"
             conffile.write_text(edited)
             (state / "ledger.sqlite3").write_bytes(b"the ledger")
-
-            run(*rpm, "-U", "--nodeps", new)
-            assert run(*rpm, "-q", "vkvagent").stdout.strip() == f"vkvagent-{NEWER}-1.noarch"
-            assert conffile.read_text() == edited  # %config(noreplace)
-            assert (state / "ledger.sqlite3").read_bytes() == b"the ledger"
             files = run(*rpm, "-ql", "vkvagent").stdout.split()
 
             run(*rpm, "-e", "vkvagent")
@@ -591,7 +618,7 @@ def test_vkvagent_service_from_the_deb_starts_until_ready(
               "vkvagent_scrape_errors_total", "vkvagent_window_open", "vkvagent_escalated",
               "vkvagent_restart_budget_remaining",
               "vkvagent_last_evaluation_timestamp_seconds"}  # fmt: skip
-    deadline, names = time.monotonic() + 15, set()
+    deadline, names = time.monotonic() + 15, set[str]()
     while not wanted <= names and time.monotonic() < deadline:
         with contextlib.suppress(OSError):
             _status, body = sandbox.http_get(9849, "/metrics")
@@ -609,6 +636,29 @@ def test_vkvagent_service_from_the_deb_starts_until_ready(
     assert show(sandbox, "ActiveState", "MainPID") == {"ActiveState": "active", "MainPID": str(pid)}
     sandbox.run("systemctl", "stop", UNIT, timeout=60)
     assert show(sandbox, "Result")["Result"] == "success", journal(sandbox)
+
+
+@pytest.mark.systemd
+def test_an_invalid_config_fails_the_service_once_instead_of_every_5_s(
+    sandbox: Sandbox, packages: tuple[Path, Path]
+) -> None:
+    """`vkvagent run` exits 78 on what only a person can fix; the unit does not restart it
+    (RestartPreventExitStatus=78), where Restart=on-failure alone would try every RestartSec=
+    (5 s) forever, the start limit (5 in 10 s) never reached."""
+    require()
+    install_in(sandbox, packages[0])
+    local = sandbox.root / "etc/vkvagent/conf.d/50-broken.toml"
+    local.write_text('[policy]\nmode = "sometimes"\n')
+    local.chmod(0o644)
+    started = start(sandbox)
+    assert started.returncode != 0
+    time.sleep(6.5)  # past RestartSec=5: a restart would have come by now
+    state = show(sandbox, "ActiveState", "Result", "ExecMainStatus", "NRestarts")
+    assert state == {
+        "ActiveState": "failed", "Result": "exit-code", "ExecMainStatus": "78", "NRestarts": "0"
+    }, journal(sandbox)  # fmt: skip
+    said = [m for m in sandbox.messages(UNIT) if m.startswith("vkvagent: ")]
+    assert len(said) == 1 and "sometimes" in said[0], said
 
 
 @pytest.mark.systemd
@@ -680,3 +730,378 @@ def test_apply_works_under_the_units_sandbox(sandbox: Sandbox, packages: tuple[P
     assert "--max-num-seqs 64" in dropin.read_text()
     assert dropin.read_text().endswith("\nTimeoutStopSec=150\nKillMode=mixed\n")
     assert (sandbox.root / "var/lib/vkvagent/ledger.sqlite3").exists()
+
+
+# -- upgrades in a booted systemd, with the service running ------------------------------------
+
+STATE = "var/lib/vkvagent"
+DROPIN = "etc/systemd/system/vllm.service.d/90-vkvagent.conf"
+# What tells one run of the service from the next, and systemd's own restarts from others.
+UNIT_FACTS = ("ActiveState", "SubState", "MainPID", "InvocationID", "NRestarts")
+# Where the service's restarts show in its journal (systemd 252's words).
+STOPPING, STARTED = f"Stopping {UNIT} - ", f"Started {UNIT} - "
+# How the older release's daemon refuses the history this one migrated (tests/test_history.py
+# tests the same refusal in this code).
+NEWER_HISTORY = re.compile(r"history database schema (\d+) is newer than this vkvagent supports")
+
+
+def apt(box: Sandbox, *args: str) -> subprocess.CompletedProcess[str]:
+    """apt-get as an admin runs it unattended: an edited conffile is kept (--force-confold;
+    --force-confdef does the same here, as keeping is dpkg's default answer, and without
+    either dpkg asks, and fails the upgrade at the end of its input)."""
+    return box.run(
+        "apt-get", "-y", "-q", "-o", "Dpkg::Options::=--force-confold", *args,
+        env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=180,
+    )  # fmt: skip
+
+
+def put_in(box: Sandbox, *files: Path) -> list[str]:
+    """Copy packages into the container (its /tmp is its own); their paths there."""
+    for file in files:
+        shutil.copy(file, box.root / "root" / file.name)
+    return [f"/root/{file.name}" for file in files]
+
+
+def as_on_a_host(box: Sandbox) -> None:
+    """This host image has a policy-rc.d that forbids starting services (as container images
+    do), so deb-systemd-invoke would skip the restart an upgrade asks for: remove it from the
+    container's overlay, as a real host has none."""
+    (box.root / "usr/sbin/policy-rc.d").unlink(missing_ok=True)
+
+
+# Reads a database inside the container (SQLite cannot open one through /proc/PID/root: it
+# resolves that link to the host's /), read-only: argv is the file and one query; prints the
+# column names and the rows as JSON.
+QUERY = """
+import json, sqlite3, sys
+db = sqlite3.connect(f"file:{sys.argv[1]}?mode=ro", uri=True)
+cursor = db.execute(sys.argv[2])
+rows = cursor.fetchall()
+print(json.dumps([[c[0] for c in cursor.description or ()], rows]))
+"""
+
+
+def query(box: Sandbox, database: str, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    done = box.run("python3", "-c", QUERY, f"/{STATE}/{database}", sql)
+    columns, found = json.loads(done.stdout)
+    return columns, [tuple(row) for row in found]
+
+
+def user_version(box: Sandbox, database: str) -> int:
+    return int(query(box, database, "PRAGMA user_version")[1][0][0])
+
+
+# Every table whose rows an upgrade must keep: the history's and the ledger's.
+KEPT_TABLES = (("history.sqlite3", "samples"), ("history.sqlite3", "cache_configs"),
+               ("ledger.sqlite3", "actions"), ("ledger.sqlite3", "steps"))  # fmt: skip
+
+
+def kept_rows(box: Sandbox) -> dict[str, tuple[list[str], list[tuple[Any, ...]]]]:
+    return {
+        f"{db}:{table}": query(box, db, f"SELECT rowid, * FROM {table} ORDER BY rowid")
+        for db, table in KEPT_TABLES
+    }
+
+
+def still_there(box: Sandbox, before: dict[str, tuple[list[str], list[tuple[Any, ...]]]]) -> None:
+    """Every row from ``before`` is still there, unchanged in every column it had."""
+    for key, (columns, old) in before.items():
+        db, table = key.split(":")
+        _columns, now = query(box, db, f"SELECT {', '.join(columns)} FROM {table} ORDER BY rowid")
+        assert len(now) >= len(old), key
+        missing = set(old) - set(now)
+        assert not missing, (
+            f"{key}: {len(missing)} rows lost or changed, e.g. {next(iter(missing))}"
+        )
+
+
+def samples(box: Sandbox) -> int:
+    """How many samples the history holds; 0 before the daemon has made it."""
+    try:
+        return int(query(box, "history.sqlite3", "SELECT count(*) FROM samples")[1][0][0])
+    except SandboxError:  # no file, or no table yet
+        return 0
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float, box: Sandbox) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s; journal:\n{journal(box)}")
+        time.sleep(0.2)
+
+
+def status_pid(box: Sandbox) -> str:
+    """The PID of the daemon that wrote status.json last, or ""."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return str(json.loads((box.root / STATE / "status.json").read_text())["pid"])
+    return ""
+
+
+# A call that imported the program while the package manager was replacing its files one by
+# one: a mix of two versions' modules (dpkg and rpm rename each file into place; neither
+# swaps the tree at once). A launcher with no guard for it (the first release's) ends such a
+# call with this traceback; it is let through while the package manager runs, nowhere else.
+TORN = re.compile(r"^Traceback .*\n(ModuleNotFoundError|ImportError): .*\n\Z", re.S)
+
+
+class StatusCalls:
+    """`vkvagent status --json` called in a loop, in the container, for as long as it runs:
+    every call must end with a documented exit code and say something readable."""
+
+    def __init__(self, box: Sandbox) -> None:
+        self.box = box
+        self.calls: list[tuple[float, subprocess.CompletedProcess[str]]] = []
+        self.done = 0.0  # when the package operation ended
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="status-calls")
+
+    def __enter__(self) -> StatusCalls:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            done = self.box.run("vkvagent", "status", "--json", check=False, timeout=30)
+            self.calls.append((began, done))
+
+    def check(self) -> int:
+        """Every call answered cleanly, except those that started while the package manager
+        was replacing the files and failed to import them (TORN); returns how many did."""
+        assert self.done and self.calls, "no status call was made"
+        torn = 0
+        for began, call in self.calls:
+            say = f"exit {call.returncode}\nstdout: {call.stdout[-500:]}\nstderr: {call.stderr}"
+            if began < self.done and call.returncode == 1 and TORN.match(call.stderr):
+                torn += 1
+                continue
+            assert call.returncode in (0, 1, 2, 3), say  # status.StatusCode
+            assert "Traceback" not in call.stderr and "internal error" not in call.stderr, say
+            if call.stdout:
+                assert isinstance(json.loads(call.stdout), dict), say
+            else:  # no status to show (yet): one line that says why
+                assert call.returncode == 3 and len(call.stderr.splitlines()) == 1, say
+                assert call.stderr.startswith("vkvagent: "), say
+        assert torn < len(self.calls), "every status call failed"
+        return torn
+
+
+def serve_with_old(box: Sandbox, install: Callable[[], object]) -> None:
+    """The scene an upgrade meets: OLD_VERSION installed, config.toml edited, a local file in
+    conf.d, vLLM's drop-in written by `vkvagent apply`, and the service running long enough
+    to have kept samples."""
+    as_on_a_host(box)
+    install()
+    local = box.root / "etc/vkvagent/conf.d/50-test.toml"
+    local.write_text(
+        "[restart]\nready_timeout = 30\njob_timeout = 30\n[gpu]\nenabled = false\n"
+        "[vllm.flags]\nmax-num-seqs = 64\n"
+    )
+    local.chmod(0o644)
+    conffile = box.root / "etc/vkvagent/config.toml"
+    shipped = conffile.read_text()
+    edited = shipped.replace("# sample_interval = 10.0", "sample_interval = 1.0")
+    assert edited != shipped
+    conffile.write_text(edited)
+    applied = box.run("vkvagent", "apply", "--now", "--no-drain", "--reason", "upgrade-test",
+                      check=False, timeout=120)  # fmt: skip
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert "--max-num-seqs 64" in (box.root / DROPIN).read_text()
+    enabled = box.run("systemctl", "enable", "--now", UNIT, check=False, timeout=90)
+    assert enabled.returncode == 0, f"{enabled.stderr}\njournal:\n{journal(box)}"
+    wait_for("3 samples kept", lambda: samples(box) >= 3, 30, box)
+    pid = show(box, "MainPID")["MainPID"]
+    wait_for("a status written", lambda: status_pid(box) == pid, 30, box)
+
+
+def upgrade_while_running(box: Sandbox, upgrade: Callable[[], object]) -> dict[str, float]:
+    """Run ``upgrade`` with the service running and `vkvagent status` called throughout, and
+    check what an upgrade must keep and restart. Returns timings."""
+    root = box.root
+    with tempfile.TemporaryDirectory(prefix="vkvagent-schema-") as fresh:
+        with History(fresh):  # the schema this code writes
+            pass
+        with contextlib.closing(sqlite3.connect(Path(fresh) / "history.sqlite3")) as db:
+            new_schema = int(db.execute("PRAGMA user_version").fetchone()[0])
+    old_schema = user_version(box, "history.sqlite3")
+    assert old_schema < new_schema, "the upgrade would migrate nothing"
+    dropin = (root / DROPIN).read_bytes()
+    vllm_before = box.run("systemctl", "show", "-P", "InvocationID", "vllm.service").stdout
+    unit_before = show(box, *UNIT_FACTS)
+    assert (unit_before["ActiveState"], unit_before["SubState"]) == ("active", "running")
+    logged = len(box.messages(UNIT))
+    before = kept_rows(box)
+    taken = len(before["history.sqlite3:samples"][1])
+    assert taken >= 3 and before["ledger.sqlite3:actions"][1], "nothing to keep"
+
+    began = time.monotonic()
+    with StatusCalls(box) as during:
+        upgrade()
+        during.done = time.monotonic()
+        upgraded = during.done - began
+        # The new daemon has migrated the history, kept a sample in it and written its status.
+        pid = show(box, "MainPID")["MainPID"]
+        wait_for("the new daemon's status", lambda: status_pid(box) == pid, 30, box)
+        wait_for("a sample from the new daemon", lambda: samples(box) > taken, 30, box)
+    torn = during.check()
+
+    assert user_version(box, "history.sqlite3") == new_schema
+    still_there(box, before)
+    unit_after = show(box, *UNIT_FACTS)
+    assert (unit_after["ActiveState"], unit_after["SubState"]) == ("active", "running")
+    assert unit_after["InvocationID"] != unit_before["InvocationID"]
+    assert unit_after["MainPID"] != unit_before["MainPID"]
+    assert unit_after["NRestarts"] == unit_before["NRestarts"]  # restarted by the upgrade only
+    said = box.messages(UNIT)[logged:]
+    stops = [m for m in said if m.startswith(STOPPING)]
+    starts = [m for m in said if m.startswith(STARTED)]
+    assert (len(stops), len(starts)) == (1, 1), "\n".join(said)
+    assert (root / DROPIN).read_bytes() == dropin
+    vllm_after = box.run("systemctl", "show", "-P", "InvocationID", "vllm.service").stdout
+    assert vllm_after == vllm_before, "the upgrade restarted vLLM"
+    after = box.run("vkvagent", "status", "--json", check=False)
+    assert after.returncode in (0, 1, 2, 3), after.stderr
+    assert json.loads(after.stdout)["unit_name"] == "vllm.service"
+    return {"upgrade": upgraded, "status calls": len(during.calls), "torn": torn}
+
+
+def downgrade_refused(box: Sandbox, downgrade: Callable[[], object]) -> None:
+    """Back to OLD_VERSION over this version's state: the package goes in, but the older
+    daemon refuses the newer history in one line, before writing a byte (OLD_VERSION exits 1,
+    which Restart=on-failure retries; later versions exit 78, which the unit does not); vLLM and its drop-in stay as they are, and `vkvagent
+    status` still answers cleanly."""
+    schema = user_version(box, "history.sqlite3")
+    before = kept_rows(box)
+    dropin = (box.root / DROPIN).read_bytes()
+    vllm = box.run("systemctl", "show", "-P", "InvocationID", "vllm.service").stdout
+    logged = len(box.messages(UNIT))
+    with StatusCalls(box) as during:
+        downgrade()
+        during.done = time.monotonic()
+        wait_for("the older daemon's refusal",
+                 lambda: any(NEWER_HISTORY.search(m) for m in box.messages(UNIT)[logged:]),
+                 30, box)  # fmt: skip
+    during.check()
+    said = box.messages(UNIT)[logged:]
+    refusals = [m for m in said if NEWER_HISTORY.search(m)]
+    assert refusals[0].startswith("vkvagent: ") and "\n" not in refusals[0], refusals
+    assert NEWER_HISTORY.search(refusals[0]).group(1) == str(schema)  # type: ignore[union-attr]
+    assert show(box, "ActiveState")["ActiveState"] != "active"
+    assert user_version(box, "history.sqlite3") == schema  # not migrated back, nor damaged
+    still_there(box, before)
+    assert (box.root / DROPIN).read_bytes() == dropin
+    assert box.run("systemctl", "show", "-P", "InvocationID", "vllm.service").stdout == vllm
+
+
+@pytest.mark.systemd
+def test_a_deb_upgrade_from_the_first_release_keeps_config_state_and_vllm_and_restarts_once(
+    sandbox: Sandbox, old_packages: tuple[Path, Path], newer_packages: tuple[Path, Path]
+) -> None:
+    """apt-get from OLD_VERSION (its own code) to this one, the service running; then a
+    downgrade, a removal and a purge."""
+    require()
+    began = time.monotonic()
+    old, new = put_in(sandbox, old_packages[0], newer_packages[0])
+    serve_with_old(sandbox, lambda: install_in(sandbox, Path(old)))
+    conffile = sandbox.root / "etc/vkvagent/config.toml"
+    edited = conffile.read_text()
+    timings = upgrade_while_running(sandbox, lambda: apt(sandbox, "install", new))
+    status = sandbox.run("dpkg-query", "-W", "-f", "${Status} ${Version}", "vkvagent").stdout
+    assert status == f"install ok installed {NEWER}-1"
+    # An edited conffile whose shipped default changed: --force-confold keeps the edit, and the
+    # new default is left beside it.
+    assert conffile.read_text() == edited
+    dist = conffile.with_name("config.toml.dpkg-dist")
+    assert dist.read_text().startswith("# vkvagent's configuration.")
+    assert dist.read_text() != edited
+    assert (sandbox.root / "etc/vkvagent/conf.d/50-test.toml").exists()
+    downgrade_refused(sandbox, lambda: apt(sandbox, "--allow-downgrades", "install", old))
+    apt(sandbox, "install", new)  # back: the newer reads its state again
+    wait_for("the service back", lambda: show(sandbox, "ActiveState")["ActiveState"] == "active",
+             30, sandbox)  # fmt: skip
+
+    vllm = sandbox.run("systemctl", "show", "-P", "InvocationID", "vllm.service").stdout
+    dropin = (sandbox.root / DROPIN).read_bytes()
+    apt(sandbox, "remove", "vkvagent")  # keeps configuration and state
+    assert show(sandbox, "ActiveState")["ActiveState"] == "inactive"
+    assert conffile.read_text() == edited
+    assert (sandbox.root / STATE / "ledger.sqlite3").exists()
+    assert not (sandbox.root / "usr/bin/vkvagent").exists()
+    assert not (sandbox.root / "usr/lib/vkvagent").exists()  # the byte-code went too
+    apt(sandbox, "install", new)
+    listed = sandbox.run("dpkg", "-L", "vkvagent").stdout.split()
+    purged = apt(sandbox, "purge", "vkvagent")
+    assert "90-vkvagent.conf is kept" in purged.stdout + purged.stderr, purged
+    assert sandbox.run("dpkg-query", "-W", "vkvagent", check=False).returncode != 0
+    assert leftovers(listed, sandbox.root) == []
+    # vLLM's command line depends on its drop-in: no removal touches it, or vLLM.
+    assert (sandbox.root / DROPIN).read_bytes() == dropin
+    assert sandbox.run("systemctl", "show", "-P", "InvocationID", "vllm.service").stdout == vllm
+    print(
+        f"\ndeb: upgrade {timings['upgrade']:.1f} s ({timings['status calls']:.0f} status "
+        f"calls, {timings['torn']:.0f} torn), all of it {time.monotonic() - began:.1f} s"
+    )
+
+
+@pytest.mark.systemd
+def test_an_rpm_upgrade_from_the_first_release_keeps_config_state_and_vllm_and_restarts_once(
+    sandbox: Sandbox, old_packages: tuple[Path, Path], newer_packages: tuple[Path, Path]
+) -> None:
+    """The same with rpm -U (this host's rpm, its database in the container, --nodeps: the
+    container is Debian), so the scriptlets run with systemd up; then a downgrade
+    (--oldpackage) and an erase."""
+    require()
+    need("rpm")
+    began = time.monotonic()
+    old, new = put_in(sandbox, old_packages[1], newer_packages[1])
+    rpm = ("rpm", "--dbpath", "/root/rpmdb")
+    sandbox.run("mkdir", "/root/rpmdb")
+
+    def install() -> None:
+        sandbox.run(*rpm, "-i", "--nodeps", old, timeout=120)
+        assert (sandbox.root / STATE).is_dir()
+
+    serve_with_old(sandbox, install)
+    conffile = sandbox.root / "etc/vkvagent/config.toml"
+    edited = conffile.read_text()
+    # The restart comes from the %postun of the package being replaced (rpm runs the old
+    # package's scriptlets last, after the new one's files are in place).
+    timings = upgrade_while_running(
+        sandbox, lambda: sandbox.run(*rpm, "-U", "--nodeps", new, timeout=120)
+    )
+    query = sandbox.run(*rpm, "-q", "vkvagent").stdout.strip()
+    assert query == f"vkvagent-{NEWER}-1.noarch"
+    assert conffile.read_text() == edited  # %config(noreplace), the new default beside it
+    rpmnew = conffile.with_name("config.toml.rpmnew")
+    assert rpmnew.read_text().startswith("# vkvagent's configuration.")
+    assert rpmnew.read_text() != edited
+
+    downgrade_refused(
+        sandbox, lambda: sandbox.run(*rpm, "-U", "--nodeps", "--oldpackage", old, timeout=120)
+    )
+    sandbox.run(*rpm, "-U", "--nodeps", new, timeout=120)
+    wait_for("the service back", lambda: show(sandbox, "ActiveState")["ActiveState"] == "active",
+             30, sandbox)  # fmt: skip
+
+    vllm = sandbox.run("systemctl", "show", "-P", "InvocationID", "vllm.service").stdout
+    dropin = (sandbox.root / DROPIN).read_bytes()
+    files = sandbox.run(*rpm, "-ql", "vkvagent").stdout.split()
+    sandbox.run(*rpm, "-e", "--nodeps", "vkvagent", timeout=120)
+    assert show(sandbox, "ActiveState")["ActiveState"] == "inactive"
+    assert sandbox.run("systemctl", "is-enabled", UNIT, check=False).stdout.strip() != "enabled"
+    # rpm's way: an edited config is kept as .rpmsave, and the state stays.
+    assert conffile.with_name("config.toml.rpmsave").read_text() == edited
+    assert (sandbox.root / STATE / "ledger.sqlite3").exists()
+    sandbox.run("rm", "-rf", "/etc/vkvagent", f"/{STATE}")
+    assert leftovers(files, sandbox.root) == []
+    assert (sandbox.root / DROPIN).read_bytes() == dropin
+    assert sandbox.run("systemctl", "show", "-P", "InvocationID", "vllm.service").stdout == vllm
+    print(
+        f"\nrpm: upgrade {timings['upgrade']:.1f} s ({timings['status calls']:.0f} status "
+        f"calls, {timings['torn']:.0f} torn), all of it {time.monotonic() - began:.1f} s"
+    )

@@ -21,7 +21,7 @@ from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.gpu_faults import describe_xid
 from vkvagent.engine.policy import MODES, PolicySettings, window_state
 from vkvagent.engine.samples import GpuReading, VllmMetrics
-from vkvagent.errors import VkvagentError
+from vkvagent.errors import NEEDS_OPERATOR, NeedsOperator, VkvagentError
 from vkvagent.events import Events
 from vkvagent.flags import shown as flags_shown
 from vkvagent.gpu import GpuReader, NvmlBackend, RecordedBackend, reader_for, record
@@ -351,7 +351,12 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
 def _run(args: argparse.Namespace, _out: TextIO) -> int:
     from vkvagent.daemon import Daemon  # noqa: PLC0415 - apscheduler only for the daemon
 
-    daemon = Daemon(args.config)
+    try:
+        daemon = Daemon(args.config)
+    except NeedsOperator as exc:  # systemd would only start it again to fail the same way
+        for line in str(exc).splitlines():
+            print(f"vkvagent: {line}", file=sys.stderr)
+        return NEEDS_OPERATOR
     # What the daemon creates from now on is for root and its group only (the unit's UMask=
     # says the same). Set here, for the daemon's own process: Daemon.run also serves the demo.
     os.umask(0o027)

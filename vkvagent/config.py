@@ -27,7 +27,7 @@ from vkvagent.engine.baseline import BaselineSettings
 from vkvagent.engine.diagnosis import FIXABLE, DiagnosisSettings
 from vkvagent.engine.policy import PolicySettings
 from vkvagent.engine.tick import Settings
-from vkvagent.errors import VkvagentError
+from vkvagent.errors import NeedsOperator
 from vkvagent.reconcile import APPLY_MODES
 
 if sys.version_info >= (3, 11):
@@ -646,7 +646,7 @@ class Config:
         )
 
 
-class ConfigError(VkvagentError):
+class ConfigError(NeedsOperator):
     """One or more problems in the configuration, one ``file:line: key: ...`` line each."""
 
     def __init__(self, problems: Sequence[str]) -> None:

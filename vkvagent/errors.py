@@ -8,3 +8,12 @@ one line per problem. ``cli.main`` catches the root: anything else that escapes 
 
 class VkvagentError(Exception):
     """An expected failure, said in one line per problem."""
+
+
+class NeedsOperator(VkvagentError):
+    """A failure that restarting the daemon cannot cure, only a person: an invalid config, or
+    state written by a newer vkvagent (after a downgrade). ``vkvagent run`` exits
+    ``NEEDS_OPERATOR`` on one, which the unit's ``RestartPreventExitStatus=`` does not retry."""
+
+
+NEEDS_OPERATOR = 78  # sysexits.h's EX_CONFIG

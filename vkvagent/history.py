@@ -28,7 +28,7 @@ from typing import Any, Callable, TypeVar, cast
 from urllib.parse import quote
 
 from vkvagent.engine.samples import GpuReading, Histogram, Sample, UnitFacts, VllmMetrics
-from vkvagent.errors import VkvagentError
+from vkvagent.errors import NeedsOperator, VkvagentError
 from vkvagent.probe import ProbeResult
 
 FILE_NAME = "history.sqlite3"
@@ -170,6 +170,10 @@ class HistoryError(VkvagentError):
     """The history cannot be opened, read or written; the message is one line naming the file."""
 
 
+class NewerHistoryError(HistoryError, NeedsOperator):
+    """The history's schema is newer than this code's: a downgrade. It is left untouched."""
+
+
 class History:
     """The sample store in ``state_dir``. The daemon opens it writable (creating and migrating
     it); other processes open it with ``readonly=True``, which never creates or changes it."""
@@ -299,7 +303,7 @@ class History:
         db, latest = self._connection(), len(_MIGRATIONS)
         version = _user_version(db)
         if version > latest:
-            raise HistoryError(
+            raise NewerHistoryError(
                 f"{self.path}: history database schema {version} is newer than this vkvagent "
                 f"supports ({latest})"
             )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vkvagent.errors import VkvagentError
+from vkvagent.errors import NeedsOperator, VkvagentError
 
 FILE_NAME = "ledger.sqlite3"
 SCHEMA_VERSION = 1
@@ -45,6 +45,10 @@ _SCHEMA = (
 
 class LedgerError(VkvagentError):
     """The ledger cannot be opened or written; one line naming the file."""
+
+
+class NewerLedgerError(LedgerError, NeedsOperator):
+    """The ledger's schema is newer than this code's: a downgrade. It is left untouched."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ class Ledger:
             raise LedgerError(f"{self.path}: cannot open: {exc}") from None
         if version > SCHEMA_VERSION:  # a downgrade: its actions may mean what this code cannot
             self._db.close()
-            raise LedgerError(
+            raise NewerLedgerError(
                 f"{self.path}: ledger schema {version} is newer than this vkvagent supports "
                 f"({SCHEMA_VERSION})"
             )
