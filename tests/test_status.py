@@ -4,6 +4,7 @@ writes them (the daemon's own writing is tested in test_daemon.py)."""
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,13 @@ from vkvagent.status import (
 )
 
 NOW = 1_800_000_000.0
+GONE = 2**22 + 7  # above Linux's largest PID: a writer that no longer runs
 
 
 def document(state: str, **extra: Any) -> dict[str, Any]:
     """A status document with only the keys the first version wrote that status reads."""
     return {
-        "version": 1, "updated": NOW, "pid": 2**22 + 7, "agent_version": "0.1.0",
+        "version": 1, "updated": NOW, "pid": os.getpid(), "agent_version": "0.1.0",
         "interval": 10.0, "unit_name": "vllm.service", "unit": None, "unit_error": None,
         "vllm": {"version": "0.11.0", "flavor": "v1-latest", "uptime_s": 7200.0},
         "now": {"tokens_per_s": 5000.0},
@@ -106,13 +108,27 @@ def test_a_silent_daemon_is_unknown_but_a_restart_in_progress_is_not() -> None:
 
 def test_a_stale_status_headlines_unknown_with_the_last_verdict_beneath() -> None:
     """The headline says what the exit code (3) says; the old verdict is history."""
-    stale = report("healthy")
-    assert exit_code(stale, NOW + 3600) == StatusCode.UNKNOWN
-    head, beneath = render(stale, NOW + 3600).splitlines()[:2]
-    assert head == "vkvagent 0.1.0: UNKNOWN (stale: last update 60 min ago; daemon not running)"
+    silent = report("healthy")  # written by a process that still runs (this one)
+    assert exit_code(silent, NOW + 3600) == StatusCode.UNKNOWN
+    head, beneath = render(silent, NOW + 3600).splitlines()[:2]
+    assert (
+        head == "vkvagent 0.1.0: UNKNOWN (stale: last update 60 min ago; daemon running but silent)"
+    )
     assert beneath == f"  last state  HEALTHY at {_iso(NOW)}"
-    assert "HEALTHY" not in head
-    assert render(stale, NOW + 5).splitlines()[0] == "vkvagent 0.1.0: HEALTHY"
+    assert render(silent, NOW + 5).splitlines()[0] == "vkvagent 0.1.0: HEALTHY"
+
+
+def test_a_status_whose_daemon_is_gone_is_unknown_at_once() -> None:
+    """Stopped or crashed: no need to wait out the staleness bound (a minute) to say so."""
+    stopped = report("healthy", pid=GONE)
+    assert is_stale(stopped, NOW + 5)
+    assert exit_code(stopped, NOW + 5) == StatusCode.UNKNOWN
+    head = render(stopped, NOW + 5).splitlines()[0]
+    assert head == "vkvagent 0.1.0: UNKNOWN (stale: last update 5 s ago; daemon not running)"
+    # An older status without a PID can only be judged by its age.
+    unknown_writer = report("healthy", pid=None)
+    assert exit_code(unknown_writer, NOW + 5) == StatusCode.HEALTHY
+    assert exit_code(unknown_writer, NOW + 61) == StatusCode.UNKNOWN
 
 
 def test_status_json_always_has_every_key() -> None:

@@ -444,8 +444,12 @@ def exit_code(status: StatusReport | None, now: float) -> StatusCode:
 
 
 def is_stale(status: StatusReport, now: float) -> bool:
-    """The daemon has not written for three intervals (at least a minute), or, while it
-    restarts vLLM, for longer than the restart may take: stopped or hung."""
+    """The status no longer says how things are: the process that wrote it is gone (stopped
+    or crashed: no need to wait a minute to say so), or it has not written for three
+    intervals (at least a minute), or, while it restarts vLLM, for longer than the restart
+    may take (hung)."""
+    if status.pid is not None and not daemon_alive(status):
+        return True
     limit = max(60.0, 3 * float(status.interval), float(status.stale_after or 0))
     return now - float(status.updated) > limit
 
@@ -505,7 +509,8 @@ def read(state_dir: Path) -> StatusReport | None:
 
 
 def daemon_alive(status: StatusReport) -> bool:
-    """Whether the process that wrote the status still runs (same host, same PID space)."""
+    """Whether the process that wrote the status still runs (same host, same PID space; a
+    PID reused since reads as alive, which errs towards the staleness bound)."""
     if status.pid is None:
         return False
     try:
