@@ -5,7 +5,7 @@ runs under its own sandbox.
 
 Host installs refuse to run where a vkvagent package is already installed (they would remove
 it). rpm keeps its database in a temporary directory (``--dbpath``), not the host's. Upgrades
-(from the first release, built from its own commit) and downgrades run in the booted systemd,
+(from the first release, tests/fixtures/packages/) and downgrades run in the booted systemd,
 with the service running."""
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ UNIT = "vkvagent.service"
 MAX_EXPOSURE = 2.5
 PAGE = PROJECT / "tests/fixtures/metrics/v1-0.10.prom"
 NEWER = f"{__version__}.post1"  # the upgrade tests' second build
-# The release the upgrade tests start from: the first packaged commit, built from its own
-# tree, so an upgrade migrates state its own code wrote (history schema 2 -> 3) and replaces a
-# shipped config.toml whose defaults differ from this one's.
-OLD_COMMIT = "524ef5371e3f0a95894247a12fefba56064b98a8"
+# The release the upgrade tests start from: the first packaged build, its own code, so an
+# upgrade migrates state that code wrote (history schema 2 -> 3) and replaces a shipped
+# config.toml whose defaults differ from this one's.
 OLD_VERSION = "0.1.0"
+OLD_PACKAGES = PROJECT / "tests/fixtures/packages"
 # Every file a package puts outside its own directories, and those directories.
 OWN_DIRS = ("/usr/lib/vkvagent", "/usr/share/vkvagent", "/usr/share/doc/vkvagent", "/etc/vkvagent")
 COMMON_FILES = (
@@ -150,35 +150,13 @@ def newer_packages(packages: tuple[Path, Path]) -> Iterator[tuple[Path, Path]]:
 
 
 @pytest.fixture(scope="module")
-def old_packages(one_at_a_time: None) -> Iterator[tuple[Path, Path]]:
-    """OLD_COMMIT's .deb and .rpm, built by its own build.sh (with this venv's uv and nfpm)
-    from `git archive` of that commit: nothing in the checkout is touched."""
-    need("git", str(BIN / "uv"), str(BIN / "nfpm"))
-    found = run("git", "cat-file", "-e", f"{OLD_COMMIT}^{{commit}}", check=False)
-    if found.returncode != 0:
-        pytest.fail(
-            f"commit {OLD_COMMIT[:12]} (vkvagent {OLD_VERSION}, the upgrade tests' starting "
-            "point) is not in this clone: clone with full history (git fetch --unshallow)"
-        )
-    epoch = run("git", "log", "-1", "--format=%ct", OLD_COMMIT).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="vkvagent-old-") as temporary:
-        tree = Path(temporary) / "tree"
-        tree.mkdir()
-        archive = subprocess.run(
-            ["git", "archive", "--format=tar", OLD_COMMIT], cwd=PROJECT, capture_output=True,
-            check=True, timeout=60,
-        )  # fmt: skip
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-        began = time.monotonic()
-        run("bash", tree / "packaging/build.sh", timeout=300, env={
-            "PYTHON": sys.executable, "UV": str(BIN / "uv"), "NFPM": str(BIN / "nfpm"),
-            "VKVAGENT_VERSION": OLD_VERSION, "SOURCE_DATE_EPOCH": epoch,
-        })  # fmt: skip
-        print(f"\nbuilt {OLD_VERSION} ({OLD_COMMIT[:7]}) in {time.monotonic() - began:.1f} s")
-        yield (
-            tree / f"dist/vkvagent_{OLD_VERSION}_all.deb",
-            tree / f"dist/vkvagent-{OLD_VERSION}-1.noarch.rpm",
-        )
+def old_packages() -> tuple[Path, Path]:
+    """OLD_VERSION's .deb and .rpm, as operators have them installed (tests/fixtures/packages/
+    says how they were built): kept in the tree, so the upgrade tests need no git history
+    and no rebuild of an old tree with today's dependencies."""
+    return OLD_PACKAGES / f"vkvagent_{OLD_VERSION}_all.deb", OLD_PACKAGES / (
+        f"vkvagent-{OLD_VERSION}-1.noarch.rpm"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -973,8 +951,8 @@ def upgrade_while_running(box: Sandbox, upgrade: Callable[[], object]) -> dict[s
 def downgrade_refused(box: Sandbox, downgrade: Callable[[], object]) -> None:
     """Back to OLD_VERSION over this version's state: the package goes in, but the older
     daemon refuses the newer history in one line, before writing a byte (OLD_VERSION exits 1,
-    which Restart=on-failure retries; later versions exit 78, which the unit does not); vLLM and its drop-in stay as they are, and `vkvagent
-    status` still answers cleanly."""
+    which Restart=on-failure retries; later versions exit 78, which the unit does not); vLLM
+    and its drop-in stay as they are, and `vkvagent status` still answers cleanly."""
     schema = user_version(box, "history.sqlite3")
     before = kept_rows(box)
     dropin = (box.root / DROPIN).read_bytes()
