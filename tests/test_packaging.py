@@ -34,6 +34,10 @@ from vkvagent import __version__, config
 from vkvagent.cli import main
 from vkvagent.history import History
 
+# The packages run on the system Python whichever Python runs pytest (their 3.9 and 3.13 runs
+# are a test of their own): `make test-pythons` leaves this module out.
+pytestmark = pytest.mark.package
+
 PROJECT = Path(__file__).resolve().parent.parent
 DIST = PROJECT / "dist"
 BIN = Path(sys.executable).parent
