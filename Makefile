@@ -7,7 +7,7 @@ PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
 # pyenv prefix printing nothing would leave /bin/python3: refuse rather than test another Python.
 check-python = $(if $(filter /bin/python3,$(1)),$(error $(2) not found: install it with pyenv))
 
-.PHONY: dev deps syslog-ng-deb vllm-real vllm-flag-facts demo test lint typecheck unit test-pythons test-pythons-run bench bench-policy bench-restart reliability config-example package clean
+.PHONY: dev deps vllm-real vllm-flag-facts demo test lint typecheck unit test-pythons test-pythons-run bench bench-policy bench-restart reliability config-example package clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,18 +26,25 @@ demo: dev
 # The README's test command: what the tests need, style, types, then every test.
 test: deps dev vllm-real lint typecheck unit
 
-# The Debian packages the tests use (command=package): a real systemd in systemd-nspawn, a
-# real Prometheus and etcd, openssl for etcd's TLS, the packaging tools, and two of the SIEM
-# collectors (tests/test_siem.py). As root, what is missing is installed; otherwise the one
-# command to run is printed. The collectors' units are disabled on the host: only the
-# sandbox runs them.
-DEBS := systemd-nspawn=systemd-container prometheus=prometheus etcd=etcd-server \
-	openssl=openssl lintian=lintian rpm=rpm rpmlint=rpmlint man=man-db \
-	rsyslogd=rsyslog /lib/systemd/systemd-journal-remote=systemd-journal-remote
-deps: syslog-ng-deb
+# The Debian packages the tests use: a real systemd in systemd-nspawn, a real Prometheus and
+# etcd, openssl for etcd's TLS, the packaging tools, and the SIEM collectors of
+# tests/test_siem.py. As root, what is missing is installed; otherwise the one command to run
+# is printed. The collectors' and etcd's units are disabled on the host: only the sandbox
+# runs them. syslog-ng-core conflicts with rsyslog (both provide system-log-daemon), so only
+# its libraries are installed; the package itself is downloaded outside the checkout, once,
+# and tests/test_siem.py unpacks it into the sandbox's throw-away root.
+DEBS := systemd-container prometheus etcd-server openssl lintian rpm rpmlint man-db \
+	rsyslog systemd-journal-remote \
+	libglib2.0-0 libivykis0 libjson-c5 libnet1 libpcre3 libwrap0
+ifeq ($(strip $(VKVAGENT_DEBS)),)
+VKVAGENT_DEBS := $(HOME)/.cache/vkvagent/debs
+endif
+export VKVAGENT_DEBS
+deps:
 	@missing=""; \
-	for pair in $(DEBS); do \
-		command -v "$${pair%%=*}" >/dev/null 2>&1 || missing="$$missing $${pair#*=}"; \
+	for package in $(DEBS); do \
+		dpkg-query -W -f='$${Status}\n' "$$package" 2>/dev/null | grep -q ' installed$$' \
+			|| missing="$$missing $$package"; \
 	done; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" != 0 ]; then \
@@ -54,30 +61,6 @@ deps: syslog-ng-deb
 			systemctl stop syslog.socket >/dev/null 2>&1 || true; \
 			invoke-rc.d rsyslog stop >/dev/null 2>&1 || true;; \
 		esac; \
-	fi
-
-# The third collector, syslog-ng: Debian's syslog-ng-core conflicts with rsyslog (both provide
-# system-log-daemon), so only its libraries are installed; the package itself is downloaded
-# outside the checkout, once, and tests/test_siem.py unpacks it into the sandbox's throw-away
-# root. SYSLOG_NG_LIBS: its Depends that a minimal Debian 12 may lack.
-SYSLOG_NG_LIBS := libglib2.0-0 libivykis0 libjson-c5 libnet1 libpcre3 libwrap0
-ifeq ($(strip $(VKVAGENT_DEBS)),)
-VKVAGENT_DEBS := $(HOME)/.cache/vkvagent/debs
-endif
-export VKVAGENT_DEBS
-syslog-ng-deb:
-	@missing=""; \
-	for package in $(SYSLOG_NG_LIBS); do \
-		dpkg-query -W -f='$${Status}\n' "$$package" 2>/dev/null | grep -q ' installed$$' \
-			|| missing="$$missing $$package"; \
-	done; \
-	if [ -n "$$missing" ]; then \
-		if [ "$$(id -u)" != 0 ]; then \
-			echo "make deps: missing; run: sudo apt-get install$$missing" >&2; exit 1; \
-		fi; \
-		apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing \
-			|| exit 1; \
 	fi; \
 	if ! ls "$(VKVAGENT_DEBS)"/syslog-ng-core_*.deb >/dev/null 2>&1; then \
 		mkdir -p "$(VKVAGENT_DEBS)" && cd "$(VKVAGENT_DEBS)" && \
