@@ -17,10 +17,12 @@ from vkvagent.engine.diagnosis import (
     CAUSES,
     FIXABLE,
     GIB,
+    HELD,
     VETOED,
     Diagnosis,
     DiagnosisSettings,
     DiagnosisState,
+    Due,
     EngineWindow,
     Hysteresis,
     MemoryPoint,
@@ -321,6 +323,82 @@ def test_healthy_and_watching_summaries_carry_the_ratio() -> None:
     idle = situation(window(running=0.1), comparison=None, regime="idle")
     assert run([idle])[0].summary.startswith("idle")
     assert run([situation(stats=None, comparison=None)])[0].cause is None
+
+
+# -- judging the run ---------------------------------------------------------------------------
+
+IDLE = situation(window(running=0.1), comparison=None, regime="idle")
+UNKNOWN = situation(window(**SLOW), comparison=None, regime="2048-2896 generated tokens/s")
+
+
+def test_a_run_diagnosed_slow_stays_due_through_idle_and_unlearned_loads() -> None:
+    slow = situation(window(**SLOW))
+    for quiet in (IDLE, UNKNOWN):
+        result, state = run([*held(slow), *[quiet] * 240])  # two hours of nothing to compare
+        assert result.cause == "uptime_decline" and result.fixable, quiet.regime
+        assert result.summary.startswith("held for this run: speed 0.68 of this run's fresh")
+        assert "diagnosed 2.0 h ago" in result.summary
+        assert result.evidence["held_cause"] == "uptime_decline"
+        assert result.evidence["held_ratio"] == pytest.approx(0.68)
+        assert result.evidence["held_for_s"] == 2 * 3600 + 60  # named 16 min into the slowdown
+        assert state.due is not None and state.due.cause == "uptime_decline"
+        assert state.due.regime == 19
+    # When it was diagnosed, in UTC, when the samples' wall clock is known.
+    timed = replace(slow, time=1_741_000_000.0)
+    result, _ = run([*held(timed), IDLE])
+    assert result.evidence["held_since"] == "2025-03-03T11:06:40Z"
+    # Held causes are the ones that fade with the load; a stall or silence is acted on at once.
+    assert FIXABLE - {"stall", "unresponsive"} == HELD
+    result, state = run([situation(stall=Stall(600.0, "requests pending")), IDLE])
+    assert result.cause is None and state.due is None
+
+
+def test_a_run_that_recovers_under_comparable_load_is_no_longer_due() -> None:
+    slow = situation(window(**SLOW))
+    result, state = run([*held(slow), *[IDLE] * 10, situation()])
+    assert result.cause is None and state.due is None
+    assert result.summary.startswith("healthy: speed 1.00")
+    assert result.summary.endswith("recovered from uptime_decline at comparable load")
+    # Between the lines (0.80: above enter, below leave) is not recovered.
+    between = situation(window(itl=0.0225 / 0.8, per_request=48 * 0.8))
+    result, state = run([*held(slow), between])
+    assert result.cause == "uptime_decline" and state.due is not None
+
+
+def test_kv_pressure_recovers_only_at_the_load_it_was_diagnosed_at_or_more() -> None:
+    pressed = situation(window(**KV_FULL, requests_per_s=3.9, arrivals_per_s=3.9))
+    lighter = situation(comparison=compare(window(), 18, BASE))  # healthy, at a lighter load
+    result, state = run([*held(pressed), *[lighter] * 10])
+    assert result.cause == "kv_pressure" and state.due is not None and state.due.regime == 19
+    assert result.summary.startswith("held for this run: KV usage 0.96")
+    result, state = run([*held(pressed), *[lighter] * 10, situation()])
+    assert result.cause is None and state.due is None
+
+
+def test_a_veto_still_blocks_a_run_that_is_due() -> None:
+    slow = situation(window(**SLOW))
+    hot = replace(IDLE, gpus=[(HOT,)])
+    faulty = replace(IDLE, gpus=[(gpu(xid_errors=(79,)),)])
+    busy = situation(window(**SLOW, waiting=12.0, arrivals_per_s=6.0))
+    for veto, cause in ((hot, "gpu_throttle"), (faulty, "gpu_fault"), (busy, "load_shift")):
+        result, state = run([*held(slow), *[IDLE] * 10, veto])
+        assert result.cause == cause and result.vetoed, cause
+        assert state.due is not None  # still due, once nothing explains it away
+    down = replace(IDLE, down="the unit is not active")
+    result, _ = run([*held(slow), down])
+    assert result.cause == "engine_down"
+
+
+def test_a_new_run_is_not_due_and_the_due_cause_round_trips_through_json() -> None:
+    due = Due("kv_pressure", 10.0, 1.7e9, 19, "KV usage 0.96", 0.9)
+    state = DiagnosisState(due=due, throttled_at=1.0, throttle_note="GPU 0 hot")
+    assert DiagnosisState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    assert state.for_new_run().due is None and state.for_new_run().throttled_at == 1.0
+    older = state.to_json()
+    del older["due"]  # an engine.json written before runs were judged
+    assert DiagnosisState.from_json(older).due is None
+    with pytest.raises(ValueError, match="not a cause a run is held due for"):
+        DiagnosisState.from_json({**state.to_json(), "due": {**due.to_json(), "cause": "stall"}})
 
 
 # -- KV ----------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from vkvagent.engine import (
 from vkvagent.engine.baseline import Baseline, Regime
 from vkvagent.engine.diagnosis import CAUSES
 from vkvagent.engine.policy import PolicySettings, RestartRecord, TrafficProfile, rate_bin
-from vkvagent.engine.samples import Sample
+from vkvagent.engine.samples import GpuReading, Sample
 from vkvagent.gpu import GpuReader, RecordedBackend
 from vkvagent.sim import exposition
 from vkvagent.sim.stats import ServerInfo
@@ -351,6 +351,68 @@ def test_a_load_this_run_has_not_learned_is_judged_by_an_earlier_run_it_matches(
         decisions = judged_against(previous, current)
         assert all(d.ratio is None and "baseline_run" not in d.evidence for d in decisions)
         assert decisions[-1].reason.startswith("unknown baseline: nothing learned at 91-128")
+
+
+def night_after_a_slow_evening(fault_at: float | None = None) -> list[Decision]:
+    """A day-old run at half its fresh speed from 22:13 UTC for 25 minutes (uptime_decline
+    held), then idle (counters still, nothing running) until 03:30, decided every minute
+    through a state persisted as JSON; a hardware XID in the sample ``fault_at`` seconds in."""
+    fresh = Baseline(run="", regimes=known(r13=(0.02, 100.0)))  # twice today's 50 per request
+    start = 1.7e9 - 86400
+    busy = [sample(t, start=start) for t in range(0, 1500, 10)]
+    frozen = dict(generation_tokens_total=1.5e5, prompt_tokens_total=6e5,
+                  request_success_total=150.0, engine_steps_total=7.5e4)  # fmt: skip
+    idle = [sample(t, start=start, num_requests_running=0.0, **frozen)
+            for t in range(1500, 5 * 3600 + 1500, 10)]  # fmt: skip
+    faulty = (
+        GpuReading(
+            index=0, uuid="GPU-0", name="H100", memory_used_bytes=None, memory_total_bytes=None,
+            utilization_percent=0.0, temperature_c=40.0, power_w=90.0, power_limit_w=700.0,
+            sm_clock_mhz=1980.0, sm_clock_max_mhz=1980.0, clock_event_reasons=(),
+            ecc_uncorrected_volatile=0, xid_errors=(79,),
+        ),
+    )  # fmt: skip
+    timeline = [
+        replace(s, gpus=faulty) if fault_at is not None and s.time == 1.7e9 + 1000 + fault_at
+        else s
+        for s in busy + idle
+    ]  # fmt: skip
+    state = decide(ENFORCE, EngineState(), Observation(busy[:31]), now_of(busy[30])).state
+    state = replace(state, baseline=replace(fresh, run=state.run.key))
+    decisions = []
+    for end in range(37, len(timeline), 6):
+        observed = Observation(timeline[end - 31 : end], unit_active=True)
+        d = decide(ENFORCE, state, observed, now_of(timeline[end - 1]))
+        state = EngineState.from_json(json.loads(json.dumps(d.state.to_json())))
+        decisions.append(d)
+    return decisions
+
+
+def test_a_run_diagnosed_degraded_is_restarted_when_the_window_opens_on_an_idle_night() -> None:
+    decisions = night_after_a_slow_evening()
+    check_reasons(decisions)
+    named = next(d for d in decisions if d.cause == "uptime_decline")
+    assert named.action == "hold" and named.reason.startswith("outside window")
+    idle = [d for d in decisions if d.evidence.get("held_cause") and not d.window_open]
+    assert idle and all(d.cause == "uptime_decline" and d.action == "hold" for d in idle)
+    # Traffic falling off through unlearned loads, then idle: the cause is kept throughout.
+    assert any("; now unknown baseline: nothing learned at" in d.reason for d in idle)
+    assert sum("; now idle: no request running" in d.reason for d in idle) > 150
+    first = next(d for d in decisions if d.action == "restart")
+    assert first.time == datetime(2023, 11, 15, 2, 0, tzinfo=timezone.utc)
+    assert first.cause == "uptime_decline" and first.drain_max_in_flight == 0
+    assert first.reason.startswith("restart: in window; uptime_decline: held for this run: speed")
+    assert first.evidence["held_since"] == "2023-11-14T22:51:00Z"  # when it was named
+
+
+def test_a_gpu_fault_on_the_idle_night_still_vetoes_the_due_restart() -> None:
+    decisions = night_after_a_slow_evening(fault_at=3 * 3600 + 600)  # 01:40 UTC
+    vetoed = [d for d in decisions if d.window_open and d.cause == "gpu_fault"]
+    assert vetoed and all(d.action == "hold" for d in vetoed)
+    assert all(d.reason.startswith("vetoed: gpu_fault: GPU fault: GPU 0 XID 79") for d in vetoed)
+    first = next(d for d in decisions if d.action == "restart")  # once fault_memory is over
+    assert first.time == datetime(2023, 11, 15, 2, 40, tzinfo=timezone.utc)
+    assert first.cause == "uptime_decline"
 
 
 def test_only_the_run_that_ended_is_kept_for_the_next_never_what_it_borrowed() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from typing import Any, Callable, Union
 
 from vkvagent.engine.baseline import Capacity, Comparison, WindowStats
@@ -32,6 +33,13 @@ FIXABLE = frozenset(
     {"uptime_decline", "kv_pressure", "kv_stranded", "stall", "unresponsive", "host_memory_growth"}
 )
 VETOED = frozenset({"gpu_throttle", "gpu_fault", "load_shift"})
+# Causes a run stays due for once diagnosed (judge the run, not only the moment): a slowing or
+# filling server's symptoms fade at idle or unlearned loads, the cause does not. A stall or
+# silence is acted on at once, as an emergency; once it ends there is nothing left to hold.
+HELD = FIXABLE - {"stall", "unresponsive"}
+# Held causes that show only under load: recovery counts at the load they were diagnosed at or
+# more (a leaky KV cache looks healthy at night).
+LOAD_BOUND = frozenset({"kv_pressure", "kv_stranded"})
 CAUSES = (*sorted(FIXABLE), *sorted(VETOED), "engine_down")
 # The largest --gpu-memory-utilization a suggestion goes to: what is left is the CUDA context,
 # activations and fragmentation (flags.CATALOGUE lets an operator go to 0.98).
@@ -243,6 +251,56 @@ _WORK: tuple[Callable[[VllmMetrics | EngineSignals], float | None], ...] = (
 
 
 @dataclass(frozen=True)
+class Due:
+    """A fixable cause diagnosed in this run: the run stays due for a restart, through idle
+    and unknown-baseline moments, until it is restarted (a new run drops it) or recovers
+    under comparable load (``_recovered``)."""
+
+    cause: str
+    since: float  # monotonic time it was first diagnosed in this run
+    at: float | None  # the same moment in UTC Unix seconds (for people), when known
+    regime: int | None  # the lowest load regime it was diagnosed at (None: not known)
+    summary: str  # what was diagnosed, in words (the latest diagnosis of it)
+    ratio: float | None = None  # the speed then, against the fresh baseline
+
+    def noted(self, cause: str, summary: str, regime: int | None, ratio: float | None) -> Due:
+        """Diagnosed again: the latest words, the lowest load it showed at."""
+        lows = [r for r in (self.regime, regime) if r is not None]
+        low = min(lows) if lows else None
+        return replace(self, cause=cause, summary=summary, regime=low, ratio=ratio)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cause": self.cause,
+            "since": self.since,
+            "at": self.at,
+            "regime": self.regime,
+            "summary": self.summary,
+            "ratio": self.ratio,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Due:
+        cause = str(data["cause"])
+        if cause not in HELD:
+            raise ValueError(f"due: {cause!r} is not a cause a run is held due for")
+        since = optional_float(data["since"])
+        if since is None:
+            raise ValueError("due: since must be a number")
+        regime = data.get("regime")
+        if regime is not None and (isinstance(regime, bool) or not isinstance(regime, int)):
+            raise ValueError(f"due: regime must be an integer or null, got {regime!r}")
+        return cls(
+            cause=cause,
+            since=since,
+            at=optional_float(data.get("at")),
+            regime=regime,
+            summary=str(data.get("summary", "")),
+            ratio=optional_float(data.get("ratio")),
+        )
+
+
+@dataclass(frozen=True)
 class DiagnosisState:
     """Everything diagnosis remembers between calls."""
 
@@ -259,9 +317,11 @@ class DiagnosisState:
     # when (UTC, to compare with the unit's start) it last answered /metrics at all.
     silent_since: float | None = None
     answered_at: float | None = None
+    due: Due | None = None  # the cause this run is due for a restart for (judge the run)
 
     def for_new_run(self) -> DiagnosisState:
-        """A new vLLM process: symptoms start over; what the GPUs did is kept."""
+        """A new vLLM process: symptoms and the cause it was due for start over; what the
+        GPUs did is kept."""
         return DiagnosisState(
             throttled_at=self.throttled_at,
             throttle_note=self.throttle_note,
@@ -295,6 +355,7 @@ class DiagnosisState:
             "fault_note": self.fault_note,
             "silent_since": self.silent_since,
             "answered_at": self.answered_at,
+            "due": self.due.to_json() if self.due is not None else None,
         }
 
     @classmethod
@@ -318,6 +379,8 @@ class DiagnosisState:
             fault_note=str(data["fault_note"]),
             silent_since=optional_float(data.get("silent_since")),
             answered_at=optional_float(data.get("answered_at")),
+            # States written before runs were judged have none: nothing is held.
+            due=Due.from_json(data["due"]) if data.get("due") is not None else None,
         )
 
 
@@ -366,6 +429,7 @@ class Situation:
     baseline_of: str = "this run's"
     engines: Sequence[EngineWindow] = ()  # each data-parallel engine over the window (2 or more)
     prefix_hit_ratio: float | None = None  # prefix-cache hits / queries over the window
+    time: float | None = None  # UTC Unix seconds of the latest sample (for people)
 
 
 @dataclass(frozen=True)
@@ -412,7 +476,76 @@ def diagnose(
     """One evaluation: update the held symptoms and what the GPUs did, then name the cause.
 
     Order: engine_down, gpu_fault, stall, then the held symptoms (KV pressure, stranded KV,
-    memory growth, speed), each checked against what would explain it instead."""
+    memory growth, speed), each checked against what would explain it instead. Then the
+    run is judged: a cause in HELD diagnosed in this run stays the cause while nothing is
+    seen (idle, an unlearned load, a symptom building up again), until the run recovers
+    under comparable load; a veto, a stall or a dead engine still decides."""
+    found, state = _diagnose(settings, state, situation, now)
+    return _judge_run(settings, state, situation, found, now)
+
+
+def _judge_run(
+    s: DiagnosisSettings,
+    state: DiagnosisState,
+    situation: Situation,
+    found: Diagnosis,
+    now: float,
+) -> tuple[Diagnosis, DiagnosisState]:
+    due, cmp = state.due, situation.comparison
+    if found.cause in HELD:
+        ratio = cmp.ratio if cmp is not None else None
+        regime = cmp.regime if cmp is not None else None
+        if due is None:
+            due = Due(found.cause or "", now, situation.time, regime, found.summary, ratio)
+        else:
+            due = due.noted(found.cause or "", found.summary, regime, ratio)
+        return found, replace(state, due=due)
+    if due is None or found.cause is not None:  # a veto, a stall, a dead engine: it decides
+        return found, state
+    if _recovered(s, state, situation, due):
+        return replace(
+            found, summary=f"{found.summary}; recovered from {due.cause} at comparable load"
+        ), replace(state, due=None)
+    evidence = dict(found.evidence)
+    evidence["held_cause"] = due.cause
+    evidence["held_for_s"] = now - due.since
+    if due.at is not None:
+        evidence["held_since"] = _utc(due.at)
+    if due.ratio is not None:
+        evidence["held_ratio"] = due.ratio
+    when = f" at {_utc(due.at)}" if due.at is not None else ""
+    return Diagnosis(
+        due.cause,
+        f"held for this run: {due.summary} (diagnosed {_span(now - due.since)} ago{when}); "
+        f"now {found.summary}",
+        evidence,
+        symptom=found.symptom or due.cause,
+    ), state
+
+
+def _recovered(s: DiagnosisSettings, state: DiagnosisState, situation: Situation, due: Due) -> bool:
+    """The run serves as fast as its fresh self again, at a load it has a baseline for, with
+    no symptom building up; for a cause that shows only under load (LOAD_BOUND), at the load
+    it was diagnosed at or more."""
+    cmp = situation.comparison
+    if cmp is None or cmp.ratio is None or cmp.ratio <= s.leave_ratio:
+        return False
+    if any(h.pending_since is not None for h in (state.speed, state.kv, state.stranded)):
+        return False
+    return due.cause not in LOAD_BOUND or due.regime is None or cmp.regime >= due.regime
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else _minutes(seconds)
+
+
+def _utc(at: float) -> str:
+    return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _diagnose(
+    settings: DiagnosisSettings, state: DiagnosisState, situation: Situation, now: float
+) -> tuple[Diagnosis, DiagnosisState]:
     s = settings
     fresh_clock = (
         situation.comparison.baseline.get("sm_clock_ratio") if situation.comparison else None

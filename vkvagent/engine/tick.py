@@ -297,6 +297,7 @@ def decide(
         baseline_of="this run's" if borrowed is None else "an earlier run's",
         engines=_engine_windows(segment) if stats is not None else (),
         prefix_hit_ratio=stats.prefix_hit_ratio if stats is not None else None,
+        time=latest.time if latest is not None else None,
     )
     diagnosis, dstate = diagnose(d, state.diagnosis, situation, mono)
 
