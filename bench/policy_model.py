@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from functools import cache
 from typing import Any
@@ -126,7 +126,10 @@ class World:
     clients' speed): the operator restarts vLLM with new flags at that world time, under which
     requests wait in the queue so that a client gets this fraction of the tokens/s it got
     before, at every load; the server still serves the whole demand. A restart keeps the new
-    flags; a rollback (a restart with the old ones) cures it."""
+    flags; a rollback (a restart with the old ones) cures it. ``quiet``: (first hour, last
+    hour, demand multiplier, from): every day from the first hour of the day (UTC) to the
+    last, the demand is that fraction of the ServeGen week's (idle nights), from world time
+    ``from`` (hours) on."""
 
     name: str
     summary: str
@@ -139,6 +142,7 @@ class World:
     slowdown: tuple[float, float, float] | None = None
     memory_growth: bool = False
     slow_flags: tuple[float, float] | None = None
+    quiet: tuple[float, float, float, float] | None = None
     wrong: bool = False  # any restart here is a wrong restart (nothing a restart cures)
 
     def __post_init__(self) -> None:
@@ -180,6 +184,8 @@ SURGE_HOURS = 1.0  # the simulator's surge lasts an hour
 # Clients' tokens/s per request under the slow flags: each request waits 3/7 of its decode time
 # in the queue (a fluid model has no queue below capacity, so this is set, not derived).
 SLOW_FLAGS_SPEED = 0.7
+# Demand at night in idle-nights: a request every minute or so, far under one running.
+IDLE_NIGHT = 0.01
 
 
 def _at(day: int, hour: float) -> float:
@@ -199,6 +205,13 @@ VARIANTS: tuple[World, ...] = (
     slowed("kv-pressure", 1.5, "kv-pressure 1.5x"),
     slowed("kv-pressure", 6.0, "kv-pressure 6x"),
     slowed("kv-pressure", 12.0, "kv-pressure 12x"),
+    # The first night busy as usual: the first run learns its baselines (a run whose fresh
+    # hours are all idle learns none), and the nights after it are idle.
+    replace(
+        slowed("uptime-decline", 5.0, "idle-nights from Tue"),
+        summary="idle-nights, but Monday's night is busy as usual",
+        quiet=(0.0, 7.0, IDLE_NIGHT, 24.0),
+    ),
 )
 
 # World times (hours after Monday 00:00 UTC) chosen across the week, some inside the default
@@ -256,6 +269,12 @@ WORLDS: tuple[World, ...] = (
         slow_flags=(_at(2, 10), SLOW_FLAGS_SPEED),
         wrong=True,
     ),
+    replace(
+        slowed("uptime-decline", 5.0, "idle-nights"),
+        summary="uptime-decline on a host whose nights are idle: demand x0.01 from 00:00 to "
+        "07:00, so the restart window (02:00-05:00) has under 0.5 requests running",
+        quiet=(0.0, 7.0, IDLE_NIGHT, 0.0),
+    ),
 )
 
 
@@ -294,6 +313,10 @@ class Model:
         multiplier = np.ones(steps)
         for begin, end in world.surges:
             multiplier[(hours >= begin) & (hours < end)] = SURGE
+        if world.quiet is not None:
+            first, last, share, since = world.quiet
+            night = (hours % 24 >= first) & (hours % 24 < last) & (hours >= since)
+            multiplier[night] *= share
         self.rate = np.array([curve(k * STEP) for k in range(steps)]) * multiplier
         self.demand = self.rate * s.output_tokens
         self.hot = np.zeros(steps, dtype=bool)

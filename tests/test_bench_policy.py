@@ -275,3 +275,19 @@ def test_vkvagent_rolls_slow_flags_back_in_the_window_and_the_timers_do_not() ->
     # The oracle rolls back at once, in the change's own cold start.
     best = oracle(model)
     assert best.rollbacks == best.restarts == (change + 1,)
+
+
+def test_idle_nights_leave_the_restart_window_idle_from_the_hour_they_begin() -> None:
+    world = next(w for w in WORLDS if w.name == "idle-nights")
+    quiet, plain = Model(world), Model(World("steady", ""))
+    night = [k for k in range(quiet.steps) if (k * STEP / 3600) % 24 < 7]
+    assert quiet.rate[night] == pytest.approx(plain.rate[night] * 0.01)
+    day = [k for k in range(quiet.steps) if (k * STEP / 3600) % 24 >= 7]
+    assert quiet.rate[day] == pytest.approx(plain.rate[day])
+    # Under 0.5 requests running all night: the engine's "idle" regime, nothing to compare.
+    values = quiet.evaluate(night, COLD_STEPS + 60)
+    assert max(values.running) < 0.5
+    # The variant keeps Monday's night busy, so that the first run learns its baselines.
+    later = Model(World("later", "", quiet=(0.0, 7.0, 0.01, 24.0)))
+    assert later.rate[:DAY_STEPS] == pytest.approx(plain.rate[:DAY_STEPS])
+    assert later.rate[DAY_STEPS + 60] == pytest.approx(plain.rate[DAY_STEPS + 60] * 0.01)
