@@ -342,7 +342,7 @@ def test_a_run_diagnosed_slow_stays_due_through_idle_and_unlearned_loads() -> No
         assert result.evidence["held_ratio"] == pytest.approx(0.68)
         assert result.evidence["held_for_s"] == 2 * 3600 + 60  # named 16 min into the slowdown
         assert state.due is not None and state.due.cause == "uptime_decline"
-        assert state.due.regime == 19
+        assert state.due.demand == pytest.approx(4.04)
     # When it was diagnosed, in UTC, when the samples' wall clock is known.
     timed = replace(slow, time=1_741_000_000.0)
     result, _ = run([*held(timed), IDLE])
@@ -365,13 +365,15 @@ def test_a_run_that_recovers_under_comparable_load_is_no_longer_due() -> None:
     assert result.cause == "uptime_decline" and state.due is not None
 
 
-def test_kv_pressure_recovers_only_at_the_load_it_was_diagnosed_at_or_more() -> None:
+def test_kv_pressure_recovers_only_at_the_demand_it_was_diagnosed_at_or_more() -> None:
     pressed = situation(window(**KV_FULL, requests_per_s=3.9, arrivals_per_s=3.9))
-    lighter = situation(comparison=compare(window(), 18, BASE))  # healthy, at a lighter load
-    result, state = run([*held(pressed), *[lighter] * 10])
-    assert result.cause == "kv_pressure" and state.due is not None and state.due.regime == 19
+    lighter = situation(window(requests_per_s=3.0, arrivals_per_s=3.0))  # healthy, less asked
+    backlog = situation(window(requests_per_s=4.5, arrivals_per_s=3.0))  # a queue worked off
+    result, state = run([*held(pressed), *[lighter] * 10, backlog])
+    assert result.cause == "kv_pressure" and state.due is not None
+    assert state.due.demand == pytest.approx(3.9)
     assert result.summary.startswith("held for this run: KV usage 0.96")
-    result, state = run([*held(pressed), *[lighter] * 10, situation()])
+    result, state = run([*held(pressed), *[lighter] * 10, situation()])  # 4.04 requests/s
     assert result.cause is None and state.due is None
 
 
@@ -390,7 +392,7 @@ def test_a_veto_still_blocks_a_run_that_is_due() -> None:
 
 
 def test_a_new_run_is_not_due_and_the_due_cause_round_trips_through_json() -> None:
-    due = Due("kv_pressure", 10.0, 1.7e9, 19, "KV usage 0.96", 0.9)
+    due = Due("kv_pressure", 10.0, 1.7e9, 3.9, "KV usage 0.96", 0.9)
     state = DiagnosisState(due=due, throttled_at=1.0, throttle_note="GPU 0 hot")
     assert DiagnosisState.from_json(json.loads(json.dumps(state.to_json()))) == state
     assert state.for_new_run().due is None and state.for_new_run().throttled_at == 1.0

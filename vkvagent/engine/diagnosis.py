@@ -37,8 +37,9 @@ VETOED = frozenset({"gpu_throttle", "gpu_fault", "load_shift"})
 # filling server's symptoms fade at idle or unlearned loads, the cause does not. A stall or
 # silence is acted on at once, as an emergency; once it ends there is nothing left to hold.
 HELD = FIXABLE - {"stall", "unresponsive"}
-# Held causes that show only under load: recovery counts at the load they were diagnosed at or
-# more (a leaky KV cache looks healthy at night).
+# Held causes that show only under load: recovery counts at the demand they were diagnosed at or
+# more (a leaky KV cache looks healthy at night). Demand, not the load served: under KV
+# pressure the server serves less, so its served load falls into a lighter regime.
 LOAD_BOUND = frozenset({"kv_pressure", "kv_stranded"})
 CAUSES = (*sorted(FIXABLE), *sorted(VETOED), "engine_down")
 # The largest --gpu-memory-utilization a suggestion goes to: what is left is the CUDA context,
@@ -259,22 +260,23 @@ class Due:
     cause: str
     since: float  # monotonic time it was first diagnosed in this run
     at: float | None  # the same moment in UTC Unix seconds (for people), when known
-    regime: int | None  # the lowest load regime it was diagnosed at (None: not known)
+    demand: float | None  # the highest demand (requests/s) it was diagnosed at (None: unknown)
     summary: str  # what was diagnosed, in words (the latest diagnosis of it)
     ratio: float | None = None  # the speed then, against the fresh baseline
 
-    def noted(self, cause: str, summary: str, regime: int | None, ratio: float | None) -> Due:
-        """Diagnosed again: the latest words, the lowest load it showed at."""
-        lows = [r for r in (self.regime, regime) if r is not None]
-        low = min(lows) if lows else None
-        return replace(self, cause=cause, summary=summary, regime=low, ratio=ratio)
+    def noted(self, cause: str, summary: str, demand: float | None, ratio: float | None) -> Due:
+        """Diagnosed again: the latest words, the highest demand it showed at (while clients
+        give up, arrivals read low: the highest is the closest to what was asked)."""
+        known = [d for d in (self.demand, demand) if d is not None]
+        top = max(known) if known else None
+        return replace(self, cause=cause, summary=summary, demand=top, ratio=ratio)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "cause": self.cause,
             "since": self.since,
             "at": self.at,
-            "regime": self.regime,
+            "demand": self.demand,
             "summary": self.summary,
             "ratio": self.ratio,
         }
@@ -287,14 +289,11 @@ class Due:
         since = optional_float(data["since"])
         if since is None:
             raise ValueError("due: since must be a number")
-        regime = data.get("regime")
-        if regime is not None and (isinstance(regime, bool) or not isinstance(regime, int)):
-            raise ValueError(f"due: regime must be an integer or null, got {regime!r}")
         return cls(
             cause=cause,
             since=since,
             at=optional_float(data.get("at")),
-            regime=regime,
+            demand=optional_float(data.get("demand")),
             summary=str(data.get("summary", "")),
             ratio=optional_float(data.get("ratio")),
         )
@@ -491,14 +490,14 @@ def _judge_run(
     found: Diagnosis,
     now: float,
 ) -> tuple[Diagnosis, DiagnosisState]:
-    due, cmp = state.due, situation.comparison
+    due, cmp, stats = state.due, situation.comparison, situation.stats
     if found.cause in HELD:
         ratio = cmp.ratio if cmp is not None else None
-        regime = cmp.regime if cmp is not None else None
+        demand = _demand(stats) if stats is not None else None
         if due is None:
-            due = Due(found.cause or "", now, situation.time, regime, found.summary, ratio)
+            due = Due(found.cause or "", now, situation.time, demand, found.summary, ratio)
         else:
-            due = due.noted(found.cause or "", found.summary, regime, ratio)
+            due = due.noted(found.cause or "", found.summary, demand, ratio)
         return found, replace(state, due=due)
     if due is None or found.cause is not None:  # a veto, a stall, a dead engine: it decides
         return found, state
@@ -525,14 +524,22 @@ def _judge_run(
 
 def _recovered(s: DiagnosisSettings, state: DiagnosisState, situation: Situation, due: Due) -> bool:
     """The run serves as fast as its fresh self again, at a load it has a baseline for, with
-    no symptom building up; for a cause that shows only under load (LOAD_BOUND), at the load
-    it was diagnosed at or more."""
-    cmp = situation.comparison
-    if cmp is None or cmp.ratio is None or cmp.ratio <= s.leave_ratio:
+    no symptom building up; for a cause that shows only under load (LOAD_BOUND), at the
+    demand it was diagnosed at or more."""
+    cmp, stats = situation.comparison, situation.stats
+    if cmp is None or cmp.ratio is None or cmp.ratio <= s.leave_ratio or stats is None:
         return False
     if any(h.pending_since is not None for h in (state.speed, state.kv, state.stranded)):
         return False
-    return due.cause not in LOAD_BOUND or due.regime is None or cmp.regime >= due.regime
+    return due.cause not in LOAD_BOUND or due.demand is None or _asked(stats) >= due.demand
+
+
+def _asked(stats: WindowStats) -> float:
+    """Requests/s arriving: after a storm the server completes its backlog faster than
+    requests arrive, which is not more demand (``_demand`` takes the larger, for vetoes)."""
+    if stats.arrivals_per_s is not None:
+        return stats.arrivals_per_s
+    return stats.requests_per_s or 0.0
 
 
 def _span(seconds: float) -> str:
