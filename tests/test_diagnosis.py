@@ -377,6 +377,21 @@ def test_kv_pressure_recovers_only_at_the_demand_it_was_diagnosed_at_or_more() -
     assert result.cause is None and state.due is None
 
 
+def test_a_held_kv_pressure_keeps_its_suggestion_and_reasons() -> None:
+    """What `plan --suggested` reviews while the run waits, idle, for its window."""
+    pressed = situation(
+        window(**KV_FULL, requests_per_s=3.9, arrivals_per_s=3.9),
+        flags={"max-num-seqs": 256}, cache_config={"gpu_memory_utilization": "0.9"},
+    )  # fmt: skip
+    named, state = run(held(pressed))
+    assert named.suggestion and set(named.reasons) == set(named.suggestion)
+    result, state = run([*held(pressed), *[IDLE] * 30])
+    assert result.summary.startswith("held for this run: KV usage 0.96")
+    assert (result.suggestion, result.reasons) == (named.suggestion, named.reasons)
+    assert state.due is not None
+    assert DiagnosisState.from_json(json.loads(json.dumps(state.to_json()))) == state
+
+
 def test_a_veto_still_blocks_a_run_that_is_due() -> None:
     slow = situation(window(**SLOW))
     hot = replace(IDLE, gpus=[(HOT,)])
@@ -392,7 +407,9 @@ def test_a_veto_still_blocks_a_run_that_is_due() -> None:
 
 
 def test_a_new_run_is_not_due_and_the_due_cause_round_trips_through_json() -> None:
-    due = Due("kv_pressure", 10.0, 1.7e9, 3.9, "KV usage 0.96", 0.9)
+    due = Due("kv_pressure", 10.0, 1.7e9, 3.9, "KV usage 0.96", 0.9, {"max-num-seqs": 32}, {
+        "max-num-seqs": "the fresh server ran 17.6 requests at once"
+    })  # fmt: skip
     state = DiagnosisState(due=due, throttled_at=1.0, throttle_note="GPU 0 hot")
     assert DiagnosisState.from_json(json.loads(json.dumps(state.to_json()))) == state
     assert state.for_new_run().due is None and state.for_new_run().throttled_at == 1.0
@@ -544,6 +561,26 @@ def test_kv_suggestions_stay_within_the_catalogue_and_only_use_what_is_known() -
         "gpu-memory-utilization": 0.95,
         "max-num-seqs": 32,
     }
+
+
+@pytest.mark.parametrize(
+    ("given", "chunk"),
+    [
+        ({"enable-chunked-prefill": True, "max-model-len": 8192}, 4096),
+        ({"enable-chunked-prefill": False, "max-model-len": 8192}, None),  # already the floor
+        ({"enable-chunked-prefill": False}, None),  # the floor is not known
+        ({"max-model-len": 6000}, 6000),  # chunking unknown (V0's default may be off)
+        ({}, 4096),
+    ],
+)
+def test_the_prefill_chunk_is_never_halved_below_what_vllm_starts_with(
+    given: dict[str, Any], chunk: int | None
+) -> None:
+    suggested = kv_suggestion(CAPACITY, {**given, "max-num-batched-tokens": 8192}, {})
+    assert suggested.get("max-num-batched-tokens") == chunk
+    # Whatever is suggested, vLLM starts with it.
+    merged = {**given, "max-num-batched-tokens": 8192, **suggested}
+    flags.validate(merged, None, check_versions=False)
 
 
 def test_settings_refuse_inverted_thresholds() -> None:

@@ -263,13 +263,20 @@ class Due:
     demand: float | None  # the highest demand (requests/s) it was diagnosed at (None: unknown)
     summary: str  # what was diagnosed, in words (the latest diagnosis of it)
     ratio: float | None = None  # the speed then, against the fresh baseline
+    # The flags suggested then (kv_pressure), and why: still the advice while it is held.
+    suggestion: Mapping[str, FlagValue] = field(default_factory=dict)
+    reasons: Mapping[str, str] = field(default_factory=dict)
 
-    def noted(self, cause: str, summary: str, demand: float | None, ratio: float | None) -> Due:
-        """Diagnosed again: the latest words, the highest demand it showed at (while clients
-        give up, arrivals read low: the highest is the closest to what was asked)."""
+    def noted(self, found: Diagnosis, demand: float | None, ratio: float | None) -> Due:
+        """Diagnosed again: the latest words and advice, the highest demand it showed at
+        (while clients give up, arrivals read low: the highest is the closest to what was
+        asked)."""
         known = [d for d in (self.demand, demand) if d is not None]
         top = max(known) if known else None
-        return replace(self, cause=cause, summary=summary, demand=top, ratio=ratio)
+        return replace(
+            self, cause=found.cause or self.cause, summary=found.summary, demand=top,
+            ratio=ratio, suggestion=found.suggestion, reasons=found.reasons,
+        )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -279,6 +286,8 @@ class Due:
             "demand": self.demand,
             "summary": self.summary,
             "ratio": self.ratio,
+            "suggestion": dict(self.suggestion),
+            "reasons": dict(self.reasons),
         }
 
     @classmethod
@@ -296,6 +305,8 @@ class Due:
             demand=optional_float(data.get("demand")),
             summary=str(data.get("summary", "")),
             ratio=optional_float(data.get("ratio")),
+            suggestion=_flag_values(data.get("suggestion") or {}),
+            reasons={str(k): str(v) for k, v in (data.get("reasons") or {}).items()},
         )
 
 
@@ -496,8 +507,7 @@ def _judge_run(
         demand = _demand(stats) if stats is not None else None
         if due is None:
             due = Due(found.cause or "", now, situation.time, demand, found.summary, ratio)
-        else:
-            due = due.noted(found.cause or "", found.summary, demand, ratio)
+        due = due.noted(found, demand, ratio)
         return found, replace(state, due=due)
     if due is None or found.cause is not None:  # a veto, a stall, a dead engine: it decides
         return found, state
@@ -519,6 +529,8 @@ def _judge_run(
         f"now {found.summary}",
         evidence,
         symptom=found.symptom or due.cause,
+        suggestion=due.suggestion,
+        reasons=due.reasons,
     ), state
 
 
@@ -1088,16 +1100,23 @@ def kv_advice(
                 "only to be preempted",
             )
     batched = _number(flags.get("max-num-batched-tokens"))
-    if batched is not None and batched > 2048:
+    chunked = flags.get("enable-chunked-prefill")
+    length = _number(flags.get("max-model-len"))
+    # Without chunked prefill a step must hold a whole prompt: never below --max-model-len,
+    # and nothing when that is not known (vLLM refuses to start below it).
+    if batched is not None and batched > 2048 and (chunked is not False or length is not None):
         # Never below 2048, nor below the sequences one step must hold.
         sequences = _number(out["max-num-seqs"].value) if "max-num-seqs" in out else seqs
-        chunk = int(max(2048, sequences or 1, batched // 2))
-        out["max-num-batched-tokens"] = Advice(
-            chunk,
-            f"half the prefill chunk ({batched:g} -> {chunk}): a step admits fewer new prompt "
-            "tokens into the KV cache at once, so a burst of long prompts preempts less; never "
-            "below 2048 nor below --max-num-seqs",
-        )
+        floor = max(2048, sequences or 1, length if chunked is not True and length else 0)
+        chunk = int(max(floor, batched // 2))
+        if chunk < batched:
+            out["max-num-batched-tokens"] = Advice(
+                chunk,
+                f"half the prefill chunk ({batched:g} -> {chunk}): a step admits fewer new "
+                "prompt tokens into the KV cache at once, so a burst of long prompts preempts "
+                "less; never below 2048, --max-num-seqs, nor, without chunked prefill, "
+                "--max-model-len",
+            )
     caching = _flag_bool(
         flags.get("enable-prefix-caching"), cache_config.get("enable_prefix_caching")
     )
@@ -1129,6 +1148,18 @@ def kv_advice(
             f"shared prefix loses on average {block / 2:g} tokens of hits and each request "
             f"half a block of KV; {CUDA_BLOCK_SIZE} is CUDA's default",
         )
+    return out
+
+
+def _flag_values(data: object) -> dict[str, FlagValue]:
+    """A suggestion read back from engine.json: flag names and plain values only."""
+    if not isinstance(data, Mapping):
+        raise ValueError("due: suggestion must be an object")
+    out: dict[str, FlagValue] = {}
+    for name, value in data.items():
+        if not isinstance(value, (bool, int, float, str)):
+            raise ValueError(f"due: suggestion {name!r} must be a number, a boolean or text")
+        out[str(name)] = value
     return out
 
 
