@@ -199,9 +199,52 @@ def test_the_conf_d_file_is_toml_the_loader_reads_and_makes_the_change(tmp_path:
     before = config.load(etc).vllm.flags
     merged = advice.suggest(report(SUGGESTION), before, "0.10.1")
     text = advice.conf_d_text(merged)
-    assert text.count("\n# ") >= len(merged.changes)  # each flag with its reason
+    lines = text.splitlines()
+    keys = [flags.canonical_name(line.split(" = ")[0]) if " = " in line else "" for line in lines]
+    for name in merged.changes:  # each flag with its reason on the line above it
+        assert lines[keys.index(name) - 1] == f"# {merged.reasons[name]}", name
     (etc / "conf.d" / advice.FILE_NAME).write_text(text)
     assert dict(config.load(etc).vllm.flags) == merged.after
+
+
+def test_a_new_suggestion_keeps_the_earlier_one_and_yields_to_later_files(tmp_path: Path) -> None:
+    """Replacing 60-suggested.toml must not undo a change already accepted, and a conf.d
+    file read after it wins: such a flag is left out, with the file named."""
+    etc = tmp_path / "etc"
+    dropins = etc / "conf.d"
+    dropins.mkdir(parents=True)
+    (etc / "config.toml").write_text("[vllm.flags]\nmax-num-seqs = 256\n")
+    target = dropins / advice.FILE_NAME
+    target.write_text("[vllm.flags]\ngpu-memory-utilization = 0.93\n")  # accepted earlier
+    (dropins / "90-local.toml").write_text("[vllm.flags]\nmax_num_seqs = 128\n")
+    (dropins / "10-early.toml").write_text("[vllm.flags]\nenable-prefix-caching = false\n")
+    files = config.config_files(etc)
+    later = advice.set_after(files, target)
+    assert later == {"max-num-seqs": str(dropins / "90-local.toml")}
+    effective = config.load(etc).vllm.flags
+    merged = advice.suggest(report(SUGGESTION), effective, "0.10.1", later)
+    assert merged.changes == {"enable-prefix-caching": True}
+    assert merged.already == {"gpu-memory-utilization": 0.93}
+    assert merged.left_out["max-num-seqs"].startswith(
+        f"--max-num-seqs: set by {dropins / '90-local.toml'}, read after the suggested file"
+    )
+    target.write_text(advice.conf_d_text(merged, advice.flags_in(target)))
+    assert dict(config.load(etc).vllm.flags) == merged.after
+    assert config.load(etc).vllm.flags["gpu-memory-utilization"] == 0.93  # still there
+
+
+def test_a_flag_that_breaks_a_combination_is_left_out_with_vllms_reason() -> None:
+    current = {
+        "enable-chunked-prefill": False,
+        "max-model-len": 8192,
+        "max-num-batched-tokens": 8192,
+    }
+    odd = {"max-num-batched-tokens": 4096, "max-num-seqs": 32}
+    merged = advice.suggest(report(odd), current, "0.10.1")
+    assert merged.changes == {"max-num-seqs": 32}
+    assert "below --max-model-len 8192" in merged.left_out["max-num-batched-tokens"]
+    assert merged.after == {**current, "max-num-seqs": 32}
+    flags.validate(merged.after, "0.10.1")
 
 
 def test_nothing_to_suggest_says_why() -> None:

@@ -16,13 +16,22 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from vkvagent import flags, status
+from vkvagent.config import DROPIN_DIR
 from vkvagent.engine.samples import FlagValue
+from vkvagent.errors import VkvagentError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised by the Python 3.9 CI run
+    import tomli as tomllib
 
 FILE_NAME = "60-suggested.toml"  # after the operator's own early files, before late overrides
 TABLE = "[vllm.flags]"
@@ -35,6 +44,10 @@ WHY = {
     "block-size": "prefix-cache hits are counted in whole blocks (docs/tuning.md)",
 }
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+class AdviceError(VkvagentError):
+    """An earlier suggested file cannot be read; one line naming it."""
 
 
 @dataclass(frozen=True)
@@ -80,11 +93,17 @@ def nothing_to_suggest(report: status.StatusReport | None) -> str | None:
 
 
 def suggest(
-    report: status.StatusReport, current: Mapping[str, Any], vllm_version: str | None
+    report: status.StatusReport,
+    current: Mapping[str, Any],
+    vllm_version: str | None,
+    set_later: Mapping[str, str] | None = None,
 ) -> Suggested:
     """Merge ``report``'s suggestion into ``current`` (the effective ``[vllm.flags]``), keeping
-    only what ``vllm_version`` accepts (None: unknown, which refuses version-limited flags)."""
+    only what ``vllm_version`` accepts (None: unknown, which refuses version-limited flags)
+    and what vLLM starts with alongside the rest of the table. ``set_later``: flag -> the
+    file that sets it after the suggested file, which would win over it."""
     spelled = {_canonical(key): key for key in current}
+    later = set_later or {}
     reasons_in = report.verdict.reasons  # empty in a status an older daemon wrote
     after = dict(current)
     changes: dict[str, FlagValue] = {}
@@ -98,6 +117,11 @@ def suggest(
         except flags.FlagError as exc:
             left_out[name] = "; ".join(exc.problems)
             continue
+        if name in later:
+            left_out[name] = (
+                f"--{name}: set by {later[name]}, read after the suggested file: change it there"
+            )
+            continue
         key = spelled.get(name, name)
         if key in current and _same(name, current[key], value):
             already[name] = value
@@ -105,7 +129,47 @@ def suggest(
         after[key] = value
         changes[name] = value
         reasons[name] = str(reasons_in.get(raw_name) or WHY.get(name, "see docs/tuning.md"))
+    # A flag valid alone may break a combination (a prefill chunk below --max-model-len):
+    # leave it out, with vLLM's reason, rather than suggest a table vLLM would not start with.
+    while changes:
+        try:
+            flags.validate(after, vllm_version, check_versions=False)
+            break
+        except flags.FlagError as exc:
+            broken = {n: p for p in exc.problems for n in changes if p.startswith(f"--{n}:")}
+            if not broken:
+                break
+            for name, problem in broken.items():
+                left_out[name] = problem
+                key = spelled.get(name, name)
+                if key in current:
+                    after[key] = current[key]
+                else:
+                    del after[key]
+                del changes[name], reasons[name]
     return Suggested(report, dict(current), after, changes, reasons, already, left_out)
+
+
+def flags_in(path: Path) -> dict[str, Any]:
+    """The ``[vllm.flags]`` table of a configuration file ({} when it does not exist)."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise AdviceError(f"{path}: cannot read: {exc}") from None
+    table = data.get("vllm", {}).get("flags", {})
+    return dict(table) if isinstance(table, dict) else {}
+
+
+def set_after(files: Sequence[Path], target: Path) -> dict[str, str]:
+    """Flag -> a conf.d file of ``files`` (the configuration's, in reading order) read after
+    ``target`` that sets it, and so wins over it."""
+    later = [
+        f for f in files
+        if f.parent == target.parent and f.parent.name == DROPIN_DIR and f.name > target.name
+    ]  # fmt: skip
+    return {_canonical(name): str(f) for f in later for name in flags_in(f)}
 
 
 def toml_diff(suggested: Suggested, source: str) -> str:
@@ -123,8 +187,10 @@ def toml_diff(suggested: Suggested, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def conf_d_text(suggested: Suggested) -> str:
-    """The conf.d file that makes the change: the changed keys only, each with its reason."""
+def conf_d_text(suggested: Suggested, earlier: Mapping[str, Any] | None = None) -> str:
+    """The conf.d file that makes the change: the changed keys, each with its reason, after
+    what an ``earlier`` suggested file at the same place held (kept: replacing the file
+    must not undo a change already accepted)."""
     report = suggested.report
     out = [
         "# Written by `vkvagent plan --suggested`: the [vllm.flags] change the daemon's last",
@@ -134,6 +200,9 @@ def conf_d_text(suggested: Suggested) -> str:
         "# Later conf.d files win, key by key.",
         TABLE,
     ]
+    for key, value in (earlier or {}).items():
+        if _canonical(key) not in suggested.changes:
+            out.append(f"{_toml_key(key)} = {_toml_value(value)}  # from an earlier suggestion")
     for name, value in suggested.changes.items():
         key = next((k for k in suggested.after if _canonical(k) == name), name)
         out.append(f"# {suggested.reasons[name]}")
@@ -143,7 +212,9 @@ def conf_d_text(suggested: Suggested) -> str:
 
 def diagnosis_line(report: status.StatusReport, now: float) -> str:
     """The diagnosis the suggestion comes from, in one line."""
-    stale = " (stale: the daemon has not written since)" if status.is_stale(report, now) else ""
+    stale = (
+        " (stale: the daemon stopped or went silent since)" if status.is_stale(report, now) else ""
+    )
     cause = report.verdict.cause or report.verdict.state
     return f"diagnosis: {cause} at {_when(report.updated)}{stale}: {report.verdict.reason}"
 

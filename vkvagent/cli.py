@@ -667,18 +667,23 @@ def _plan_suggested(args: argparse.Namespace, settings: config.Config, out: Text
         raise CommandError(f"{nothing} ({status.path(Path(settings.agent.state_dir))})")
     if nothing is not None:
         if args.json:
-            json.dump({"nothing": nothing, "diagnosis": advice.diagnosis_json(report, now)}, out)
+            said = {"nothing": nothing, "diagnosis": advice.diagnosis_json(report, now)}
+            json.dump(said, out, indent=1)
             out.write("\n")
         else:
             print(nothing, file=out)
         return ExitCode.OK
     actuator = _actuator(settings, sys.stderr)
     version = actuator.vllm_version()
-    suggested = advice.suggest(report, settings.vllm.flags, version)
-    target = _suggested_path(args.config)
-    text = advice.conf_d_text(suggested)
+    target = args.write or _suggested_path(args.config)
+    # A file read after the target would win over it; the target's own earlier suggestion
+    # stays in it (the plan starts from the effective table, which holds it).
+    later = advice.set_after(config.config_files(args.config), target) if target else {}
+    suggested = advice.suggest(report, settings.vllm.flags, version, later)
+    text = advice.conf_d_text(suggested, advice.flags_in(target) if target else None)
     plan = _plan_for(actuator, settings, suggested.after) if suggested.changes else None
-    if args.write is not None and suggested.changes:
+    written = args.write is not None and plan is not None
+    if written:
         try:  # root's, readable by all: the loader refuses files others could have written
             args.write.parent.mkdir(mode=0o755, exist_ok=True)  # conf.d, on a first use
             write_atomically(args.write, text, 0o644)
@@ -688,8 +693,8 @@ def _plan_suggested(args: argparse.Namespace, settings: config.Config, out: Text
         shown = {
             **suggested.to_json(now),
             "diff": advice.toml_diff(suggested, _config_source(args.config)),
-            "conf_d": {"path": str(args.write or target or ""), "text": text},
-            "written": str(args.write) if args.write is not None and plan else None,
+            "conf_d": {"path": str(target) if target else None, "text": text},
+            "written": str(args.write) if written else None,
             "plan": _plan_json(plan) if plan is not None else None,
         }
         json.dump(shown, out, indent=1)
@@ -701,7 +706,9 @@ def _plan_suggested(args: argparse.Namespace, settings: config.Config, out: Text
     for name, value in suggested.already.items():
         print(f"already in [vllm.flags]: {flags_shown({name: value})}", file=out)
     if plan is None:
-        print("nothing to suggest: [vllm.flags] already has every flag this vLLM takes", file=out)
+        unwritten = f" ({args.write} not written)" if args.write is not None else ""
+        print(f"nothing to suggest: [vllm.flags] already has every flag it can take{unwritten}",
+              file=out)  # fmt: skip
         return ExitCode.OK
     out.write(advice.toml_diff(suggested, _config_source(args.config)))
     if args.write is not None:
