@@ -46,7 +46,8 @@ GONE = 2**22 + 7  # above Linux's largest PID: a writer that no longer runs
 def document(state: str, **extra: Any) -> dict[str, Any]:
     """A status document with only the keys the first version wrote that status reads."""
     return {
-        "version": 1, "updated": NOW, "pid": os.getpid(), "agent_version": "0.1.0",
+        "version": 1, "updated": NOW, "pid": os.getpid(),
+        "pid_namespace": status.pid_namespace(), "agent_version": "0.1.0",
         "interval": 10.0, "unit_name": "vllm.service", "unit": None, "unit_error": None,
         "vllm": {"version": "0.11.0", "flavor": "v1-latest", "uptime_s": 7200.0},
         "now": {"tokens_per_s": 5000.0},
@@ -125,10 +126,12 @@ def test_a_status_whose_daemon_is_gone_is_unknown_at_once() -> None:
     assert exit_code(stopped, NOW + 5) == StatusCode.UNKNOWN
     head = render(stopped, NOW + 5).splitlines()[0]
     assert head == "vkvagent 0.1.0: UNKNOWN (stale: last update 5 s ago; daemon not running)"
-    # An older status without a PID can only be judged by its age.
-    unknown_writer = report("healthy", pid=None)
-    assert exit_code(unknown_writer, NOW + 5) == StatusCode.HEALTHY
-    assert exit_code(unknown_writer, NOW + 61) == StatusCode.UNKNOWN
+    # Without a PID, or read from another PID namespace (a monitoring container), where that
+    # PID means another process, it can only be judged by its age.
+    for unseen in (report("healthy", pid=None), report("healthy", pid=GONE, pid_namespace=1)):
+        assert exit_code(unseen, NOW + 5) == StatusCode.HEALTHY
+        assert exit_code(unseen, NOW + 61) == StatusCode.UNKNOWN
+        assert "daemon not visible from here" in render(unseen, NOW + 61).splitlines()[0]
 
 
 def test_status_json_always_has_every_key() -> None:
@@ -325,8 +328,8 @@ def test_a_full_report_survives_its_own_document() -> None:
     document = json.loads(json.dumps(written.to_json()))
     assert list(document) == [
         "version", "updated", "agent_version", "interval", "unit_name", "verdict", "policy",
-        "pid", "unit", "unit_error", "vllm", "now", "gpus", "last_restart", "probe",
-        "flags", "trend", "fleet", "stale_after", "progress",
+        "pid", "pid_namespace", "unit", "unit_error", "vllm", "now", "gpus", "last_restart",
+        "probe", "flags", "trend", "fleet", "stale_after", "progress",
     ]  # fmt: skip
     assert document["trend"] == [[NOW - 300, 5100.0, 0.75], [NOW, 5000.0, None]]
     assert document["fleet"]["holders"][0]["lease"] == "7587"

@@ -204,7 +204,7 @@ class Daemon:
         self.events = events or Events.for_environment(now=clock.wall)
         self.notify = notify or sdnotify.SystemdNotifier().notify
         self.metrics = AgentMetrics()
-        cfg = config.load(config_path)  # ConfigError: `vkvagent run` exits 1 with the problems
+        cfg = config.load(config_path)  # ConfigError: `vkvagent run` exits 78 with the problems
         self.parts = Parts(
             cfg, clock, use_systemd=use_systemd, progress=self._progress, emit=self.events.emit
         )
@@ -1068,6 +1068,7 @@ class Daemon:
         return status.StatusReport(
             updated=sample.time,
             pid=os.getpid(),
+            pid_namespace=status.pid_namespace(),
             agent_version=__version__,
             interval=p.config.agent.sample_interval,
             unit_name=p.config.vllm.unit,

@@ -356,6 +356,7 @@ class StatusReport(_Part):
     verdict: Verdict
     policy: PolicyStatus
     pid: int | None = None  # the daemon's
+    pid_namespace: int | None = None  # its PID namespace (inode): where that PID means it
     unit: UnitStatus | None = None  # None: systemd not asked, or did not answer
     unit_error: str | None = None
     vllm: VllmStatus = field(default_factory=VllmStatus)
@@ -448,7 +449,7 @@ def is_stale(status: StatusReport, now: float) -> bool:
     or crashed: no need to wait a minute to say so), or it has not written for three
     intervals (at least a minute), or, while it restarts vLLM, for longer than the restart
     may take (hung)."""
-    if status.pid is not None and not daemon_alive(status):
+    if daemon_running(status) is False:
         return True
     limit = max(60.0, 3 * float(status.interval), float(status.stale_after or 0))
     return now - float(status.updated) > limit
@@ -508,11 +509,22 @@ def read(state_dir: Path) -> StatusReport | None:
         raise StatusError(f"{path(state_dir)}: {exc}") from None
 
 
-def daemon_alive(status: StatusReport) -> bool:
-    """Whether the process that wrote the status still runs (same host, same PID space; a
-    PID reused since reads as alive, which errs towards the staleness bound)."""
-    if status.pid is None:
-        return False
+def pid_namespace() -> int | None:
+    """This process's PID namespace, as the inode of /proc/self/ns/pid (None: no /proc)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def daemon_running(status: StatusReport) -> bool | None:
+    """Whether the process that wrote the status still runs; None where this reader cannot
+    tell: no PID, or another PID namespace (a monitoring container), where the PID means
+    another process. A PID reused since reads as running, which errs towards staleness."""
+    if status.pid is None or status.pid_namespace is None:
+        return None
+    if status.pid_namespace != pid_namespace():
+        return None
     try:
         os.kill(status.pid, 0)
     except PermissionError:
@@ -543,7 +555,9 @@ def render(status: StatusReport | None, now: float, *, explain: bool = False) ->
     lines = []
     if is_stale(status, now):
         # The headline says what the exit code says; the last verdict is history, beneath it.
-        alive = "running but silent" if daemon_alive(status) else "not running"
+        alive = {True: "running but silent", False: "not running", None: "not visible from here"}[
+            daemon_running(status)
+        ]
         age = _ago(now - float(status.updated))
         lines.append(
             f"vkvagent {status.agent_version}: UNKNOWN (stale: last update {age} ago; "
