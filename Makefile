@@ -29,8 +29,8 @@ test: deps dev vllm-real lint typecheck unit
 # The Debian packages the tests use: a real systemd in systemd-nspawn, a real Prometheus and
 # etcd, openssl for etcd's TLS, the packaging tools, and the SIEM collectors of
 # tests/test_siem.py. As root, what is missing is installed; otherwise the one command to run
-# is printed. The collectors' and etcd's units are disabled on the host: only the sandbox
-# runs them. syslog-ng-core conflicts with rsyslog (both provide system-log-daemon), so only
+# is printed. etcd's and rsyslog's units are disabled on the host: only the sandbox runs
+# them. syslog-ng-core conflicts with rsyslog (both provide system-log-daemon), so only
 # its libraries are installed; the package itself is downloaded outside the checkout, once,
 # and tests/test_siem.py unpacks it into the sandbox's throw-away root.
 DEBS := systemd-container prometheus etcd-server openssl lintian rpm rpmlint man-db \

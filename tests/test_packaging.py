@@ -851,6 +851,7 @@ class StatusCalls:
             began = time.monotonic()
             done = self.box.run("vkvagent", "status", "--json", check=False, timeout=30)
             self.calls.append((began, done))
+            self._stop.wait(0.1)  # a monitoring check's pace, not a busy loop beside apt
 
     def check(self) -> int:
         """Every call answered cleanly, except those that started while the package manager
