@@ -42,6 +42,7 @@ from tests.test_actuator import (
     vkvagent,
     write_config,
 )
+from tests.test_advice import sandbox_status
 from tests.test_daemon_systemd import AGENT, agent_unit, events, wait_event
 
 pytestmark = [pytest.mark.vllm, pytest.mark.systemd]
@@ -319,3 +320,17 @@ def test_plan_reads_the_real_units_command_line(vllm_box: Sandbox) -> None:
     )  # fmt: skip
     assert f"after:  {shlex.join((*UNMANAGED, *changed))}\n" in planned.stdout
     assert unit(vllm_box).invocation_id == invocation  # a plan changes nothing
+
+    # A suggestion, as the daemon's status.json would carry it, reviewed against this vLLM:
+    # its version (GET /version: 0.32) leaves out --swap-space, gone since 0.11.
+    sandbox_status(vllm_box, {"gpu-memory-utilization": 0.28, "swap-space": 4,
+                              "enable-prefix-caching": True})  # fmt: skip
+    shown = vkvagent(vllm_box, "plan", "--suggested")
+    assert shown.returncode == 0, output(shown)
+    assert "\nleft out: --swap-space: not settable on vLLM 0.32" in shown.stdout
+    assert "\nalready in [vllm.flags]: --enable-prefix-caching\n" in shown.stdout
+    assert "\n-gpu-memory-utilization = 0.25\n+gpu-memory-utilization = 0.28\n" in shown.stdout
+    assert f"before: {shlex.join(running)}\n" in shown.stdout
+    suggested = (*changed[:1], "0.28", *changed[2:])
+    assert f"after:  {shlex.join((*UNMANAGED, *suggested))}\n" in shown.stdout
+    assert unit(vllm_box).invocation_id == invocation
