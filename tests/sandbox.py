@@ -385,6 +385,12 @@ class Sandbox:
             )
         return done
 
+    def put(self, file: Path) -> str:
+        """Copy a host file into the container's /root (its /tmp is its own, and it sees only
+        the host's root file system); its path there."""
+        shutil.copy(file, self.root / "root" / file.name)
+        return f"/root/{file.name}"
+
     def write_unit(self, name: str, text: str) -> Path:
         """Write ``/etc/systemd/system/NAME`` in the container (``vllm.service.d/x.conf`` for a
         drop-in). systemd reads it on the next reload."""

@@ -737,13 +737,6 @@ def apt(box: Sandbox, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def put_in(box: Sandbox, *files: Path) -> list[str]:
-    """Copy packages into the container (its /tmp is its own); their paths there."""
-    for file in files:
-        shutil.copy(file, box.root / "root" / file.name)
-    return [f"/root/{file.name}" for file in files]
-
-
 def as_on_a_host(box: Sandbox) -> None:
     """This host image has a policy-rc.d that forbids starting services (as container images
     do), so deb-systemd-invoke would skip the restart an upgrade asks for: remove it from the
@@ -989,7 +982,7 @@ def test_a_deb_upgrade_from_the_first_release_keeps_config_state_and_vllm_and_re
     downgrade, a removal and a purge."""
     require()
     began = time.monotonic()
-    old, new = put_in(sandbox, old_packages[0], newer_packages[0])
+    old, new = sandbox.put(old_packages[0]), sandbox.put(newer_packages[0])
     serve_with_old(sandbox, lambda: install_in(sandbox, Path(old)))
     conffile = sandbox.root / "etc/vkvagent/config.toml"
     edited = conffile.read_text()
@@ -1041,7 +1034,7 @@ def test_an_rpm_upgrade_from_the_first_release_keeps_config_state_and_vllm_and_r
     require()
     need("rpm")
     began = time.monotonic()
-    old, new = put_in(sandbox, old_packages[1], newer_packages[1])
+    old, new = sandbox.put(old_packages[1]), sandbox.put(newer_packages[1])
     rpm = ("rpm", "--dbpath", "/root/rpmdb")
     sandbox.run("mkdir", "/root/rpmdb")
 

@@ -211,10 +211,9 @@ def install(box: Sandbox, syslog_ng: Path) -> None:
     """The collectors' configurations (as shipped, each port its own) and syslog-ng itself,
     unpacked into the container's throw-away root (tar keeps /lib a link to usr/lib). The
     package is copied in first: the container sees only the host's root file system."""
-    shutil.copy(syslog_ng, box.root / "root" / syslog_ng.name)
     box.run(
         "sh", "-c", 'dpkg-deb --fsys-tarfile "$1" | tar -x -C / --keep-directory-symlink',
-        "sh", f"/root/{syslog_ng.name}",
+        "sh", box.put(syslog_ng),
     )  # fmt: skip
     libraries = box.run("ldd", "/usr/sbin/syslog-ng").stdout
     assert "not found" not in libraries, f"syslog-ng's libraries (make deps):\n{libraries}"

@@ -13,6 +13,7 @@ acting, 2 escalated or critical, 3 unknown (no daemon, no data, or a stale file)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -509,6 +510,7 @@ def read(state_dir: Path) -> StatusReport | None:
         raise StatusError(f"{path(state_dir)}: {exc}") from None
 
 
+@functools.lru_cache(maxsize=1)  # a process keeps its PID namespace: one stat, not one a tick
 def pid_namespace() -> int | None:
     """This process's PID namespace, as the inode of /proc/self/ns/pid (None: no /proc)."""
     try:
