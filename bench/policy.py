@@ -3,7 +3,8 @@
 Every scenario of ``bench.policy_model.WORLDS`` is a week of the same fluid model; every policy
 is scored on it from its restart times: never restart, every 6 h (the runbook's CronJob), daily
 at 04:00 (the guide's cron line), the runbook's alert acted on, vkvagent's default configuration
-in enforce mode, and the oracle (the exact optimum, by dynamic programming). vkvagent runs the
+in enforce mode, the oracle (the exact optimum, by dynamic programming) and the windowed oracle
+(the optimum whose own restarts begin in vkvagent's default restart windows). vkvagent runs the
 real ``engine.decide`` on samples synthesised from the model every 30 s, in closed loop: its
 restarts change what the model serves and what the next samples say. Where the operator changes
 vLLM's flags (``slow-flags``), vkvagent also runs the daemon's flags loop (``vkvagent.reconcile``)
@@ -35,16 +36,19 @@ from bench.policy_model import (
     START,
     STEP,
     VARIANTS,
+    WEEK_STEPS,
     WORLDS,
     Episode,
+    Mask,
     Model,
     Path,
     Server,
     Values,
     World,
     episodes,
-    oracle,
+    optima,
     walk,
+    window_mask,
 )
 from vkvagent.config import Config
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
@@ -220,7 +224,7 @@ class Synth:
             tokens = float(v.served) * dt * noise * (1 + rng.gauss(0, 0.02))
             c.success += round(finished)
             c.generation += tokens
-            prompt = finished * s.prompt_tokens * (1 + rng.gauss(0, 0.03))
+            prompt = finished * float(v.prompt) * (1 + rng.gauss(0, 0.03))
             c.prompt += prompt
             c.prefix_queries += prompt
             c.prefix_hits += prompt * s.prefix_hit
@@ -293,6 +297,13 @@ class EngineRun:
     verdicts: list[tuple[int, str, float | None]] = field(default_factory=list)
 
 
+def process_started(model: Model) -> float:
+    """The week's first ``process_start_time``: the process came up (its cold start over) at
+    START, or started ``World.initial_uptime_h`` before it, where vkvagent is installed on a
+    running server."""
+    return START.timestamp() - model.first_uptime * STEP
+
+
 def run_vkvagent(
     model: Model, settings: Settings, seed: int = 1, margin: float | None = None
 ) -> EngineRun:
@@ -316,7 +327,7 @@ def run_vkvagent(
     state = EngineState()
     flags = FlagState()
     configured: Mapping[str, FlagValue] = {}  # the flags in effect, as the daemon passes them
-    started = START.timestamp() - COLD_STEPS * STEP  # the first process came up at START
+    started = process_started(model)
     restart_next, drained, rollback, named = False, False, False, False
     per_step = round(STEP / SAMPLE_EVERY)
     for k in range(model.steps):
@@ -411,7 +422,7 @@ def _judge(restarts: list[RestartRecord], decision: Decision) -> None:
 
 # -- the report --------------------------------------------------------------------------------
 
-POLICIES = ("oracle", "never", "every 6 h", "daily 04:00", "alert", "vkvagent")
+POLICIES = ("oracle", "windowed oracle", "never", "every 6 h", "daily 04:00", "alert", "vkvagent")
 
 
 @dataclass
@@ -427,6 +438,10 @@ class Row:
     delay_min: float | None  # median minutes from a run's degradation to its restart
     missed: int  # degraded runs still degraded at the end of the week
     cut_off: float = 0.0  # requests in flight that its restarts (and OOM kills) cut off
+    # What the requests in flight cost its restarts and OOM kills (cut off: their wasted
+    # tokens; drained: the demand refused meanwhile), a share of the week's demand.
+    in_flight: float = 0.0
+    of_windowed: float = 0.0  # score over the windowed oracle's
     detected_min: float | None = None  # vkvagent: median minutes to its first fixable cause
     detected: int = 0  # vkvagent: degraded runs in which it named a fixable cause
     degraded: int = 0  # degraded runs
@@ -452,12 +467,23 @@ def _detected(episode: Episode, detected: Sequence[int]) -> int | None:
 
 
 def score_world(
-    world: World, settings: Settings, seed: int = 1, server: Server | None = None
+    world: World,
+    settings: Settings,
+    seed: int = 1,
+    server: Server | None = None,
+    window: Mask | None = None,
 ) -> tuple[list[Row], EngineRun]:
+    """Every policy's row in ``world``, and vkvagent's run; ``window``: ``window_mask`` of
+    ``settings.policy`` for the week, if already computed."""
     model = Model(world, server)
-    best = oracle(model)
+    if window is None or len(window) != model.steps:
+        window = window_mask(settings.policy, model.steps)
+    best, windowed = optima(model, (None, window))
     paths: dict[str, Path] = {
         "oracle": walk(model, best.restarts, drained=None, rollbacks=best.rollbacks),
+        "windowed oracle": walk(
+            model, windowed.restarts, drained=None, rollbacks=windowed.rollbacks
+        ),
         "never": walk(model, []),
         "every 6 h": walk(model, every_6h(model)),
         "daily 04:00": walk(model, daily_0400(model)),
@@ -465,8 +491,10 @@ def score_world(
     }
     engine = run_vkvagent(model, settings, seed)
     paths["vkvagent"] = engine.path
-    top = paths["oracle"].score()
+    top, top_windowed = paths["oracle"].score(), paths["windowed oracle"].score()
     assert abs(top - best.score(model)) < 1e-9, "the oracle's walk must score its DP value"
+    assert abs(top_windowed - windowed.score(model)) < 1e-9
+    assert window[list(windowed.restarts)].all() and top_windowed <= top + 1e-12
     rows = []
     for name in POLICIES:
         path = paths[name]
@@ -485,6 +513,8 @@ def score_world(
             delay_min=_median(done),
             missed=len(found) - len(done),
             cut_off=path.cut_off,
+            in_flight=path.in_flight_lost / model.total_demand(),
+            of_windowed=path.score() / top_windowed,
         )
         if name == "vkvagent":
             named = [d for d in (_detected(e, engine.detected) for e in found) if d is not None]
@@ -502,17 +532,23 @@ def _minutes(value: float | None) -> str:
     return f"{value:.0f} min"
 
 
+def _share(value: float) -> str:
+    """A share of the week's demand, in percent."""
+    return f"{value * 100:.3f} %" if value else "0"
+
+
 def table(rows: Sequence[Row]) -> str:
     lines = [
         "| scenario | policy | goodput | of oracle | restarts | outside window | wrong "
-        "| OOM kills | requests cut off | degraded -> restart (median) | still degraded at end |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| OOM kills | requests cut off | in-flight cost | degraded -> restart (median) "
+        "| still degraded at end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.world} | {r.policy} | {r.score:.4f} | {r.of_oracle:.3f} | {r.restarts} | "
-            f"{r.outside} | {r.wrong} | {r.kills} | {r.cut_off:.0f} | {_minutes(r.delay_min)} "
-            f"| {r.missed} |"
+            f"{r.outside} | {r.wrong} | {r.kills} | {r.cut_off:.0f} | {_share(r.in_flight)} "
+            f"| {_minutes(r.delay_min)} | {r.missed} |"
         )
     return "\n".join(lines)
 
@@ -522,12 +558,14 @@ def summary(rows: Sequence[Row]) -> str:
     head = (
         "| scenario | "
         + " | ".join(POLICIES)
+        + " | vkvagent of windowed oracle"
         + " | vkvagent names a fixable cause after (in degraded runs) |"
     )
-    lines = [head, "|---" * (len(POLICIES) + 2) + "|"]
+    lines = [head, "|---" * (len(POLICIES) + 3) + "|"]
     for w in worlds:
         mine = {r.policy: r for r in rows if r.world == w}
         cells = [f"{mine[p].of_oracle:.3f}" if p in mine else "-" for p in POLICIES]
+        cells.append(f"{mine['vkvagent'].of_windowed:.3f}" if "vkvagent" in mine else "-")
         detected = "-"
         if "vkvagent" in mine and mine["vkvagent"].degraded:
             ours = mine["vkvagent"]
@@ -553,11 +591,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no such scenario (have: {', '.join(w.name for w in every)})")
     settings = vkvagent_settings()
     began = time.monotonic()
+    window = window_mask(settings.policy, WEEK_STEPS)
     rows: list[Row] = []
     cpu: list[int] = []
     for world in worlds:
         t0 = time.monotonic()
-        found, engine = score_world(world, settings, args.seed)
+        found, engine = score_world(world, settings, args.seed, window=window)
         rows += found
         cpu += engine.cpu_ns
         causes = ", ".join(f"{c} {m / 60:.1f} h" for c, m in sorted(engine.causes.items()))

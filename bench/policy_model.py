@@ -27,20 +27,35 @@ In the ``slow-flags`` scenario the operator changes vLLM's flags at a fixed step
 restart that every policy gets, not one of its own), and the new flags make requests queue. A
 restart keeps them; only a restart that rolls them back cures it. The state is then (k, u, the
 flags in effect), and the oracle's programme has a layer for each.
+
+The windowed oracle is the same programme with the schedule's own restarts allowed only at the
+steps where a restart window is open (``window_mask``: vkvagent's default windows); OOM kills
+and the operator's flag change still come when they come. Its score over the oracle's is the
+cost of the windows alone; a policy's score over it, what the policy misses within them.
+
+A scenario may also shift the ServeGen week in time (``demand_shift_h``), add the Azure trace's
+minute-to-minute burstiness (``bursty``), make prompts longer from a world time on
+(``prompt_shift``: a request then holds more KV blocks and takes longer to prefill), start the
+week on a server that has been up for a while (``initial_uptime_h``), or vary the degradation's
+onset from run to run (``onset_range_h``: a pseudo-random function of the step the run began
+at, so the model stays a function of (k, u)).
 """
 
 from __future__ import annotations
 
+import csv
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from functools import cache
+from pathlib import Path as FilePath
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from vkvagent.engine.policy import PolicySettings, window_state
 from vkvagent.sim.capacity import Scenario
 from vkvagent.sim.server import SimOptions
 from vkvagent.sim.workload import azure_sizes, servegen_week
@@ -75,6 +90,38 @@ def _longest_output() -> float:
     request, of the few dozen in flight)."""
     outputs = sorted(o for _, o in azure_sizes())
     return float(outputs[int(0.95 * (len(outputs) - 1))])
+
+
+# Requests a minute in the Azure conversation trace (AzureLLMInferenceTrace_conv.csv, its 58
+# whole minutes; bench/README.md has the source): the ``bursty`` scenario's burstiness.
+BURST_FILE = FilePath(__file__).with_name("azure-conv-per-minute.csv")
+BURST_HALF_WINDOW = 30  # minutes either side: the rolling hourly mean a minute is compared with
+
+
+@cache
+def burst() -> tuple[float, ...]:
+    """A demand multiplier per minute, mean 1: each minute's arrivals in the Azure trace over
+    the mean of the hour around it (``BURST_HALF_WINDOW`` minutes either side, as much of it
+    as the trace has), rescaled to a mean of exactly 1."""
+    with BURST_FILE.open(encoding="utf-8", newline="") as f:
+        counts = [float(row["requests"]) for row in csv.DictReader(f)]
+    ratios = []
+    for i, count in enumerate(counts):
+        near = counts[max(0, i - BURST_HALF_WINDOW) : i + BURST_HALF_WINDOW + 1]
+        ratios.append(count * len(near) / sum(near))
+    mean = sum(ratios) / len(ratios)
+    return tuple(r / mean for r in ratios)
+
+
+def _unit_hash(n: npt.NDArray[np.int64]) -> Array:
+    """A pseudo-random number in [0, 1) for each integer (splitmix64's finaliser): the same
+    for the same integer on every platform and numpy version."""
+    z = n.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    unit: Array = (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return unit
 
 
 @dataclass(frozen=True)
@@ -129,7 +176,15 @@ class World:
     flags; a rollback (a restart with the old ones) cures it. ``quiet``: (first hour, last
     hour, demand multiplier, from): every day from the first hour of the day (UTC) to the
     last, the demand is that fraction of the ServeGen week's (idle nights), from world time
-    ``from`` (hours) on."""
+    ``from`` (hours) on. ``demand_shift_h``: the ServeGen week that many hours later (its
+    hour h at world time h + shift: a host serving another continent). ``bursty``: the demand
+    times the Azure trace's per-minute multiplier (``burst``), repeated. ``prompt_shift``:
+    (hour, factor): from that world time on, prompts are ``factor`` times longer, at the same
+    request rate and generated tokens per request. ``initial_uptime_h``: the process started
+    this long before the week began (the default: it came up, its cold start over, at START).
+    ``onset_range_h``: (lowest, highest): each run's onset of ``uptime``, in hours of uptime,
+    drawn uniformly from this range by a pseudo-random function of the step the run began at
+    (overrides ``onset_h``)."""
 
     name: str
     summary: str
@@ -143,6 +198,11 @@ class World:
     memory_growth: bool = False
     slow_flags: tuple[float, float] | None = None
     quiet: tuple[float, float, float, float] | None = None
+    demand_shift_h: float = 0.0
+    bursty: bool = False
+    prompt_shift: tuple[float, float] | None = None
+    initial_uptime_h: float = 0.0
+    onset_range_h: tuple[float, float] | None = None
     wrong: bool = False  # any restart here is a wrong restart (nothing a restart cures)
 
     def __post_init__(self) -> None:
@@ -186,6 +246,13 @@ SURGE_HOURS = 1.0  # the simulator's surge lasts an hour
 SLOW_FLAGS_SPEED = 0.7
 # Demand at night in idle-nights: a request every minute or so, far under one running.
 IDLE_NIGHT = 0.01
+# busy-window: the ServeGen week 7 h later, so that its busiest three hours of the day (19:00 to
+# 22:00 on average over the week) fall in the default restart window, 02:00-05:00 UTC.
+BUSY_SHIFT_H = 7.0
+# prompt-shift: prompts this much longer (3,927 tokens against the trace's mean 1,155).
+PROMPT_FACTOR = 3.4
+INSTALLED_UPTIME_H = 20.0  # installed-degraded: the server's uptime when the week begins
+ONSET_RANGE_H = (2.0, 10.0)  # varying-onset: each run's onset, uniformly in this range
 
 
 def _at(day: int, hour: float) -> float:
@@ -261,6 +328,7 @@ WORLDS: tuple[World, ...] = (
         "the GPU slows with world time from Tue 12:00, -1 %/h to 0.6, no throttle reason; a "
         "restart does not cure it",
         slowdown=(_at(1, 12), 0.01, 0.6),
+        wrong=True,
     ),
     World(
         "slow-flags",
@@ -275,6 +343,37 @@ WORLDS: tuple[World, ...] = (
         "07:00, so the restart window (02:00-05:00) has under 0.5 requests running",
         quiet=(0.0, 7.0, IDLE_NIGHT, 0.0),
     ),
+    replace(
+        slowed("uptime-decline", 5.0, "busy-window"),
+        summary="uptime-decline on a host whose busiest hours are in the restart window: the "
+        "ServeGen week 7 h later (its 19:00-22:00 at 02:00-05:00 UTC: clients at UTC-7)",
+        demand_shift_h=BUSY_SHIFT_H,
+    ),
+    World(
+        "prompt-shift",
+        "from Wed 09:00 prompts are 3.4x longer, at the same requests/s and generated tokens "
+        "per request: KV binds earlier, prefill takes longer; a restart does not help",
+        prompt_shift=(_at(2, 9), PROMPT_FACTOR),
+        wrong=True,
+    ),
+    replace(
+        slowed("uptime-decline", 5.0, "installed-degraded"),
+        summary="uptime-decline on a server already up for 20 h (speed 0.7) when the week "
+        "begins: vkvagent is installed on it with an empty state",
+        initial_uptime_h=INSTALLED_UPTIME_H,
+    ),
+    replace(
+        slowed("uptime-decline", 5.0, "bursty"),
+        summary="uptime-decline under the ServeGen week times the Azure trace's per-minute "
+        "burstiness (arrivals over the hour's mean, repeated every 58 minutes)",
+        bursty=True,
+    ),
+    replace(
+        slowed("uptime-decline", 5.0, "varying-onset"),
+        summary="uptime-decline whose onset varies from run to run: 2 to 10 h of uptime, "
+        "pseudo-random by the run's first step",
+        onset_range_h=ONSET_RANGE_H,
+    ),
 )
 
 
@@ -284,6 +383,7 @@ class Values:
 
     rate: Array  # requests/s demanded
     demand: Array  # generated tokens/s demanded
+    prompt: Array  # prompt tokens per request
     capacity: Array  # generated tokens/s the server could serve (were it working)
     served: Array  # generated tokens/s served
     reward: Array  # served x speed x flags
@@ -317,8 +417,16 @@ class Model:
             first, last, share, since = world.quiet
             night = (hours % 24 >= first) & (hours % 24 < last) & (hours >= since)
             multiplier[night] *= share
-        self.rate = np.array([curve(k * STEP) for k in range(steps)]) * multiplier
+        if world.bursty:
+            per_minute = np.array(burst())
+            multiplier *= per_minute[np.arange(steps) % len(per_minute)]
+        shift = world.demand_shift_h * 3600
+        self.rate = np.array([curve(k * STEP - shift) for k in range(steps)]) * multiplier
         self.demand = self.rate * s.output_tokens
+        self.prompt = np.full(steps, s.prompt_tokens)
+        if world.prompt_shift is not None:
+            at, factor = world.prompt_shift
+            self.prompt[hours >= at] = s.prompt_tokens * factor
         self.hot = np.zeros(steps, dtype=bool)
         for begin, end in world.hot:
             self.hot[(hours >= begin) & (hours < end)] = True
@@ -332,7 +440,18 @@ class Model:
             self.hang[hours >= at] = math.floor(at * 60)
         # Requests demanded before each step, for the memory growth.
         self.requests = np.concatenate(([0.0], np.cumsum(self.rate * STEP)))
-        self.uptimes = steps + COLD_STEPS + 2
+        # The uptime of the week's first step: a process that came up (its cold start over)
+        # at START, or started ``initial_uptime_h`` before it.
+        self.first_uptime = max(COLD_STEPS, round(world.initial_uptime_h * 60))
+        self.uptimes = steps + self.first_uptime + 2
+        # With an onset per run, the effects of an onset at uptime 0, shifted by the run's.
+        self.onsets: npt.NDArray[np.int64] | None = None
+        if world.onset_range_h is not None:
+            lowest, highest = world.onset_range_h
+            began = np.arange(-self.first_uptime, steps + 1, dtype=np.int64)
+            hours_in = lowest + (highest - lowest) * _unit_hash(began)
+            self.onsets = np.round(hours_in * 60).astype(np.int64)
+            world = replace(world, onset_h=0.0)
         self.up_speed, self.leak = world.uptime_effects(self.uptimes)
         # The step at which the operator applies the slow flags (None: never).
         self.flag_step: int | None = None
@@ -348,11 +467,17 @@ class Model:
         k = np.asarray(k, dtype=np.int64)
         u = np.asarray(u, dtype=np.int64)
         k, u, slow = np.broadcast_arrays(k, u, np.asarray(slow, dtype=bool))
-        rate, demand = self.rate[k], self.demand[k]
+        rate, demand, prompt = self.rate[k], self.demand[k], self.prompt[k]
         up = u >= COLD_STEPS
         stalled = up & (k - u < self.hang[k])
-        speed = self.up_speed[u] * self.world_speed[k]
-        n_kv = s.kv_blocks * (1 - self.leak[u]) / s.blocks_per_request
+        # Uptime since the run's onset began (the onset's own uptime where it varies).
+        since = u if self.onsets is None else np.maximum(0, u - self.onset(k - u))
+        speed = self.up_speed[since] * self.world_speed[k]
+        leak = self.leak[since]
+        # KV blocks a running request holds (its prompt and half its output): the same float
+        # as ``Server.blocks_per_request`` while prompts keep the trace's mean.
+        blocks = (prompt + s.output_tokens / 2) / s.block_size
+        n_kv = s.kv_blocks * (1 - leak) / blocks
         n_max = np.minimum(float(s.max_num_seqs), n_kv)
         need = (demand / (s.single_stream * speed)) ** (1 / 0.7)
         kv_bound = (need > n_kv) & (n_kv < s.max_num_seqs)
@@ -367,11 +492,11 @@ class Model:
         flags = np.where(slow, self.flag_speed, 1.0)
         queued = running * (1 / flags - 1)
         waiting = np.where(up, np.maximum(0.0, rate - finished) * s.patience + queued, 0.0)
-        used = running * s.blocks_per_request + self.leak[u] * s.kv_blocks
+        used = running * blocks + leak * s.kv_blocks
         kv_usage = np.where(up, np.minimum(1.0, used / s.kv_blocks), 0.0)
         preemptions = np.where(working & kv_bound, finished * np.minimum(1.0, need / n_kv - 1), 0.0)
         per_request = s.single_stream * speed * np.maximum(running, 1.0) ** -0.3
-        prefill = s.prompt_tokens * (1 - s.prefix_hit) / (s.prefill_speed * speed)
+        prefill = prompt * (1 - s.prefix_hit) / (s.prefill_speed * speed)
         ttft = prefill * (1 + running / 32) + waiting / np.maximum(rate, 1e-9)
         if self.world.memory_growth:
             began = np.clip(k - u + COLD_STEPS, 0, k)
@@ -382,6 +507,7 @@ class Model:
         return Values(
             rate=rate,
             demand=demand,
+            prompt=prompt,
             capacity=capacity,
             served=served,
             reward=served * speed * flags,
@@ -399,6 +525,12 @@ class Model:
             memory=memory,
             killed=memory >= s.memory_max,
         )
+
+    def onset(self, began: Any) -> Any:
+        """The uptime (minutes) at which the degradation of a run that began at step ``began``
+        sets in, where it varies from run to run (``World.onset_range_h``)."""
+        assert self.onsets is not None
+        return self.onsets[np.asarray(began, dtype=np.int64) + self.first_uptime]
 
     def total_demand(self) -> float:
         return float(self.demand.sum() * STEP)
@@ -425,13 +557,13 @@ class Model:
 class Path:
     """A run through the model, one step at a time: restart at a step (a cold start begins
     there), or continue. The kernel's OOM kill restarts the process whatever the policy says,
-    and so does the operator's flag change (``slow_flags``). The first step finds a fresh
-    server that has just come up."""
+    and so does the operator's flag change (``slow_flags``). The first step finds a server
+    that has just come up (or started ``World.initial_uptime_h`` before)."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
         self.k = 0  # the next step
-        self.u = COLD_STEPS - 1  # the uptime of the step before
+        self.u = model.first_uptime - 1  # the uptime of the step before
         self.reward = 0.0
         self.restarts: list[int] = []  # steps at which a restart (by the policy) began
         self.kills: list[int] = []  # steps at which an OOM kill restarted the process
@@ -442,6 +574,7 @@ class Path:
         self.uptime = np.zeros(model.steps, dtype=np.int64)
         self.slowed = np.zeros(model.steps, dtype=bool)  # per step: the slow flags in effect
         self.cut_off = 0.0  # requests in flight that restarts and kills cut off
+        self.in_flight_lost = 0.0  # reward their restarts lost to the requests in flight
 
     def advance(
         self, restart: bool = False, drained: bool | None = False, rollback: bool = False
@@ -481,6 +614,7 @@ class Path:
         choices = (False, True) if drained is None else (drained,)
         lost, cut_off = min(self.model.restart_cost(values, d) for d in choices)
         self.reward -= float(lost)
+        self.in_flight_lost += float(lost)
         self.cut_off += float(cut_off)
 
     def score(self) -> float:
@@ -522,70 +656,93 @@ class Optimum:
         return self.value / model.total_demand()
 
 
-def oracle(model: Model) -> Optimum:
-    """The best schedule with full knowledge of the future, by dynamic programming.
+def window_mask(policy: PolicySettings, steps: int) -> Mask:
+    """Per step: whether one of ``policy``'s restart windows is open at its start
+    (``window_state``, as the engine and the report's "outside window" read them)."""
+    return np.array([window_state(policy, when(k))[0] for k in range(steps)], dtype=bool)
+
+
+def oracle(model: Model, allowed: Mask | None = None) -> Optimum:
+    """The best schedule with full knowledge of the future, by dynamic programming; with
+    ``allowed``, the best whose own restarts all begin at steps where it is true (the
+    windowed oracle; OOM kills and the operator's flag change come when they come).
 
     ``A[k][v]``: the best reward from step ``k`` on, arriving with uptime ``v`` (the previous
     step's plus one); the choice at ``k`` is to keep ``v`` or restart (uptime 0, less the
     restart's cost: drained or not, whichever is cheaper), unless the process is OOM-killed at
-    ``v`` (cut off). Uptimes beyond ``k + COLD_STEPS`` cannot be reached by step ``k``, so each
-    step's vector is only as long as that (ties keep the process running)."""
+    ``v`` (cut off). Uptimes beyond ``k`` plus the first step's cannot be reached by step
+    ``k``, so each step's vector is only as long as that (ties keep the process running)."""
+    return optima(model, (allowed,))[0]
+
+
+def optima(model: Model, masks: Sequence[Mask | None]) -> list[Optimum]:
+    """``oracle`` for each of ``masks`` (None: unrestricted), in one pass over the model."""
     if model.flag_step is not None:
-        return _oracle_with_flags(model, model.flag_step)
-    steps = model.steps
-    after = np.zeros(steps + COLD_STEPS + 1)  # A[steps][v] = 0
-    chosen: list[npt.NDArray[np.uint8]] = []
+        return [_oracle_with_flags(model, model.flag_step, m) for m in masks]
+    steps, first = model.steps, model.first_uptime
+    afters = [np.zeros(steps + first + 1) for _ in masks]  # A[steps][v] = 0
+    chosen: list[list[npt.NDArray[np.uint8]]] = [[] for _ in masks]
     for k in range(steps - 1, -1, -1):
-        n = k + COLD_STEPS + 1  # arriving uptimes 0..k+COLD_STEPS
+        n = k + first + 1  # arriving uptimes 0..k+first
         values = model.evaluate(k, np.arange(n))
-        keep = values.reward * STEP + after[1 : n + 1]
         cut, _ = model.restart_cost(values, False)
         drained, _ = model.restart_cost(values, True)
-        restarted = keep[0] - np.where(values.killed, cut, np.minimum(cut, drained))
-        restart = (restarted > keep) | values.killed
-        after = np.where(restart, restarted, keep)
-        chosen.append(np.packbits(restart))
-    chosen.reverse()
-    restarts, v = [], COLD_STEPS
-    for k in range(steps):
-        if np.unpackbits(chosen[k], count=k + COLD_STEPS + 1)[v]:
-            if not bool(model.evaluate(k, v).killed):
-                restarts.append(k)
-            v = 0
-        v += 1
-    return Optimum(float(after[COLD_STEPS]), tuple(restarts))
+        cost = np.where(values.killed, cut, np.minimum(cut, drained))
+        for i, mask in enumerate(masks):
+            keep = values.reward * STEP + afters[i][1 : n + 1]
+            restarted = keep[0] - cost
+            if mask is None or mask[k]:
+                restart = (restarted > keep) | values.killed
+            else:
+                restart = values.killed
+            afters[i] = np.where(restart, restarted, keep)
+            chosen[i].append(np.packbits(restart))
+    out = []
+    for i, after in enumerate(afters):
+        bits = chosen[i][::-1]
+        restarts, v = [], first
+        for k in range(steps):
+            if np.unpackbits(bits[k], count=k + first + 1)[v]:
+                if not bool(model.evaluate(k, v).killed):
+                    restarts.append(k)
+                v = 0
+            v += 1
+        out.append(Optimum(float(after[first]), tuple(restarts)))
+    return out
 
 
-def _oracle_with_flags(model: Model, change: int) -> Optimum:
+def _oracle_with_flags(model: Model, change: int, allowed: Mask | None = None) -> Optimum:
     """``oracle`` in a world whose operator applies the slow flags at step ``change`` (a
     drained restart no schedule can refuse). From there the programme has two layers: ``new``
     (the slow flags in effect) and ``old`` (rolled back). A restart in ``new`` either keeps
     the flags or rolls them back, at the same cost; in ``old`` it keeps them (the operator does
-    not apply them again). Ties keep the process running, and keep the flags."""
+    not apply them again). Ties keep the process running, and keep the flags. With
+    ``allowed``, the schedule restarts (and rolls back) only where it is true."""
     assert not model.world.memory_growth  # World refuses it: no OOM kill to choose around
-    steps = model.steps
-    old = np.zeros(steps + COLD_STEPS + 1)
-    new = np.zeros(steps + COLD_STEPS + 1)
+    steps, first = model.steps, model.first_uptime
+    old = np.zeros(steps + first + 1)
+    new = np.zeros(steps + first + 1)
     # Per step (reversed until the end): restart bits in old, and in new; whether a restart
     # in new rolls back (the same for every uptime: the cost does not depend on the choice).
     restart_old: list[npt.NDArray[np.uint8] | None] = []
     restart_new: list[npt.NDArray[np.uint8] | None] = []
     roll_back: list[bool] = []
     for k in range(steps - 1, -1, -1):
-        n = k + COLD_STEPS + 1
+        n = k + first + 1
         u = np.arange(n)
+        free = allowed is None or bool(allowed[k])
         at_old = model.evaluate(k, u)
         keep_old = at_old.reward * STEP + old[1 : n + 1]
         if k == change:
-            first = model.evaluate(k, 0, True)
+            first_new = model.evaluate(k, 0, True)
             lost, _ = model.restart_cost(at_old, True)
-            old = float(first.reward) * STEP + new[1] - lost
+            old = float(first_new.reward) * STEP + new[1] - lost
             restart_old.append(None)
             restart_new.append(None)
             roll_back.append(False)
             continue
         restarted = keep_old[0] - _cheaper_cost(model, at_old)
-        restart = restarted > keep_old
+        restart = (restarted > keep_old) & free
         next_old = np.where(restart, restarted, keep_old)
         restart_old.append(np.packbits(restart))
         if k > change:
@@ -593,7 +750,7 @@ def _oracle_with_flags(model: Model, change: int) -> Optimum:
             keep_new = at_new.reward * STEP + new[1 : n + 1]
             back = bool(keep_old[0] > keep_new[0])
             restarted_new = (keep_old[0] if back else keep_new[0]) - _cheaper_cost(model, at_new)
-            restart = restarted_new > keep_new
+            restart = (restarted_new > keep_new) & free
             new = np.where(restart, restarted_new, keep_new)
             restart_new.append(np.packbits(restart))
             roll_back.append(back)
@@ -605,21 +762,21 @@ def _oracle_with_flags(model: Model, change: int) -> Optimum:
     restart_new.reverse()
     roll_back.reverse()
     restarts, rollbacks = [], []
-    v, slow = COLD_STEPS, False
+    v, slow = first, False
     for k in range(steps):
         if k == change:
             v, slow = 0, True
         else:
             bits = restart_new[k] if slow else restart_old[k]
             assert bits is not None
-            if np.unpackbits(bits, count=k + COLD_STEPS + 1)[v]:
+            if np.unpackbits(bits, count=k + first + 1)[v]:
                 restarts.append(k)
                 if slow and roll_back[k]:
                     rollbacks.append(k)
                     slow = False
                 v = 0
         v += 1
-    return Optimum(float(old[COLD_STEPS]), tuple(restarts), tuple(rollbacks))
+    return Optimum(float(old[first]), tuple(restarts), tuple(rollbacks))
 
 
 def _cheaper_cost(model: Model, values: Values) -> Any:

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Sequence
+from datetime import timedelta
 
 import pytest
 
 pytest.importorskip("numpy")
 
+import numpy as np
+
 from bench.policy import (
+    POLICIES,
     SAMPLE_EVERY,
     Alert,
+    Row,
     Synth,
     daily_0400,
     every_6h,
+    process_started,
     run_vkvagent,
+    summary,
     vkvagent_settings,
 )
 from bench.policy_model import (
@@ -23,16 +31,20 @@ from bench.policy_model import (
     DAY_STEPS,
     GIB,
     HOUR,
+    START,
     STEP,
     WORLDS,
     Model,
     Path,
     Server,
     World,
+    burst,
     episodes,
+    optima,
     oracle,
     walk,
     when,
+    window_mask,
 )
 from vkvagent.engine import Settings
 from vkvagent.engine.baseline import window_stats
@@ -44,14 +56,28 @@ FAST = (
     World("leak", "", uptime="kv-pressure", onset_h=0.0, stretch=0.01),
     World("hang", "", hangs=(4 / 60,)),
     World("hot", "", hot=((0.0, 3 / 60),), hangs=(7 / 60,), surges=((0.0, 5 / 60),)),
+    # Already up for 6 minutes, and declining, when the first step comes.
+    World(
+        "up-before", "", uptime="uptime-decline", onset_h=0.0, stretch=0.02, initial_uptime_h=0.1
+    ),
+    # Each run's decline sets in 0 to 5 minutes after it came up, by the step it began at.
+    World("onsets", "", uptime="uptime-decline", stretch=0.02, onset_range_h=(0.0, 5 / 60)),
+    World(
+        "prompts", "", uptime="kv-pressure", onset_h=0.0, stretch=0.01, prompt_shift=(4 / 60, 1.5)
+    ),
 )
+# The windows of the small instances: restarts may begin at steps 1, 2, 6 and 7 only.
+SMALL_WINDOW = np.array([k in (1, 2, 6, 7) for k in range(10)])
 
 
-def brute_force(model: Model) -> float:
-    """The best reward of every schedule, each restart drained or cut off as costs less."""
+def brute_force(model: Model, allowed: Sequence[bool] | None = None) -> float:
+    """The best reward of every schedule, each restart drained or cut off as costs less; with
+    ``allowed``, of every schedule whose restarts all begin where it is true."""
     best = 0.0
     for pattern in itertools.product((False, True), repeat=model.steps):
         restarts = [k for k, on in enumerate(pattern) if on]
+        if allowed is not None and not all(allowed[k] for k in restarts):
+            continue
         best = max(best, walk(model, restarts, drained=None).reward)
     return best
 
@@ -62,6 +88,60 @@ def test_the_oracle_is_the_best_of_every_schedule_on_small_instances(world: Worl
     best = oracle(model)
     assert best.value == pytest.approx(brute_force(model), rel=1e-12)
     assert walk(model, best.restarts, drained=None).reward == pytest.approx(best.value, rel=1e-12)
+
+
+@pytest.mark.parametrize("world", FAST, ids=lambda w: w.name)
+def test_the_windowed_oracle_is_the_best_schedule_within_the_windows(world: World) -> None:
+    model = Model(world, Server(kv_blocks=2500), steps=10)
+    best, windowed = optima(model, (None, SMALL_WINDOW))
+    assert best == oracle(model) and windowed == oracle(model, SMALL_WINDOW)
+    assert windowed.value == pytest.approx(brute_force(model, SMALL_WINDOW), rel=1e-12)
+    assert all(SMALL_WINDOW[k] for k in windowed.restarts)
+    path = walk(model, windowed.restarts, drained=None)
+    assert path.reward == pytest.approx(windowed.value, rel=1e-12)
+    assert windowed.value <= best.value
+    # No window at all: the best is never to restart.
+    closed = oracle(model, np.zeros(10, dtype=bool))
+    assert closed.restarts == () and closed.value == pytest.approx(walk(model, []).reward)
+
+
+def test_the_windowed_oracle_still_pays_for_oom_kills_outside_the_windows() -> None:
+    world = World("memory", "", memory_growth=True)
+    server = Server(memory_max=6 * GIB + 50 * 2**20, leak_per_request=64 * 1024)
+    model = Model(world, server, steps=10)
+    kills = walk(model, []).kills
+    assert kills == [4] and not SMALL_WINDOW[4]  # killed outside the windows
+    windowed = oracle(model, SMALL_WINDOW)
+    assert windowed.value == pytest.approx(brute_force(model, SMALL_WINDOW), rel=1e-12)
+    assert windowed.value <= oracle(model).value
+
+
+def test_the_windowed_oracle_rolls_slow_flags_back_only_in_a_window() -> None:
+    # The operator applies the slow flags at step 2; the schedule may restart, or roll them
+    # back, only at steps 5 and 6.
+    model = Model(World("flags", "", slow_flags=(2 / 60, 0.3)), Server(kv_blocks=2500), steps=12)
+    allowed = np.array([k in (5, 6) for k in range(model.steps)])
+    best_reward = 0.0
+    for at_5, at_6 in itertools.product((None, "restart", "rollback"), repeat=2):
+        pattern = {5: at_5, 6: at_6}
+        restarts = [k for k, on in pattern.items() if on]
+        rollbacks = [k for k, on in pattern.items() if on == "rollback"]
+        best_reward = max(best_reward, walk(model, restarts, None, rollbacks).reward)
+    windowed = oracle(model, allowed)
+    assert windowed.value == pytest.approx(best_reward, rel=1e-12)
+    best = oracle(model)
+    assert windowed.rollbacks == (5,) and best.rollbacks == (3,)
+    assert windowed.value < best.value
+    path = walk(model, windowed.restarts, drained=None, rollbacks=windowed.rollbacks)
+    assert path.reward == pytest.approx(windowed.value, rel=1e-12) and path.applied == [2]
+
+
+def test_the_window_mask_is_vkvagents_default_window() -> None:
+    mask = window_mask(vkvagent_settings().policy, 2 * DAY_STEPS)
+    assert list(np.flatnonzero(mask)) == [
+        *range(2 * HOUR, 5 * HOUR),
+        *range(DAY_STEPS + 2 * HOUR, DAY_STEPS + 5 * HOUR),
+    ]
 
 
 def test_the_oracle_rolls_slow_flags_back_as_well_as_every_schedule() -> None:
@@ -291,3 +371,161 @@ def test_idle_nights_leave_the_restart_window_idle_from_the_hour_they_begin() ->
     later = Model(World("later", "", quiet=(0.0, 7.0, 0.01, 24.0)))
     assert later.rate[:DAY_STEPS] == pytest.approx(plain.rate[:DAY_STEPS])
     assert later.rate[DAY_STEPS + 60] == pytest.approx(plain.rate[DAY_STEPS + 60] * 0.01)
+
+
+def world_named(name: str) -> World:
+    return next(w for w in WORLDS if w.name == name)
+
+
+def test_a_restart_is_wrong_where_nothing_a_restart_cures() -> None:
+    wrong = {w.name for w in WORLDS if w.wrong}
+    assert wrong == {"steady", "thermal-throttle", "load-surge", "uncured", "slow-flags",
+                     "prompt-shift"}  # fmt: skip
+    assert len({w.name for w in WORLDS}) == len(WORLDS)
+
+
+def hourly_profile(model: Model) -> list[float]:
+    """The mean request rate of each hour of the day (UTC) over the week."""
+    return [float(model.rate.reshape(7, 24, HOUR)[:, h].mean()) for h in range(24)]
+
+
+def test_busy_window_puts_the_days_busiest_hours_in_the_restart_window() -> None:
+    world = world_named("busy-window")
+    busy, plain = Model(world), Model(slowed_decline())
+    profile = hourly_profile(busy)
+    three = [sum(profile[(h + i) % 24] for i in range(3)) for h in range(24)]
+    assert three.index(max(three)) == 2  # 02:00-05:00 UTC, the default window
+    window = window_mask(vkvagent_settings().policy, busy.steps)
+    assert busy.rate[window].mean() > 1.1 * busy.rate[~window].mean()
+    # The same week, 7 hours later; the same degradation.
+    assert busy.rate[7 * HOUR :] == pytest.approx(plain.rate[: -7 * HOUR])
+    assert busy.up_speed == pytest.approx(plain.up_speed)
+    # A restart in the window finds more requests in flight than at other hours, and pays
+    # for them more, cut off (the timers') or drained (vkvagent's).
+    values = busy.evaluate(np.arange(busy.steps), COLD_STEPS + HOUR)
+    for drained in (False, True):
+        cost, _ = busy.restart_cost(values, drained)
+        assert cost[window].mean() > 1.1 * cost[~window].mean()
+    assert values.running[window].mean() > 1.1 * values.running[~window].mean()
+    # Every policy pays it: each restart of the path, at what it found there.
+    model = Model(world, steps=2 * DAY_STEPS)
+    for drained in (False, True):
+        path = walk(model, daily_0400(model), drained=drained)
+        found = [model.evaluate(k, path.uptime[k - 1] + 1) for k in path.restarts]
+        paid = [model.restart_cost(v, drained) for v in found]
+        assert path.in_flight_lost == pytest.approx(sum(float(lost) for lost, _ in paid))
+        assert path.cut_off == pytest.approx(sum(float(n) for _, n in paid))
+        assert path.in_flight_lost > 0 and (path.cut_off > 0) != drained
+
+
+def slowed_decline() -> World:
+    return world_named("uptime-decline")
+
+
+def test_prompt_shift_makes_prompts_longer_from_wednesday_and_no_restart_helps() -> None:
+    world = world_named("prompt-shift")
+    model, steady = Model(world), Model(World("steady", ""))
+    shift = 2 * DAY_STEPS + 9 * HOUR
+    trace = model.server.prompt_tokens
+    assert model.prompt[:shift] == pytest.approx(trace)
+    assert model.prompt[shift:] == pytest.approx(3.4 * trace)
+    # The same requests/s and generated tokens per request.
+    assert model.rate == pytest.approx(steady.rate) and model.demand == pytest.approx(steady.demand)
+    # Each request holds more KV blocks, so KV binds: less capacity, a slower first token.
+    k = np.arange(shift, model.steps)
+    old, fresh = model.evaluate(k, COLD_STEPS + 600), model.evaluate(k, COLD_STEPS)
+    before = steady.evaluate(k, COLD_STEPS + 600)
+    assert (old.capacity < 0.8 * before.capacity).all() and (old.ttft > before.ttft).all()
+    assert (old.served < old.demand).any() and (old.kv_usage > before.kv_usage).all()
+    # A restart changes nothing of that: a fresh process has the same capacity.
+    assert fresh.capacity == pytest.approx(old.capacity) and fresh.served == pytest.approx(
+        old.served
+    )
+    assert model.evaluate(k[:10], COLD_STEPS).speed == pytest.approx(1.0)
+
+
+def test_prompt_shift_shows_in_the_prompt_token_counters() -> None:
+    # The samples' prompt tokens per request follow the model's: 3.4 times more after the shift.
+    model = Model(World("prompts", "", prompt_shift=(1.0, 3.4)), steps=2 * HOUR)
+    synth = Synth(model, seed=5)
+    per_request = []
+    for hour in (0, 1):
+        first = last = None
+        for k in range(hour * HOUR, (hour + 1) * HOUR):
+            values = model.evaluate(k, COLD_STEPS + k)
+            for part in (1, 2):
+                sample, _memory = synth.sample(k * STEP + part * SAMPLE_EVERY, values, 0.0)
+                assert sample.vllm is not None
+                first = first or sample.vllm
+                last = sample.vllm
+        assert first is not None and last is not None
+        prompt = last.prompt_tokens_total - first.prompt_tokens_total
+        done = last.request_success_total - first.request_success_total
+        per_request.append(prompt / done)
+    assert per_request[0] == pytest.approx(model.server.prompt_tokens, rel=0.03)
+    assert per_request[1] == pytest.approx(3.4 * model.server.prompt_tokens, rel=0.03)
+
+
+def test_installed_degraded_starts_on_a_server_up_for_20_hours() -> None:
+    world = world_named("installed-degraded")
+    model = Model(world)
+    assert model.first_uptime == 20 * HOUR
+    never = walk(model, [])
+    assert never.uptime[0] == 20 * HOUR
+    first = model.evaluate(0, never.uptime[0])
+    assert float(first.speed) == pytest.approx(0.7)  # 5 h stable, then -2 %/h for 15 h
+    assert float(model.evaluate(0, COLD_STEPS).speed) == 1.0
+    # vkvagent's first process started 20 h before the week; elsewhere it came up at START.
+    assert process_started(model) == (START - timedelta(hours=20)).timestamp()
+    assert (
+        process_started(Model(World("steady", ""), steps=10))
+        == (START - timedelta(minutes=COLD_STEPS)).timestamp()
+    )
+    # Every policy and the oracle start from the same uptime: the oracle restarts at once.
+    short = Model(world, steps=HOUR)
+    assert oracle(short).restarts[:1] == (0,)
+    assert walk(short, [0]).score() > walk(short, []).score()
+
+
+def test_bursty_demand_has_the_traces_minute_to_minute_variance() -> None:
+    per_minute = burst()
+    assert len(per_minute) == 58
+    assert statistics.mean(per_minute) == pytest.approx(1.0, abs=1e-12)
+    assert statistics.pstdev(per_minute) > 0.15
+    assert min(per_minute) < 0.7 and max(per_minute) > 1.4
+    model, plain = Model(world_named("bursty")), Model(slowed_decline())
+    multiplier = model.rate / plain.rate
+    assert multiplier[:58] == pytest.approx(per_minute)
+    assert multiplier[58 : 2 * 58] == pytest.approx(per_minute)  # repeated
+    assert model.rate.sum() == pytest.approx(plain.rate.sum(), rel=0.01)
+
+
+def test_varying_onset_is_a_function_of_the_step_a_run_began_at() -> None:
+    model = Model(world_named("varying-onset"))
+    began = np.arange(-model.first_uptime, model.steps)
+    onsets = model.onset(began)
+    assert onsets.min() >= 2 * HOUR and onsets.max() <= 10 * HOUR
+    assert float(onsets.mean()) == pytest.approx(6 * HOUR, rel=0.03)  # uniform on 2 to 10 h
+    assert len(set(onsets[:100].tolist())) > 75  # runs begun a minute apart differ
+    assert Model(world_named("varying-onset")).onset(began) == pytest.approx(onsets)  # fixed
+    for start in (0, 500, 4321):
+        uptimes = np.arange(0, 19 * HOUR)
+        speed = model.evaluate(start + uptimes, uptimes).speed
+        onset = int(model.onset(start))
+        assert (speed[: onset + 1] == 1.0).all() and speed[onset + 1] < 1.0
+        # -2 %/h after the onset, as in uptime-decline (5x): 0.84 after 8 hours of it.
+        assert speed[onset + 8 * HOUR] == pytest.approx(0.84)
+    # The same uptime in runs begun at other steps is another point of the decline.
+    assert model.onset(0) != model.onset(500)
+    at = 11 * HOUR
+    assert model.evaluate(at, at).speed != model.evaluate(500 + at, at).speed
+
+
+def test_the_summary_gives_vkvagents_share_of_the_windowed_oracle() -> None:
+    rows = [
+        Row("w", p, s, s / 0.9, 0, 0, 0, 0, None, 0, of_windowed=s / 0.8)
+        for p, s in zip(POLICIES, (0.9, 0.8, 0.5, 0.6, 0.7, 0.75, 0.72))
+    ]
+    head, _rule, line = summary(rows).splitlines()
+    assert "| windowed oracle |" in head and "| vkvagent of windowed oracle |" in head
+    assert line == "| w | 1.000 | 0.889 | 0.556 | 0.667 | 0.778 | 0.833 | 0.800 | 0.900 | - |"
