@@ -92,11 +92,30 @@ def test_nothing_is_learned_before_the_warm_up_ends_and_after_the_run_stops_bein
     # The window must start after the warm-up: at uptime 700 s a 300 s window began at 400 s.
     assert empty.learn(stats(), mono=0.0, uptime=700.0, settings=SETTINGS) is empty
     assert empty.learn(stats(), mono=0.0, uptime=None, settings=SETTINGS) is empty
-    late = SETTINGS.warmup + SETTINGS.learn_for + 1
-    assert empty.learn(stats(), mono=0.0, uptime=late, settings=SETTINGS) is empty
     assert empty.learn(stats(running=0.1), mono=0.0, uptime=1000.0, settings=SETTINGS) is empty
     learned = empty.learn(stats(), mono=0.0, uptime=900.0, settings=SETTINGS)
     assert learned.regimes[19].count == 1 and learned.last_added == 0.0
+    assert learned.busy_from == 900.0 and not learned.late(SETTINGS)
+    assert learned.fresh_until(SETTINGS) == 900.0 + SETTINGS.learn_for
+    # Fresh for learn_for from the first busy window, then nothing more.
+    stale = 900.0 + SETTINGS.learn_for + 1
+    assert learned.learn(stats(), mono=stale, uptime=stale, settings=SETTINGS) is learned
+
+
+def test_a_run_idle_at_first_is_fresh_from_its_first_busy_window() -> None:
+    # Restarted at the start of an idle night: its loads come five hours later.
+    first = 5 * 3600.0
+    b = learn(Baseline(run="r"), SETTINGS.min_values, uptime=first)
+    assert b.known(19, SETTINGS) is not None and b.busy_from == first
+    assert not b.late(SETTINGS) and b.fresh_until(SETTINGS) == first + SETTINGS.learn_for
+    # A run first busy past learn_within (or first seen then) still learns, but late: what
+    # it lost before is in its baseline, so it is marked, and stands in for no other run.
+    late = learn(Baseline(run="r"), SETTINGS.min_values, uptime=SETTINGS.learn_within + 60)
+    assert late.known(19, SETTINGS) is not None and late.late(SETTINGS)
+    assert late.fresh_until(SETTINGS) == SETTINGS.learn_within
+    assert speed_change(b, late, SETTINGS) is None
+    again = Baseline.from_json(json.loads(json.dumps(late.to_json())))
+    assert again == late and again.late(SETTINGS)
 
 
 def test_a_regime_is_unknown_until_min_values_windows_at_most_one_per_interval() -> None:

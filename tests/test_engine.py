@@ -40,7 +40,8 @@ from vkvagent.vllm_metrics import Normaliser
 
 START = datetime(2025, 3, 3, 20, 0, tzinfo=timezone.utc)  # a Monday
 WINDOW = ("daily 02:00-05:00",)
-ENFORCE = Settings(policy=PolicySettings(mode="enforce", windows=WINDOW))
+# Restarts wait for the window here; tests of outside_windows = "when_cheaper" say so.
+ENFORCE = Settings(policy=PolicySettings(mode="enforce", windows=WINDOW, outside_windows="never"))
 # KV blocks for 2 requests/s (4 with twice as many): the fresh server runs at 45 % KV usage.
 TIGHT_KV = 1500
 REASONS = (
@@ -321,7 +322,9 @@ def judged_against(previous: Baseline, current: Baseline) -> list[Decision]:
     """A day-old run at 100 generated tokens/s with 2 running (regime 13, 50 tokens/s per
     request), decided every minute for 20 minutes, with these baselines."""
     state = decide(ENFORCE, EngineState(), Observation(DAY_OLD[:31]), now_of(DAY_OLD[30])).state
-    state = replace(state, previous=previous, baseline=replace(current, run=state.run.key))
+    # Learned in the run's first hours: a day later it learns nothing more.
+    current = replace(current, run=state.run.key, busy_from=600.0)
+    state = replace(state, previous=previous, baseline=current)
     decisions = []
     for end in range(37, len(DAY_OLD), 6):
         d = decide(ENFORCE, state, Observation(DAY_OLD[end - 31 : end]), now_of(DAY_OLD[end - 1]))
@@ -378,7 +381,7 @@ def night_after_a_slow_evening(fault_at: float | None = None) -> list[Decision]:
         for s in busy + idle
     ]  # fmt: skip
     state = decide(ENFORCE, EngineState(), Observation(busy[:31]), now_of(busy[30])).state
-    state = replace(state, baseline=replace(fresh, run=state.run.key))
+    state = replace(state, baseline=replace(fresh, run=state.run.key, busy_from=600.0))
     decisions = []
     for end in range(37, len(timeline), 6):
         observed = Observation(timeline[end - 31 : end], unit_active=True)
@@ -634,3 +637,30 @@ def test_a_memory_series_that_changes_source_starts_again() -> None:
     assert len(recent.memory) == 5
     recent.add(Sample(300.0, 300.0, page), 9e9, "MemoryCurrent")
     assert [p.bytes for p in recent.memory] == [9e9]
+
+
+def test_a_decline_is_restarted_at_once_then_prevented_from_its_own_history() -> None:
+    """By default (outside_windows = "when_cheaper", prevent = true): a run diagnosed in the
+    evening restarts then, not at 02:00; once the new run shows that the restart cured it,
+    the next restart comes before the decline, at the uptime the first run's onset, its rate
+    and the outage make cheapest. (The cooldown and the daily budget, which otherwise spread
+    preventive restarts out, are relaxed: the simulator declines 10 % an hour.)"""
+    policy = PolicySettings(mode="enforce", windows=WINDOW, cooldown=3600.0, max_per_day=24)
+    host = SimHost("uptime-decline", Settings(policy=policy), START, onset=2 * 3600.0,
+                   rate=2.0, interval=15.0, decide_every=60.0)  # fmt: skip
+    host.run_until(9.0)
+    check_reasons(host.decisions)
+    first, second = restarts(host)[:2]
+    assert first.cause == "uptime_decline" and not first.window_open
+    assert "cheaper now" in first.reason and first.drain_max_in_flight == 0
+    assert 3.5 < hours_after(START, first) < 6.0  # found, and restarted, the same evening
+    assert host.restarts[0].recovered is True
+    assert second.cause == "prevention" and "1 cured run(s) of this server" in second.reason
+    planned = float(second.evidence["prevent_at_s"] or 0) / 3600
+    uptime = (second.time - first.time).total_seconds() / 3600
+    # Due at 2.3 h of uptime; the window opening at 02:00 is the last before that, so it
+    # goes there, in the window.
+    assert 1.5 < planned < 3.5 and second.window_open and 1.0 <= uptime < planned
+    assert second.ratio is not None and second.ratio > 0.8  # before it was worth a diagnosis
+    between = [d for d in host.decisions if first.time < d.time < second.time]
+    assert not any(d.cause == "uptime_decline" for d in between)

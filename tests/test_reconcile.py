@@ -76,7 +76,8 @@ def test_a_change_that_is_not_slower_stays(speed: float, verdict: str) -> None:
 
 def test_too_little_comparable_load_is_no_verdict_never_a_rollback() -> None:
     state = FlagState().noticed(change())
-    fresh_until = SETTINGS.warmup + SETTINGS.learn_for + SETTINGS.window
+    # The new run never served a load: it could learn as fresh until learn_within.
+    fresh_until = SETTINGS.learn_within + SETTINGS.window
     assert judge(state, APPLIED + 20, None, uptime=fresh_until - 1) == (state, None)
     ended, judged = judge(state, APPLIED + 20, None, uptime=fresh_until + 1)
     assert judged is not None and judged.why == "no load both runs served while fresh"

@@ -308,9 +308,16 @@ class BaselineConfig:
     )  # fmt: skip
     learn_for: float = setting(
         _B.learn_for,
-        "Seconds after the warm-up during which the run counts as fresh and its baseline is "
-        "learned.",
+        "Seconds from the run's first busy window after the warm-up during which it counts "
+        "as fresh and its baseline is learned.",
         min=60, max=WEEK,
+    )  # fmt: skip
+    learn_within: float = setting(
+        _B.learn_within,
+        "Uptime (seconds) by which a run's first busy window must come for its baseline to "
+        "count as fresh; a run first busy later (idle for hours, or already running when "
+        "vkvagent started) learns a late baseline, which never stands in for another run.",
+        min=0, max=WEEK,
     )  # fmt: skip
     value_interval: float = setting(
         _B.value_interval,
@@ -505,6 +512,20 @@ class PolicyConfig:
         "Opt-in scheduled restart: once vLLM has run this many seconds, restart it in the "
         "next window; 0: never.",
         min=0, max=30 * DAY,
+    )  # fmt: skip
+    outside_windows: str = setting(
+        _P.outside_windows,
+        "A slowdown (a diagnosed uptime_decline, or a preventive restart) restarts outside "
+        "the windows when waiting for the next one would lose more service (speed lost x "
+        "time) than the restart's outage: when_cheaper; or always waits: never.",
+        choices=policy.OUTSIDE_WINDOWS,
+    )  # fmt: skip
+    prevent: bool = setting(
+        _P.prevent,
+        "Restart before the slowdown this server's own past runs predict: once runs "
+        "diagnosed uptime_decline were cured by their restart, restart the same server "
+        "(vLLM version, model, flags) at the uptime that costs least (onset and rate of "
+        "their decline against the outage).",
     )  # fmt: skip
     escalate_after: int = setting(
         _P.escalate_after,

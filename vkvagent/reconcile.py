@@ -170,7 +170,9 @@ class FlagState:
             else None
         )
         if found is None:
-            fresh_until = settings.warmup + settings.learn_for + settings.window
+            fresh_until = (
+                current.fresh_until(settings) if current is not None else settings.learn_within
+            ) + settings.window
             if run_uptime is not None and run_uptime > fresh_until:
                 why = "no load both runs served while fresh"
                 return self._concluded(replace(change, verdict="no verdict"), None, why)

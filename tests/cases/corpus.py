@@ -84,7 +84,7 @@ def load(path: Path) -> Case:
         regimes[regime_key] = Regime(b.min_values, values)
     state = EngineState(
         run=RunState(key=key, started=started),
-        baseline=Baseline(run=key, regimes=regimes),
+        baseline=Baseline(run=key, regimes=regimes, busy_from=settings.baseline.warmup),
     )
     restarts = tuple(
         RestartRecord(_time(r["at"]), r["cause"], r.get("recovered"))

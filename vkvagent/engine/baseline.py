@@ -4,6 +4,11 @@ A server is slow only relative to itself at the same load: each request decodes 
 batch grows, so a busy afternoon is not a degradation and a quiet night does not prove health.
 A baseline is therefore learned per vLLM run (a new process or a counter reset starts a new
 one), only after the warm-up and only while the run is fresh, separately for each load regime.
+A run is fresh for ``learn_for`` from its first busy window, not from its start: a server
+restarted at the start of an idle night meets its loads only in the morning, and idle hours
+do not wear it (a run that sat idle all of its first ``learn_within`` still learns then, as
+does one first seen long after its start, but its baseline is *late*: what it lost before
+cannot be seen, and it never stands in for another run).
 Each regime keeps the values of up to ``max_values`` windows; its baseline is their median,
 which one odd window cannot move. A regime with fewer than ``min_values`` windows is unknown,
 and unknown never restarts.
@@ -57,7 +62,8 @@ class BaselineSettings:
 
     window: float = 300.0  # samples summarised by one measurement (the trailing window)
     warmup: float = 600.0  # uptime excluded: CUDA graphs, caches and the first burst settle
-    learn_for: float = 7200.0  # after the warm-up, how long the run counts as fresh
+    learn_for: float = 7200.0  # from its first busy window, how long the run counts as fresh
+    learn_within: float = 28800.0  # a first busy window later than this uptime learns "late"
     value_interval: float = 60.0  # at most one window value kept per this many seconds
     min_values: int = 10  # windows a regime needs before its baseline is known
     max_values: int = 60  # windows kept per regime; then it is complete
@@ -67,6 +73,8 @@ class BaselineSettings:
     def __post_init__(self) -> None:
         if not (self.window > 0 and self.value_interval > 0 and self.warmup >= 0):
             raise ValueError("baseline: window and value_interval must be > 0, warmup >= 0")
+        if self.learn_within < self.warmup:
+            raise ValueError("baseline: learn_within must be at least the warm-up")
         if not 1 <= self.min_values <= self.max_values:
             raise ValueError("baseline: need 1 <= min_values <= max_values")
         if not 1 <= self.buckets_per_octave <= 8:
@@ -229,6 +237,17 @@ class Baseline:
     regimes: Mapping[int, Regime] = field(default_factory=dict)
     last_added: float | None = None  # monotonic time of the last window kept
     server: str = ""  # engine.server_identity of the run: another run's stands in only if equal
+    busy_from: float | None = None  # the uptime of the first window kept: fresh from there
+
+    def late(self, settings: BaselineSettings) -> bool:
+        """Learned after ``learn_within`` of uptime: whatever the run lost before is in it."""
+        return self.busy_from is not None and self.busy_from > settings.learn_within
+
+    def fresh_until(self, settings: BaselineSettings) -> float:
+        """The uptime after which this run learns nothing more while fresh."""
+        if self.busy_from is None or self.late(settings):
+            return settings.learn_within
+        return self.busy_from + settings.learn_for
 
     def known(self, key: int | None, settings: BaselineSettings) -> Regime | None:
         """The regime's values if there are enough of them, else None (unknown)."""
@@ -243,23 +262,25 @@ class Baseline:
     def learn(
         self, stats: WindowStats, *, mono: float, uptime: float | None, settings: BaselineSettings
     ) -> Baseline:
-        """This baseline with ``stats`` kept, when the window is fresh, past the warm-up, not
-        too soon after the last one kept, and its regime still needs values; else itself."""
+        """This baseline with ``stats`` kept, when the window is busy, past the warm-up, fresh
+        (within ``learn_for`` of the first window kept), not too soon after the last one kept,
+        and its regime still needs values; else itself."""
         if uptime is None or uptime - stats.seconds < settings.warmup:
-            return self
-        if uptime > settings.warmup + settings.learn_for:
-            return self
-        if self.last_added is not None and 0 <= mono - self.last_added < settings.value_interval:
             return self
         key = regime_of(stats, settings)
         if key is None:
+            return self
+        busy_from = uptime if self.busy_from is None else self.busy_from
+        if uptime > busy_from + settings.learn_for:
+            return self
+        if self.last_added is not None and 0 <= mono - self.last_added < settings.value_interval:
             return self
         regime = self.regimes.get(key, Regime())
         if regime.count >= settings.max_values:
             return self
         regimes = dict(self.regimes)
         regimes[key] = regime.add(stats.values())
-        return replace(self, regimes=regimes, last_added=mono)
+        return replace(self, regimes=regimes, last_added=mono, busy_from=busy_from)
 
     def merged(self, older: Baseline, settings: BaselineSettings) -> Baseline:
         """This baseline, with ``older``'s known regimes where this one does not know them."""
@@ -292,6 +313,7 @@ class Baseline:
             "run": self.run,
             "server": self.server,
             "last_added": self.last_added,
+            "busy_from": self.busy_from,
             "regimes": {
                 str(key): {"count": r.count, "values": {n: list(v) for n, v in r.values.items()}}
                 for key, r in sorted(self.regimes.items())
@@ -303,9 +325,12 @@ class Baseline:
         """The inverse of ``to_json``; ValueError (one line) for anything malformed."""
         try:
             run, server = data["run"], data.get("server", "")
-            last = data.get("last_added")
+            # A baseline kept before busy_from was its warm-up's: fresh from the run's start.
+            last, busy_from = data.get("last_added"), data.get("busy_from", 0.0)
             if not isinstance(run, str) or not (last is None or _is_number(last)):
                 raise ValueError("run must be a string and last_added a number or null")
+            if not (busy_from is None or _is_number(busy_from)):
+                raise ValueError("busy_from must be a number or null")
             if not isinstance(server, str):
                 raise ValueError("server must be a string")
             regimes = {}
@@ -324,7 +349,13 @@ class Baseline:
             raise ValueError(f"baseline: malformed ({type(exc).__name__}: {exc})") from None
         except ValueError as exc:
             raise ValueError(f"baseline: {exc}") from None
-        return cls(run, regimes, None if last is None else float(last), server)
+        return cls(
+            run,
+            regimes,
+            None if last is None else float(last),
+            server,
+            None if busy_from is None or not regimes else float(busy_from),
+        )
 
 
 def _is_number(value: Any) -> bool:
@@ -391,7 +422,9 @@ def speed_change(
     earlier: Baseline, later: Baseline, settings: BaselineSettings
 ) -> SpeedChange | None:
     """How ``later``'s fresh speed compares with ``earlier``'s; None while no load is known
-    to both (not enough comparable load is no verdict)."""
+    to both (not enough comparable load is no verdict), or when either was learned late."""
+    if earlier.late(settings) or later.late(settings):
+        return None
     keys = sorted(set(earlier.known_keys(settings)) & set(later.known_keys(settings)))
     pairs = [
         (earlier.regimes[k].median("in_system"), later.regimes[k].median("in_system"), k)

@@ -4,7 +4,9 @@ A restart costs a cold start (minutes of no service), so it belongs where it cos
 the operator's calendar windows, when traffic is low, not too often, and never in a loop that
 does not help. Emergencies (by default only a stall: nothing is being served anyway) may go
 outside the windows. A scheduled restart (maximum uptime) is an explicit opt-in, run in the
-next window like any other.
+next window like any other. A slowdown (a diagnosed ``uptime_decline``, or one this server's
+past runs predict: ``prevention``) may go outside the windows when waiting for the next one
+would cost more service than the restart itself (``outside_windows = "when_cheaper"``).
 
 Pure: the restart history, the operator's pause/resume and ``now`` (an aware datetime) come in
 as values; the verdict says what it would do and, when it does not act, what blocked it.
@@ -24,12 +26,17 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from vkvagent.engine.diagnosis import FIXABLE
+from vkvagent.engine.prevention import DEFAULT_OUTAGE, Plan
 
 MODES = ("off", "observe", "enforce")
+OUTSIDE_WINDOWS = ("never", "when_cheaper")
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 SCHEDULED = "scheduled"  # the cause of a restart for reaching the maximum uptime
 FLAGS = "flags"  # the cause of a restart that changes vLLM's flags ([vllm] apply_flags)
-PLANNED = (FLAGS, SCHEDULED)  # restarts nothing was wrong before: never judged as a cure
+PREVENTION = "prevention"  # a restart before the slowdown this server's past runs predict
+# Restarts nothing was found wrong before: never judged as a cure.
+PLANNED = (FLAGS, SCHEDULED, PREVENTION)
+SLOWDOWNS = ("uptime_decline", PREVENTION)  # what outside_windows may weigh against a restart
 DAY = 86400.0
 
 
@@ -122,11 +129,19 @@ class PolicySettings:
     max_uptime: float = 0.0  # opt-in scheduled restart after this uptime; 0: never
     escalate_after: int = 2  # restarts in a row that did not help: stop until resumed
     drain_max_in_flight: int = 0  # handed to the actuator; emergencies skip the drain
+    # A slowdown restarts outside the windows when waiting for the next one costs more service
+    # than a restart ("when_cheaper"), or always waits for a window ("never").
+    outside_windows: str = "when_cheaper"
+    prevent: bool = True  # restart before the slowdown this server's past runs predict
 
     def __post_init__(self) -> None:
         problems = []
         if self.mode not in MODES:
             problems.append(f"mode {self.mode!r} (allowed: {', '.join(MODES)})")
+        if self.outside_windows not in OUTSIDE_WINDOWS:
+            problems.append(
+                f"outside_windows {self.outside_windows!r} (allowed: {', '.join(OUTSIDE_WINDOWS)})"
+            )
         try:
             ZoneInfo(self.timezone)
         except (ZoneInfoNotFoundError, ValueError):
@@ -381,10 +396,15 @@ def evaluate(
     traffic: TrafficProfile | None = None,
     mono: float | None = None,
     flags_due: str = "",
+    plan: Plan | None = None,
+    loss: float | None = None,
 ) -> Verdict:
     """The verdict for a diagnosed ``cause``; ``wanted`` says a restart would fix it. With no
-    such cause, a flag change (``flags_due`` says which) is proposed, else a scheduled
-    restart once the uptime passes ``max_uptime``; both wait for a window like any cause.
+    such cause, a flag change (``flags_due`` says which) is proposed, else a preventive
+    restart once ``plan`` (this server's past runs) says so: from its uptime T*, or in the
+    last window before it; else a scheduled restart once the uptime passes ``max_uptime``;
+    all wait for a window like any cause. ``loss``: the share of speed a diagnosed
+    ``uptime_decline`` has lost, weighed with ``plan`` against a restart outside the windows.
     ``traffic``: this host's rates by local hour, for the percentile gate. ``mono``: the
     monotonic time of ``now``, which the intervals, cooldown, budget and back-off are measured
     on for every restart that has one (``RestartRecord.age``)."""
@@ -394,9 +414,12 @@ def evaluate(
         return Verdict(action, reason, cause, is_open, upcoming, drain)
 
     due = settings.max_uptime > 0 and uptime is not None and uptime >= settings.max_uptime
+    calm = not wanted and cause not in ("gpu_fault", "engine_down")
     if flags_due and cause is None:  # not over a veto: the new run would be judged under it
         cause, wanted = FLAGS, True
-    elif due and not wanted and cause not in ("gpu_fault", "engine_down"):
+    elif calm and _prevention_due(settings, plan, uptime, is_open, upcoming, now):
+        cause, wanted = PREVENTION, True
+    elif due and calm:
         cause, wanted = SCHEDULED, True
     if settings.mode == "off":
         return verdict("none", "mode off")
@@ -410,6 +433,12 @@ def evaluate(
             "hold",
             f"escalated: the last {streak} restarts did not restore "
             "performance; waiting for `vkvagent resume`",
+        )
+    if cause == "uptime_decline" and _slowdown_uncured(history, controls):
+        return verdict(
+            "hold",
+            "escalated: the last restart for uptime_decline did not restore the fresh speed "
+            "(a slowdown a restart does not cure); waiting for `vkvagent resume`",
         )
     if controls.paused_until is not None and at < controls.paused_until:
         return verdict("hold", f"paused until {_iso(controls.paused_until)}")
@@ -434,6 +463,7 @@ def evaluate(
             "hold",
             f"budget: {len(recent)} restarts in the last 24 h (at most {settings.max_per_day})",
         )
+    cheaper = ""
     if not emergency:
         if past and past[0] < settings.cooldown:
             return verdict(
@@ -441,8 +471,10 @@ def evaluate(
                 f"cooldown: last restart {_ago(past[0])} ago (cooldown {_ago(settings.cooldown)})",
             )
         if not is_open:
-            following = f" (next {_iso(upcoming.timestamp())})" if upcoming else " (none set)"
-            return verdict("hold", f"outside window{following}")
+            cheaper = _cheaper_now(settings, cause, plan, loss, uptime, upcoming, now)
+            if not cheaper:
+                following = f" (next {_iso(upcoming.timestamp())})" if upcoming else " (none set)"
+                return verdict("hold", f"outside window{following}")
         if settings.max_request_rate > 0:
             if request_rate is None:
                 return verdict("hold", "traffic gate: request rate unknown")
@@ -457,10 +489,77 @@ def evaluate(
             if busy:
                 return verdict("hold", busy)
     drain = None if emergency else settings.drain_max_in_flight
-    where = "emergency, any time" if emergency else "in window"
+    where = "emergency, any time" if emergency else cheaper or "in window"
     if settings.mode == "observe":
         return verdict("hold", f"observe mode: would restart now ({where})", drain)
     return verdict("restart", f"restart: {where}", drain)
+
+
+def _slowdown_uncured(history: Sequence[RestartRecord], controls: Controls) -> bool:
+    """Whether the last judged restart for ``uptime_decline`` since the last resume did not
+    restore the fresh speed: the slowdown is not one a restart cures (the world's, not the
+    process's), so restarting for it again would only add outages."""
+    judged = [
+        r
+        for r in history
+        if r.cause == "uptime_decline"
+        and not r.aborted
+        and r.recovered is not None
+        and (controls.resumed_at is None or r.time > controls.resumed_at)
+    ]
+    return bool(judged) and max(judged, key=lambda r: r.time).recovered is False
+
+
+def _prevention_due(
+    settings: PolicySettings,
+    plan: Plan | None,
+    uptime: float | None,
+    is_open: bool,
+    upcoming: datetime | None,
+    now: datetime,
+) -> bool:
+    """From the plan's uptime on (no sooner than the cooldown and the daily budget let
+    restarts recur: spread evenly, not three in a row and a long wait), or in the last window
+    that opens before it."""
+    if not settings.prevent or plan is None or uptime is None:
+        return False
+    at = max(plan.at, settings.cooldown, DAY / settings.max_per_day)
+    if uptime >= at:
+        return True
+    if not is_open or uptime < settings.cooldown:  # a run this young is not a candidate
+        return False
+    return upcoming is None or uptime + (upcoming - now).total_seconds() >= at
+
+
+def _cheaper_now(
+    settings: PolicySettings,
+    cause: str | None,
+    plan: Plan | None,
+    loss: float | None,
+    uptime: float | None,
+    upcoming: datetime | None,
+    now: datetime,
+) -> str:
+    """Why a slowdown restarts outside the windows: waiting for the next one would lose more
+    service (speed lost x time) than the restart's outage. "" to wait."""
+    if settings.outside_windows != "when_cheaper" or cause not in SLOWDOWNS or uptime is None:
+        return ""
+    wait = (upcoming - now).total_seconds() if upcoming is not None else math.inf
+    outage = plan.outage if plan is not None else DEFAULT_OUTAGE
+    if cause == PREVENTION and plan is not None:
+        lost = plan.cost_of_waiting(uptime, wait)
+    elif loss is not None and loss > 0:
+        lost = loss * wait
+    else:
+        return ""
+    if not lost > outage:
+        return ""
+    until = "no window set" if upcoming is None else f"{_ago(wait)} to the next window"
+    lost_words = "all of it" if math.isinf(lost) else f"{lost / 60:.0f} min"
+    return (
+        f"outside window, cheaper now: waiting ({until}) would lose {lost_words} of service, "
+        f"a restart {outage / 60:.0f} min"
+    )
 
 
 def _busier_than_usual(

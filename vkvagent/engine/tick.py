@@ -24,6 +24,7 @@ from vkvagent.engine import policy
 from vkvagent.engine.baseline import (
     Baseline,
     BaselineSettings,
+    Comparison,
     WindowStats,
     compare,
     regime_label,
@@ -45,6 +46,7 @@ from vkvagent.engine.diagnosis import (
     optional_float,
 )
 from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
+from vkvagent.engine.prevention import Plan, PreventionSettings, Track, ended, judged, plan
 from vkvagent.engine.rates import counters, is_reset, mean
 from vkvagent.engine.samples import FlagValue, GpuReading, Sample, VllmMetrics
 
@@ -58,6 +60,7 @@ class Settings:
     baseline: BaselineSettings = field(default_factory=BaselineSettings)
     diagnosis: DiagnosisSettings = field(default_factory=DiagnosisSettings)
     policy: PolicySettings = field(default_factory=PolicySettings)
+    prevention: PreventionSettings = field(default_factory=PreventionSettings)
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,12 @@ class EngineState:
     recovered: bool | None = None  # did this run's fresh speed match the previous run's
     seen: float | None = None  # monotonic time of the newest sample read, valid or not
     traffic: TrafficProfile = field(default_factory=TrafficProfile)  # for the percentile gate
+    track: Track | None = None  # this run's speed by uptime
+    past: tuple[Track, ...] = ()  # earlier runs that ended due for uptime_decline
+    # The prevention plan from ``past``, and the hour (UTC) it was made for: derived from
+    # them alone, so neither persisted nor compared.
+    plan: Plan | None = field(default=None, compare=False)
+    planned_at: float | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -138,6 +147,8 @@ class EngineState:
             "recovered": self.recovered,
             "seen": self.seen,
             "traffic": self.traffic.to_json(),
+            "track": self.track.to_json() if self.track else None,
+            "past": [t.to_json() for t in self.past],
         }
 
     @classmethod
@@ -169,6 +180,9 @@ class EngineState:
                     if data.get("traffic") is not None
                     else TrafficProfile()
                 ),
+                # States written before prevention have no tracks: they start now.
+                track=Track.from_json(data["track"]) if data.get("track") else None,
+                past=tuple(Track.from_json(t) for t in data.get("past") or ()),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"engine state: {type(exc).__name__}: {exc}") from None
@@ -294,7 +308,7 @@ def decide(
         down=_down(observed),
         flags=observed.flags,
         cache_config=latest.vllm.cache_config if latest is not None and latest.vllm else {},
-        baseline_of="this run's" if borrowed is None else "an earlier run's",
+        baseline_of=_baseline_of(b, baseline, borrowed),
         engines=_engine_windows(segment) if stats is not None else (),
         prefix_hit_ratio=stats.prefix_hit_ratio if stats is not None else None,
         time=latest.time if latest is not None else None,
@@ -310,15 +324,30 @@ def decide(
     if stats is not None and latest is not None and quiet:
         baseline = baseline.learn(stats, mono=latest.mono, uptime=uptime, settings=b)
     recovered = state.recovered
+    past = state.past
     if recovered is None and state.previous is not None:
         recovered = _recovered(settings, state.previous, baseline)
+        if recovered is not None and state.run.key is not None:
+            past = judged(past, state.run.key, recovered)
     seen = max((s.mono for s in fresh), default=state.seen)
     traffic = state.traffic
     if stats is not None and stats.requests_per_s is not None:
         traffic = traffic.record(stats.requests_per_s, now, settings.policy.zone)
+    track = state.track or Track(run=state.run.key or "none")
+    if (
+        comparison is not None
+        and comparison.ratio is not None
+        and uptime is not None
+        and diagnosis.cause in (None, "uptime_decline")
+        and not (borrowed is None and baseline.late(b))
+    ):
+        track = track.add(uptime, comparison.ratio)
     state = replace(
-        state, baseline=baseline, diagnosis=dstate, recovered=recovered, seen=seen, traffic=traffic
-    )
+        state, baseline=baseline, diagnosis=dstate, recovered=recovered, seen=seen,
+        traffic=traffic, track=replace(track, server=baseline.server), past=past,
+        planned_at=state.planned_at if past is state.past else None,
+    )  # fmt: skip
+    state = _planned(settings.prevention, state, now.timestamp())
 
     verdict = policy.evaluate(
         settings.policy,
@@ -332,13 +361,19 @@ def decide(
         mono=mono,
         traffic=traffic,
         flags_due=observed.flags_due,
+        plan=state.plan,
+        loss=_loss(dstate, comparison) if diagnosis.cause == "uptime_decline" else None,
     )
-    action, reason = _action(settings.policy, diagnosis, verdict, uptime, observed.flags_due)
+    action, reason = _action(
+        settings.policy, diagnosis, verdict, uptime, observed.flags_due, state.plan
+    )
     evidence = dict(diagnosis.evidence)
     evidence["uptime_s"] = uptime
     evidence["run"] = state.run.key
     if borrowed is not None and comparison is not None:
         evidence["baseline_run"] = borrowed
+    if state.plan is not None:
+        evidence.update(state.plan.evidence())
     return Decision(
         time=now,
         action=action,
@@ -364,12 +399,15 @@ def _action(
     verdict: policy.Verdict,
     uptime: float | None,
     flags_due: str,
+    plan: Plan | None,
 ) -> tuple[str, str]:
     """Combine what diagnosis found with what the policy allows into (action, reason)."""
     if settings.mode == "off":
         return "none", verdict.reason
     if verdict.cause == policy.FLAGS:
         return verdict.action, f"{verdict.reason}; flags: {flags_due}"
+    if verdict.cause == policy.PREVENTION and plan is not None:
+        return verdict.action, f"{verdict.reason}; prevention: {plan.words()}"
     if verdict.cause == policy.SCHEDULED:
         why = f"scheduled: uptime {(uptime or 0) / 3600:.1f} h >= {settings.max_uptime / 3600:g} h"
         return verdict.action, f"{verdict.reason}; {why}"
@@ -452,6 +490,11 @@ def _new_run(state: EngineState, sample: Sample) -> EngineState:
     key = f"start:{start:.3f}" if start is not None else f"mono:{sample.mono:.3f}"
     old = state.baseline
     keep = old if old is not None and old.regimes else state.previous
+    past = state.past
+    due = state.diagnosis.due
+    if state.track is not None and due is not None and due.cause == "uptime_decline":
+        gap = sample.mono - state.run.cursor if state.run.cursor is not None else None
+        past = ended(past, state.track, key, sample.time, gap)
     return EngineState(
         run=RunState(key=key, started=start, first_mono=sample.mono),
         baseline=Baseline(run=key),
@@ -460,6 +503,7 @@ def _new_run(state: EngineState, sample: Sample) -> EngineState:
         recovered=None,
         seen=state.seen,
         traffic=state.traffic,
+        past=past,  # the plan is made again: another run may be another server
     )
 
 
@@ -602,15 +646,50 @@ def _down(observed: Observation) -> str | None:
     return None
 
 
+# The plan is made again every hour on the hour (evidence ages), and whenever the past runs
+# change: for the hour, not the moment, so a state loaded mid-hour plans as replay does.
+PLAN_EVERY = 3600.0
+
+
+def _planned(settings: PreventionSettings, state: EngineState, now: float) -> EngineState:
+    """The state with its prevention plan up to date (a plan costs milliseconds: not every
+    tick)."""
+    hour = math.floor(now / PLAN_EVERY) * PLAN_EVERY
+    if state.planned_at == hour:
+        return state
+    server = state.baseline.server if state.baseline is not None else ""
+    return replace(state, plan=plan(settings, state.past, server, hour), planned_at=hour)
+
+
+def _loss(state: DiagnosisState, comparison: Comparison | None) -> float | None:
+    """The share of its fresh speed a run diagnosed ``uptime_decline`` has lost: now, or as
+    last measured when nothing compares now (idle, an unlearned load)."""
+    ratio = comparison.ratio if comparison is not None else None
+    if ratio is None and state.due is not None:
+        ratio = state.due.ratio
+    return None if ratio is None else max(0.0, 1.0 - ratio)
+
+
 def _learning(settings: BaselineSettings, baseline: Baseline, uptime: float | None) -> str:
     if uptime is None:
         return ""
     ready = settings.warmup + settings.window / 2
     if uptime < ready:
         return f"warm-up: uptime {uptime / 60:.0f} min, baseline from {ready / 60:.0f} min"
-    if uptime <= settings.warmup + settings.learn_for and not baseline.known_keys(settings):
+    if baseline.busy_from is None:
+        return f"waiting for load to learn this run's baseline (uptime {uptime / 60:.0f} min)"
+    if uptime <= baseline.busy_from + settings.learn_for and not baseline.known_keys(settings):
         return f"collecting this run's baseline (uptime {uptime / 60:.0f} min)"
     return ""
+
+
+def _baseline_of(settings: BaselineSettings, own: Baseline, borrowed: str | None) -> str:
+    """Whose fresh baseline a comparison is against, in words."""
+    if borrowed is not None:
+        return "an earlier run's"
+    if own.late(settings) and own.busy_from is not None:
+        return f"this run's late (learned from {own.busy_from / 3600:.1f} h of uptime)"
+    return "this run's"
 
 
 def _fresh_speeds(settings: Settings, previous: Baseline, current: Baseline) -> list[float]:
@@ -628,9 +707,12 @@ def _carried(settings: Settings, previous: Baseline | None, current: Baseline) -
     """The previous run's own fresh baselines, to stand in at loads this run has not learned:
     only from the same server (vLLM version, model, cache config and configured flags), and
     once this run has been at least CARRY_SPEED as fast at every load both learned. A
-    restart that did not restore the speed, an upgrade or a flag change carries nothing; an
-    older run's baselines are never passed on, so small differences cannot add up."""
+    restart that did not restore the speed, an upgrade, a flag change or a baseline learned
+    late carries nothing; an older run's baselines are never passed on, so small differences
+    cannot add up."""
     if previous is None or not previous.regimes or not current.server:
+        return None
+    if previous.late(settings.baseline):  # it may hold a slowness: never the standard
         return None
     if previous.server != current.server:
         return None

@@ -1,0 +1,172 @@
+"""Prevention: the decline this server's past runs showed, fitted, and the restart it times."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from vkvagent.engine.policy import (
+    PREVENTION,
+    Controls,
+    PolicySettings,
+    RestartRecord,
+    evaluate,
+)
+from vkvagent.engine.prevention import (
+    BUCKET,
+    DEFAULT_OUTAGE,
+    KEPT,
+    PreventionSettings,
+    Track,
+    ended,
+    hinge,
+    judged,
+    plan,
+)
+
+HOUR = 3600.0
+NOW = 1.74e9
+SETTINGS = PreventionSettings()
+
+
+def declining(run: str, *, onset_h: float = 5.0, per_h: float = 0.02, hours: float = 17.0,
+              noise: float = 0.02, seed: int = 1) -> Track:  # fmt: skip
+    """A run's track: stable for ``onset_h``, then ``per_h`` of its speed lost an hour, one
+    noisy ratio a minute from 10 minutes of uptime."""
+    rng = random.Random(seed)
+    track = Track(run=run, server="s")
+    for minute in range(10, int(hours * 60)):
+        u = minute * 60.0
+        ratio = 1.0 - max(0.0, per_h * (u / HOUR - onset_h)) + rng.gauss(0.0, noise)
+        track = track.add(u, ratio)
+    return track
+
+
+def cured(track: Track, *, ended_at: float = NOW - HOUR, outage: float = 200.0) -> Track:
+    (done,) = ended((), track, "next", ended_at, outage)
+    (judged_track,) = judged((done,), "next", True)
+    return judged_track
+
+
+def test_the_hinge_fit_finds_onset_and_rate_through_noise() -> None:
+    points = declining("a").points()
+    assert len(points) == math.ceil(17 * HOUR / BUCKET)
+    fit = hinge(points)
+    assert fit is not None
+    onset, rate = fit
+    assert abs(onset / HOUR - 5.0) <= 1.0
+    assert rate * HOUR == pytest.approx(0.02, rel=0.2)
+    # Noise alone, too few points, or a speed that only rises: no decline to prevent.
+    assert hinge(declining("flat", per_h=0.0).points()) is None
+    assert hinge(points[:5]) is None
+    assert hinge([(u, -loss) for u, loss in points]) is None
+
+
+def test_the_plan_restarts_at_the_renewal_optimum() -> None:
+    found = plan(SETTINGS, [cured(declining("a"))], "s", NOW)
+    assert found is not None and found.runs == 1 and found.outage == 200.0
+    # T* = sqrt(u0^2 + 2 C / r): the uptime where the speed lost since the last restart
+    # outweighs one more outage.
+    assert found.at == pytest.approx(math.sqrt(found.onset**2 + 2 * 200.0 / found.rate))
+    assert 5.0 < found.at / HOUR < 7.0
+    assert found.loss(found.onset) == 0.0 and found.loss(found.onset + HOUR) > 0.0
+    # Waiting costs nothing before T*, and more the longer past it.
+    assert found.cost_of_waiting(found.at - 2 * HOUR, HOUR) == 0.0
+    assert 0 < found.cost_of_waiting(found.at, HOUR) < found.cost_of_waiting(found.at, 2 * HOUR)
+    assert "1 cured run(s) of this server lost speed from" in found.words()
+
+
+def test_only_cured_recent_runs_of_the_same_server_count() -> None:
+    run = declining("a")
+    assert plan(SETTINGS, [run], "s", NOW) is None  # never judged
+    done = ended((), run, "next", NOW - HOUR, 200.0)
+    assert plan(SETTINGS, judged(done, "next", False), "s", NOW) is None  # did not help
+    good = judged(done, "next", True)
+    assert plan(SETTINGS, good, "s", NOW) is not None
+    assert plan(SETTINGS, good, "another server", NOW) is None
+    assert plan(SETTINGS, good, "s", NOW + SETTINGS.max_age) is None  # too old
+    assert plan(PreventionSettings(min_runs=2), good, "s", NOW) is None
+    # A judgement is for the run that followed: another run's does not touch it.
+    assert judged(done, "other", True) == done
+    # A gap longer than an hour is not a restart's outage: the default stands in.
+    long_gap = judged(ended((), run, "next", NOW - HOUR, 2 * HOUR), "next", True)
+    assert long_gap[0].outage is None
+    found = plan(SETTINGS, long_gap, "s", NOW)
+    assert found is not None and found.outage == DEFAULT_OUTAGE
+    # Only the newest KEPT runs are kept.
+    many: tuple[Track, ...] = ()
+    for i in range(KEPT + 2):
+        many = ended(many, Track(run=f"r{i}"), f"r{i + 1}", NOW, 100.0)
+    assert [t.run for t in many] == [f"r{i}" for i in range(2, KEPT + 2)]
+
+
+def test_a_track_survives_json_and_refuses_garbage() -> None:
+    track = cured(declining("a"))
+    assert Track.from_json(json.loads(json.dumps(track.to_json()))) == track
+    data = track.to_json()
+    data["cured"] = "yes"
+    with pytest.raises(ValueError, match="cured"):
+        Track.from_json(data)
+    with pytest.raises(ValueError, match="track: KeyError"):
+        Track.from_json({"run": "a"})
+
+
+WINDOWED = PolicySettings(mode="enforce", windows=("daily 02:00-05:00",))
+PLAN = plan(SETTINGS, [cured(declining("a"))], "s", NOW)
+
+
+def at(hour: float) -> datetime:
+    return datetime(2025, 3, 4, tzinfo=timezone.utc) + timedelta(hours=hour)
+
+
+def verdict(settings: PolicySettings, uptime_h: float, when: datetime, **kw: object):  # type: ignore[no-untyped-def]
+    fields: dict[str, object] = dict(
+        cause=None, wanted=False, uptime=uptime_h * HOUR, request_rate=1.0, history=(),
+        controls=Controls(), now=when, plan=PLAN,
+    )  # fmt: skip
+    fields.update(kw)
+    return evaluate(settings, **fields)  # type: ignore[arg-type]
+
+
+def test_a_preventive_restart_goes_when_waiting_for_the_window_costs_more() -> None:
+    assert PLAN is not None
+    # Before the plan's uptime (at least the cooldown, and a day over the daily budget):
+    # nothing to do.
+    assert verdict(WINDOWED, 5.0, at(12)).action == "none"
+    # Past it, outside the window: waiting 14 h would lose more than one outage.
+    now = verdict(WINDOWED, 8.5, at(12))
+    assert (now.action, now.cause) == ("restart", PREVENTION)
+    assert now.reason.startswith("restart: outside window, cheaper now: waiting (14.0 h")
+    assert now.drain_max_in_flight == 0  # planned: drained
+    # Just before the window opens, waiting is cheaper.
+    assert verdict(WINDOWED, 8.5, at(25.9)).reason.startswith("outside window (next")
+    # outside_windows = "never": prevention restarts in the last window before it is due.
+    never = PolicySettings(mode="enforce", windows=WINDOWED.windows, outside_windows="never")
+    assert verdict(never, 8.5, at(12)).reason.startswith("outside window (next")
+    inside = verdict(never, 6.5, at(26))
+    assert (inside.action, inside.cause) == ("restart", PREVENTION)
+    assert verdict(never, 4.0, at(26)).action == "none"  # younger than the cooldown
+    # Off, or with no plan: nothing.
+    off = PolicySettings(mode="enforce", windows=WINDOWED.windows, prevent=False)
+    assert verdict(off, 20.0, at(12)).action == "none"
+    assert verdict(WINDOWED, 20.0, at(12), plan=None).action == "none"
+    # A veto still decides.
+    assert verdict(WINDOWED, 20.0, at(12), cause="gpu_fault").action == "none"
+
+
+def test_a_diagnosed_decline_restarts_now_unless_its_last_restart_did_not_cure_it() -> None:
+    kw = dict(cause="uptime_decline", wanted=True, plan=None)
+    now = verdict(WINDOWED, 17.0, at(12), loss=0.25, **kw)
+    assert now.action == "restart" and "cheaper now" in now.reason
+    # A small loss just before the window: wait for it.
+    assert verdict(WINDOWED, 17.0, at(25.5), loss=0.02, **kw).action == "hold"
+    uncured = (RestartRecord(NOW - 10 * HOUR, "uptime_decline", recovered=False),)
+    held = verdict(WINDOWED, 17.0, at(12), loss=0.25, history=uncured, **kw)
+    assert held.action == "hold" and held.reason.startswith("escalated: the last restart for")
+    resumed = verdict(WINDOWED, 17.0, at(12), loss=0.25, history=uncured,
+                      controls=Controls(resumed_at=NOW), **kw)  # fmt: skip
+    assert resumed.action == "restart"

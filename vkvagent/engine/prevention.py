@@ -1,0 +1,220 @@
+"""Prevention: restart before this server slows down, from what its own past runs did.
+
+A run diagnosed with ``uptime_decline`` whose restart cured it (the next run was as fast as
+its fresh self again) shows at what uptime this server begins to lose speed, and how fast.
+Each run keeps its speed, against its fresh baseline, by half hour of uptime (``Track``). From
+the cured runs of the same server (vLLM version, model, cache config, flags), a hinge fit
+gives the onset ``u0`` and the rate ``r`` (fraction of speed lost per second after it).
+
+Restarting every ``T`` seconds then loses ``(C + r (T - u0)^2 / 2) / T`` of the service, with
+``C`` the service a restart itself costs (its outage, measured between runs). That is least at
+``T* = sqrt(u0^2 + 2 C / r)``, the renewal optimum: the runbook's fixed timer, timed from this
+host's own runs. A run of the same server is due for a preventive restart from ``T*`` on, and
+the policy decides where it goes (in a window, or at once when waiting costs more).
+
+Evidence ages: runs that ended more than ``max_age`` ago no longer count, so a server that
+stopped declining (an upgrade is another server anyway) is let run long enough, once, to show
+it. Pure: values in, values out; ``to_json``/``from_json`` make it persistable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from vkvagent.engine.diagnosis import optional_float
+
+BUCKET = 1800.0  # seconds of uptime per point of a run's speed track
+KEPT = 6  # degraded runs kept per engine state (the newest)
+MIN_POINTS = 6  # buckets the fit needs
+MIN_FIT = 0.6  # share of the loss's variance the hinge must explain
+DEFAULT_OUTAGE = 180.0  # seconds a restart is taken to cost before one was measured
+
+
+@dataclass(frozen=True)
+class PreventionSettings:
+    """How past runs are trusted (durations in seconds)."""
+
+    max_age: float = 7 * 86400.0  # a cured run counts this long after it ended
+    min_runs: int = 1  # cured runs of this server needed before a preventive restart
+
+
+@dataclass(frozen=True)
+class Track:
+    """One run's speed by uptime: per bucket, the sum and number of speed ratios seen."""
+
+    run: str
+    server: str = ""
+    buckets: Mapping[int, tuple[float, int]] = field(default_factory=dict)
+    ended: float | None = None  # UTC Unix seconds the next run was first seen (once ended)
+    outage: float | None = None  # seconds from its last sample to the next run's first
+    next_run: str | None = None  # the run that followed it, whose fresh speed judges the cure
+    cured: bool | None = None  # whether that run was as fast as this one's fresh self
+
+    def add(self, uptime: float, ratio: float) -> Track:
+        index = int(uptime // BUCKET)
+        total, n = self.buckets.get(index, (0.0, 0))
+        buckets = dict(self.buckets)
+        buckets[index] = (total + ratio, n + 1)
+        return replace(self, buckets=buckets)
+
+    def points(self) -> list[tuple[float, float]]:
+        """(uptime in seconds at the bucket's middle, mean speed lost), by uptime."""
+        return [
+            ((index + 0.5) * BUCKET, 1.0 - total / n)
+            for index, (total, n) in sorted(self.buckets.items())
+            if n
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "server": self.server,
+            "buckets": {str(k): [t, n] for k, (t, n) in sorted(self.buckets.items())},
+            "ended": self.ended,
+            "outage": self.outage,
+            "next_run": self.next_run,
+            "cured": self.cured,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Track:
+        """The inverse of ``to_json``; ValueError (one line) for anything malformed."""
+        try:
+            buckets = {}
+            for key, (total, n) in data["buckets"].items():
+                if not isinstance(n, int) or n < 0 or optional_float(total) is None:
+                    raise ValueError(f"bucket {key}: bad value")
+                buckets[int(key)] = (float(total), n)
+            cured = data["cured"]
+            if cured is not None and not isinstance(cured, bool):
+                raise ValueError("cured must be true, false or null")
+            return cls(
+                run=str(data["run"]),
+                server=str(data["server"]),
+                buckets=buckets,
+                ended=optional_float(data["ended"]),
+                outage=optional_float(data["outage"]),
+                next_run=None if data["next_run"] is None else str(data["next_run"]),
+                cured=cured,
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"track: {type(exc).__name__}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """When this server's runs are best restarted, and why."""
+
+    at: float  # T*: the uptime (seconds) a preventive restart is due from
+    onset: float  # u0, seconds of uptime
+    rate: float  # speed lost per second after the onset
+    outage: float  # seconds of service a restart costs
+    runs: int  # cured runs it rests on
+
+    def loss(self, uptime: float) -> float:
+        """The share of its speed a run of this server is expected to have lost."""
+        return max(0.0, self.rate * (uptime - self.onset))
+
+    def cost_of_waiting(self, uptime: float, seconds: float) -> float:
+        """Service seconds lost, beyond what the renewal optimum loses, by restarting
+        ``seconds`` later than at ``uptime`` (past T*, where the loss rate exceeds the
+        optimum's average cost rate ``loss(T*)``)."""
+        start, end = max(uptime, self.at), uptime + seconds
+        if end <= start:
+            return 0.0
+        return self.rate / 2 * ((end - self.at) ** 2 - (start - self.at) ** 2)
+
+    def words(self) -> str:
+        return (
+            f"{self.runs} cured run(s) of this server lost speed from "
+            f"{self.onset / 3600:.1f} h of uptime at {self.rate * 360000:.1f} %/h; a restart "
+            f"costs {self.outage / 60:.0f} min, so restart from {self.at / 3600:.1f} h"
+        )
+
+    def evidence(self) -> dict[str, float | int]:
+        return {
+            "prevent_at_s": self.at,
+            "prevent_onset_s": self.onset,
+            "prevent_loss_per_h": self.rate * 3600,
+            "prevent_outage_s": self.outage,
+            "prevent_runs": self.runs,
+        }
+
+
+def plan(
+    settings: PreventionSettings, tracks: Sequence[Track], server: str, now: float
+) -> Plan | None:
+    """The plan for ``server`` from its cured runs that ended within ``max_age`` of ``now``
+    (UTC Unix seconds); None while they are too few or show no clear decline."""
+    cured = [
+        t
+        for t in tracks
+        if t.cured
+        and t.server == server
+        and t.ended is not None
+        and 0 <= now - t.ended <= settings.max_age
+    ]
+    if not server or len(cured) < settings.min_runs:
+        return None
+    points = [p for t in cured for p in t.points()]
+    fit = hinge(points)
+    if fit is None:
+        return None
+    onset, rate = fit
+    outages = sorted(t.outage for t in tracks if t.outage is not None and t.server == server)
+    outage = outages[len(outages) // 2] if outages else DEFAULT_OUTAGE
+    at = math.sqrt(onset * onset + 2 * outage / rate)
+    return Plan(at=at, onset=onset, rate=rate, outage=outage, runs=len(cured))
+
+
+def hinge(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """The best fit of ``loss = max(0, rate * (uptime - onset))`` to (uptime, loss) points,
+    by least squares over each point's uptime as the onset; None with fewer than MIN_POINTS
+    points, no decline, or a fit explaining less than MIN_FIT of the variance."""
+    if len(points) < MIN_POINTS:
+        return None
+    losses = [loss for _u, loss in points]
+    mean = sum(losses) / len(losses)
+    spread = sum((loss - mean) ** 2 for loss in losses)
+    if spread <= 0:
+        return None
+    best: tuple[float, float, float] | None = None  # (error, onset, rate)
+    for onset in sorted({0.0, *(u for u, _loss in points)}):
+        after = [(u - onset, loss) for u, loss in points if u > onset]
+        xx = sum(x * x for x, _loss in after)
+        if xx <= 0:
+            continue
+        rate = sum(x * loss for x, loss in after) / xx
+        if rate <= 0:
+            continue
+        error = sum(loss * loss for u, loss in points if u <= onset)
+        error += sum((loss - rate * x) ** 2 for x, loss in after)
+        if best is None or error < best[0]:
+            best = (error, onset, rate)
+    if best is None or 1 - best[0] / spread < MIN_FIT:
+        return None
+    return best[1], best[2]
+
+
+# A gap between two runs longer than this is not a restart's outage (the agent was stopped).
+MAX_OUTAGE = 3600.0
+
+
+def ended(
+    tracks: Sequence[Track], track: Track, next_run: str, at: float, gap: float | None
+) -> tuple[Track, ...]:
+    """The tracks kept with ``track`` added, its run ended: ``next_run`` followed it, first
+    seen at ``at`` (UTC), ``gap`` seconds after its last sample; the newest KEPT."""
+    outage = gap if gap is not None and 0 < gap <= MAX_OUTAGE else None
+    done = replace(track, ended=at, outage=outage, next_run=next_run)
+    return (*tracks, done)[-KEPT:]
+
+
+def judged(tracks: Sequence[Track], run: str, cured: bool) -> tuple[Track, ...]:
+    """The tracks with the one ``run`` followed judged: cured or not."""
+    return tuple(
+        replace(t, cured=cured) if t.next_run == run and t.cured is None else t for t in tracks
+    )
