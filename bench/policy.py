@@ -352,6 +352,7 @@ def run_vkvagent(
                 restarts=tuple(restarts),
                 flags=configured,
                 flags_due=due,
+                flags_slower=flags.last.ratio if due and flags.last is not None else None,
             )
             now = datetime.fromtimestamp(sample.time, timezone.utc)
             began = time.process_time_ns()

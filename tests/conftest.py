@@ -61,7 +61,7 @@ def window_stats(**values: float | None) -> WindowStats:
         seconds=300.0, running=17.6, waiting=0.0, kv_usage=0.45, tokens_per_s=5515.0,
         generation_tokens_per_s=845.0, requests_per_s=4.04, arrivals_per_s=4.04,
         preemptions_per_s=0.0, itl=0.0225, itl_p50=0.018, ttft_p50=0.25, prompt_share=0.847,
-        per_request=48.0,
+        per_request=48.0, prompt_per_request=1156.0, output_per_request=209.0,
     )  # fmt: skip
     base.update(values)
     return WindowStats(**base)  # type: ignore[arg-type]

@@ -232,3 +232,32 @@ def test_a_flag_changes_speed_is_judged_at_the_loads_both_runs_learned() -> None
     assert speed_change(before, _run("start:5", {20: 5.0}, count=1), SETTINGS) is None
     old = Baseline("start:0", {20: Regime(10, {"itl": (0.02,) * 10})})
     assert speed_change(old, _run("start:6", {20: 5.0}), SETTINGS) is None
+
+
+def test_an_unlearned_load_is_judged_by_the_speed_the_learned_ones_imply() -> None:
+    # A fresh server whose per-token latency grows as load^0.43 (the simulator's decode model).
+    def regime(load: float) -> Regime:
+        itl = 0.02 * (load / 1000.0) ** 0.43
+        values = {"generation_tokens_per_s": load, "itl": itl, "per_request": 1 / itl,
+                  "kv_usage": load / 4000.0, "running": load * itl}  # fmt: skip
+        n = SETTINGS.min_values
+        return Regime(n, {name: (v,) * n for name, v in values.items()})
+
+    def key(load: float) -> int:
+        return math.floor(math.log2(load) * SETTINGS.buckets_per_octave)
+
+    learned = Baseline(run="r", regimes={key(700.0): regime(700.0), key(1400.0): regime(1400.0)})
+    between = learned.modelled(1000.0, SETTINGS)
+    assert between is not None
+    assert between.median("itl") == pytest.approx(0.02, rel=1e-6)
+    assert between.median("per_request") == pytest.approx(50.0, rel=1e-6)
+    assert between.median("generation_tokens_per_s") == 1000.0
+    # Half an octave beyond the known loads, not further; never at a learned load.
+    assert learned.modelled(1800.0, SETTINGS) is not None
+    assert learned.modelled(2400.0, SETTINGS) is None
+    assert learned.modelled(350.0, SETTINGS) is None
+    assert learned.modelled(700.0, SETTINGS) is None
+    # One known load says nothing of the others.
+    one = Baseline(run="r", regimes={key(700.0): regime(700.0)})
+    assert one.modelled(1000.0, SETTINGS) is None
+    assert learned.modelled(None, SETTINGS) is None

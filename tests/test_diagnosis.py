@@ -42,7 +42,8 @@ HOLD = S.hold
 FRESH = {
     "itl": 0.0225, "per_request": 48.0, "tokens_per_s": 5515.0, "generation_tokens_per_s": 845.0,
     "requests_per_s": 4.04, "running": 17.6, "waiting": 0.0, "preemptions_per_s": 0.0,
-    "kv_usage": 0.45, "prompt_share": 0.847, "ttft_p50": 0.25,
+    "kv_usage": 0.45, "prompt_share": 0.847, "ttft_p50": 0.25, "prompt_per_request": 1156.0,
+    "output_per_request": 209.0, "prefix_hit_ratio": 0.4,
 }  # fmt: skip
 BASE = Regime(10, {name: (value,) * 10 for name, value in FRESH.items()})
 CAPACITY = Capacity(requests_per_s=4.04, generation_tokens_per_s=845.0, running=17.6, regime=19)
@@ -74,6 +75,7 @@ def situation(stats: WindowStats | None = None, **extra: Any) -> Situation:
         known="724-1024 generated tokens/s",
         learning="",
         capacity=CAPACITY,
+        fresh_mix=BASE.medians,
     )
     fields.update(extra)
     return Situation(**fields)
@@ -291,10 +293,22 @@ def test_throttling_seen_within_the_hold_still_explains_the_slowdown() -> None:
 
 
 def test_a_changed_request_mix_is_load_shift_not_decline() -> None:
-    shifted = situation(window(**SLOW, prompt_share=0.6))
-    result, _ = run(held(shifted))
+    # Prompts 3.4 times longer: the prompt share only moves from 0.85 to 0.95, but each
+    # request brings 3.4 times the prefill.
+    longer = situation(window(**SLOW, prompt_share=0.95, prompt_per_request=3930.0))
+    result, _ = run(held(longer))
     assert result.cause == "load_shift" and result.vetoed
-    assert "prompt share 0.60 against 0.85" in result.summary
+    assert "3.40x the prompt tokens per request of the fresh run" in result.summary
+    shorter = situation(window(**SLOW, output_per_request=100.0))
+    assert "0.48x the generated tokens per request" in run(held(shorter))[0].summary
+    # Fewer prompt tokens found in the prefix cache: more prefill for the same requests.
+    missed = situation(window(**SLOW, prefix_hit_ratio=0.1))
+    result, _ = run(held(missed))
+    assert result.cause == "load_shift"
+    assert "prefix-cache hit ratio 0.10 against 0.40 fresh" in result.summary
+    # Within the tolerance (1.5x either way, 0.2 of hit ratio) the slowdown is the server's.
+    close = situation(window(**SLOW, prompt_per_request=1450.0, prefix_hit_ratio=0.3))
+    assert run(held(close))[0].cause == "uptime_decline"
 
 
 def test_queueing_beyond_the_fresh_capacity_is_load_shift() -> None:
@@ -742,3 +756,27 @@ def test_a_suggested_memory_share_is_one_the_agent_may_set() -> None:
     limit = CATALOGUE["gpu-memory-utilization"]
     assert limit.minimum is not None and limit.maximum is not None
     assert limit.minimum < MEMORY_SHARE_TOP <= limit.maximum
+
+
+def test_a_kv_leak_is_told_at_any_load_before_it_binds() -> None:
+    # The fresh server took 0.45 of the cache for 17.6 requests, at its busiest clean load:
+    # 0.45 of leaked blocks would fill the cache there (kv_full 0.9).
+    peak = replace(CAPACITY, kv_usage=0.45)
+    # A quiet hour: 4 requests running, which take 0.10 at the fresh share, hold 0.60.
+    quiet = window(running=4.0, kv_usage=0.6, generation_tokens_per_s=200.0)
+    result, _ = run(held(situation(quiet, capacity=peak, comparison=None)))
+    assert result.cause == "kv_pressure" and result.fixable and not result.suggestion
+    assert result.summary.startswith("KV cache leaking: 50% of the KV cache held beyond what")
+    assert result.evidence["kv_leaked"] == pytest.approx(0.6 - 4.0 * 0.45 / 17.6)
+    # Less than the room left at the fresh peak: it would not bind yet.
+    small = window(running=4.0, kv_usage=0.4, generation_tokens_per_s=200.0)
+    assert run(held(situation(small, capacity=peak, comparison=None)))[0].cause is None
+    # Preempting: the cache is full whatever leaks; the storm is judged as such.
+    storm = window(running=4.0, kv_usage=0.6, preemptions_per_s=0.5)
+    assert not run(held(situation(storm, capacity=peak)))[1].leak.active
+    # Longer prompts hold more of the cache per request: the mix explains it.
+    longer = window(running=4.0, kv_usage=0.6, prompt_per_request=3000.0)
+    result, _ = run(held(situation(longer, capacity=peak, comparison=None)))
+    assert result.cause == "load_shift"
+    # Without the fresh peak's usage there is nothing to tell a leak by.
+    assert run(held(situation(quiet, comparison=None)))[0].cause is None

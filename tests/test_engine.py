@@ -418,15 +418,24 @@ def test_a_gpu_fault_on_the_idle_night_still_vetoes_the_due_restart() -> None:
     assert first.cause == "uptime_decline"
 
 
-def test_only_the_run_that_ended_is_kept_for_the_next_never_what_it_borrowed() -> None:
-    earlier = Baseline(run="start:1.000", regimes=known(r11=(0.02, 90.0), r13=(0.02, 100.0)))
+def test_the_next_run_is_judged_by_the_last_one_with_the_loads_it_matched() -> None:
+    earlier = Baseline(run="start:1.000", regimes=known(r11=(0.02, 90.0), r13=(0.02, 100.0)),
+                       server="s")  # fmt: skip
     first = [sample(t, start=1.7e9) for t in range(0, 100, 10)]
     state = decide(ENFORCE, EngineState(), Observation(first), now_of(first[-1])).state
-    ran = Baseline(run=state.run.key, regimes=known(r11=(0.0201, 90.0)), server="s")
-    state = replace(state, previous=replace(earlier, server="s"), baseline=ran)
     restarted = [sample(t, start=1.7e9 + 3600) for t in range(3600, 3700, 10)]
+    # As fast as the earlier run where both learned: its own load, and the earlier run's
+    # other one, pass on to the next run (per load, the newest fresh run that learned it).
+    ran = Baseline(run=state.run.key, regimes=known(r11=(0.0201, 90.0)), server="s")
+    state = replace(state, previous=earlier, baseline=ran)
     d = decide(ENFORCE, state, Observation(restarted), now_of(restarted[-1]))
-    assert d.state.previous == ran  # so differences between runs cannot add up
+    assert d.state.previous is not None
+    assert d.state.previous.regimes == {11: ran.regimes[11], 13: earlier.regimes[13]}
+    # Slower than the earlier run (0.93 of it): only its own loads, so slowness cannot add up.
+    slower = Baseline(run=state.run.key, regimes=known(r11=(0.0215, 90.0)), server="s")
+    d = decide(ENFORCE, replace(state, baseline=slower), Observation(restarted),
+               now_of(restarted[-1]))  # fmt: skip
+    assert d.state.previous == slower
 
 
 def test_the_window_keeps_the_slowest_gpus_clock_and_the_baseline_learns_it() -> None:

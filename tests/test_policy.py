@@ -183,10 +183,10 @@ def test_cooldown_then_budget_over_a_rolling_day() -> None:
     # Longer than the default window (3 h): one window holds one restart for a slow cause.
     assert verdict(history=(restart(5.9),)).reason.startswith("cooldown: ")
     assert verdict(history=(restart(6.1),)).action == "restart"
-    three = (restart(23), restart(16), restart(9))
-    v = verdict(history=three)
-    assert v.action == "hold" and v.reason == "budget: 3 restarts in the last 24 h (at most 3)"
-    assert verdict(history=(restart(25), restart(16), restart(9))).action == "restart"
+    four = (restart(23), restart(16), restart(12), restart(9))
+    v = verdict(history=four)
+    assert v.action == "hold" and v.reason == "budget: 4 restarts in the last 24 h (at most 4)"
+    assert verdict(history=(restart(25), restart(16), restart(12), restart(9))).action == "restart"
     # With only the wall clock, one recorded in the future (the clock was stepped back since)
     # counts as just now: a step back never forgets a restart.
     assert verdict(history=(restart(-2),)).reason.startswith("min interval: last restart 0 min")

@@ -170,3 +170,12 @@ def test_a_diagnosed_decline_restarts_now_unless_its_last_restart_did_not_cure_i
     resumed = verdict(WINDOWED, 17.0, at(12), loss=0.25, history=uncured,
                       controls=Controls(resumed_at=NOW), **kw)  # fmt: skip
     assert resumed.action == "restart"
+
+
+def test_slower_flags_are_rolled_back_when_waiting_costs_more_an_apply_waits() -> None:
+    kw = dict(flags_due="roll back max-num-seqs=24 (0.71 of the fresh speed)", plan=None)
+    back = verdict(WINDOWED, 3.0, at(12), loss=0.29, **kw)
+    assert (back.action, back.cause) == ("restart", "flags") and "cheaper now" in back.reason
+    # The operator's own change costs no speed: it waits for the window.
+    apply = verdict(WINDOWED, 3.0, at(12), flags_due="apply max-num-seqs=64", plan=None)
+    assert apply.action == "hold" and apply.reason.startswith("outside window (next")

@@ -374,6 +374,13 @@ class DiagnosisConfig:
         "kv_full.",
         min=0.05, max=1,
     )  # fmt: skip
+    kv_leak: float = setting(
+        _D.kv_leak,
+        "Share of the KV cache held beyond what the running requests take at their fresh "
+        "share, at least this and enough that the fresh peak load would fill the cache, held "
+        "for `hold`: blocks leak (kv_pressure), seen at any load before they bind.",
+        min=0.01, max=1,
+    )  # fmt: skip
     min_waiting: float = setting(
         _D.min_waiting,
         "Mean waiting requests that count as requests waiting.",
@@ -392,9 +399,15 @@ class DiagnosisConfig:
     )  # fmt: skip
     mix_tolerance: float = setting(
         _D.mix_tolerance,
-        "Prompt-token share moved more than this from the baseline: another request mix "
+        "Prompt or generated tokens per request more than (1 + this) times, or less than "
+        "1 / (1 + this) times, the fresh run's: another request mix (load_shift).",
+        min=0.05, max=10,
+    )  # fmt: skip
+    prefix_drop: float = setting(
+        _D.prefix_drop,
+        "The prefix-cache hit ratio this far below the fresh run's: another request mix "
         "(load_shift).",
-        min=0, max=1,
+        min=0.01, max=1,
     )  # fmt: skip
     stall_after: float = setting(
         _D.stall_after,

@@ -401,6 +401,7 @@ class Daemon:
                 probe=p.prober.facts() if p.config.probe.enabled else ProbeFacts(),
                 unit_started=sample.unit.active_since if sample.unit else None,
                 flags_due=self._proposed(due),
+                flags_slower=self._slower(due),
             )
             decision = decide(p.settings, self.state, observed, now)
             self.state = decision.state
@@ -843,6 +844,13 @@ class Daemon:
         if due is None or apply == "manual":
             return ""
         return due.what if due.kind == "rollback" or apply == "next-window" else ""
+
+    def _slower(self, due: _FlagsDue | None) -> float | None:
+        """``Observation.flags_slower``: for a rollback, the speed the change was judged at."""
+        last = self.flag_state.last
+        if due is None or due.kind != "rollback" or last is None:
+            return None
+        return last.ratio
 
     def _say_flags(
         self, plan: Plan | str | None, due: _FlagsDue | None, decision: Decision

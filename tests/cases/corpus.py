@@ -84,7 +84,9 @@ def load(path: Path) -> Case:
         regimes[regime_key] = Regime(b.min_values, values)
     state = EngineState(
         run=RunState(key=key, started=started),
-        baseline=Baseline(run=key, regimes=regimes, busy_from=settings.baseline.warmup),
+        baseline=Baseline(
+            run=key, regimes=regimes, busy_from=settings.baseline.warmup if regimes else None
+        ),
     )
     restarts = tuple(
         RestartRecord(_time(r["at"]), r["cause"], r.get("recovered"))

@@ -52,6 +52,9 @@ METRICS = (
     "waiting",
     "kv_usage",
     "prompt_share",
+    "prompt_per_request",
+    "output_per_request",
+    "prefix_hit_ratio",
     "sm_clock_ratio",
 )
 
@@ -106,6 +109,10 @@ class WindowStats:
     # at its power cap runs well below the maximum, fresh or not (None: no GPU readings).
     sm_clock_ratio: float | None = None
     prefix_hit_ratio: float | None = None  # prefix-cache hits / queries (None: none queried)
+    # The request mix: prompt and generated tokens per completed request. Relative, unlike
+    # the prompt share, which from the usual 0.85 cannot move much whatever prompts do.
+    prompt_per_request: float | None = None
+    output_per_request: float | None = None
 
     def values(self) -> dict[str, float]:
         """The METRICS this window has, by name."""
@@ -157,6 +164,8 @@ def window_stats(points: Sequence[Point], min_running: float = 0.5) -> WindowSta
             else None
         ),
         prefix_hit_ratio=rates.prefix_cache_hit_ratio,
+        prompt_per_request=_ratio(rates.prompt_tokens_per_s, rates.requests_per_s),
+        output_per_request=_ratio(generated, rates.requests_per_s),
     )
 
 
@@ -197,6 +206,22 @@ def regime_label(key: int, settings: BaselineSettings) -> str:
     return f"{low:.0f}-{high:.0f} generated tokens/s"
 
 
+# The speeds modelled across loads (Baseline.modelled), and how far beyond the known loads:
+# one bucket is half an octave of load at the default resolution.
+MODELLED = ("itl", "per_request", "in_system")
+MODEL_REACH = 1
+
+
+def _line(points: Sequence[tuple[float, float]], x: float) -> float:
+    """The least-squares line through ``points`` (two or more, not all at one x), at ``x``."""
+    n = len(points)
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    sxx = sum((p[0] - mx) ** 2 for p in points)
+    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / sxx if sxx else 0.0
+    return my + slope * (x - mx)
+
+
 @dataclass(frozen=True)
 class Regime:
     """The windows kept for one concurrency regime: per metric, its values, oldest first."""
@@ -227,6 +252,7 @@ class Capacity:
     generation_tokens_per_s: float
     running: float | None  # the concurrency that load took
     regime: int
+    kv_usage: float | None = None  # the KV-cache usage it took
 
 
 @dataclass(frozen=True)
@@ -258,6 +284,35 @@ class Baseline:
 
     def known_keys(self, settings: BaselineSettings) -> list[int]:
         return sorted(k for k, r in self.regimes.items() if r.count >= settings.min_values)
+
+    def modelled(self, load: float | None, settings: BaselineSettings) -> Regime | None:
+        """At a load (generated tokens/s) in no regime learned, the fresh speed the learned
+        ones imply: the per-token latency and the tokens/s per request, each a power of the
+        load (a line in log-log through each known regime's median load, least squares), the
+        rest the nearest known regime's. Only from two known regimes or more, and between
+        them or at most ``MODEL_REACH`` buckets beyond; else None."""
+        keys = self.known_keys(settings)
+        if not load or load <= 0 or len(keys) < 2:
+            return None
+        key = math.floor(math.log2(load) * settings.buckets_per_octave)
+        if key in keys or not keys[0] - MODEL_REACH <= key <= keys[-1] + MODEL_REACH:
+            return None
+        nearest = self.regimes[min(keys, key=lambda k: (abs(k - key), k))]
+        medians = dict(nearest.medians)
+        medians["generation_tokens_per_s"] = load
+        x = math.log(load)
+        for name in MODELLED:
+            found = []
+            for k in keys:
+                served = self.regimes[k].median("generation_tokens_per_s")
+                value = self.regimes[k].median(name)
+                if served and value and served > 0 and value > 0:
+                    found.append((math.log(served), math.log(value)))
+            if len(found) < 2:
+                medians.pop(name, None)
+                continue
+            medians[name] = math.exp(_line(found, x))
+        return Regime(settings.min_values, {n: (v,) for n, v in medians.items()})
 
     def learn(
         self, stats: WindowStats, *, mono: float, uptime: float | None, settings: BaselineSettings
@@ -305,7 +360,9 @@ class Baseline:
             if (regime.median("waiting") or 0.0) >= 0.5:
                 continue
             if best is None or rate > best.requests_per_s:
-                best = Capacity(rate, served, regime.median("running"), key)
+                best = Capacity(
+                    rate, served, regime.median("running"), key, regime.median("kv_usage")
+                )
         return best
 
     def to_json(self) -> dict[str, Any]:

@@ -68,10 +68,17 @@ class DiagnosisSettings:
     hold: float = 900.0  # how long a symptom must last before it counts
     kv_full: float = 0.9  # mean KV usage at or above this is "near full"
     kv_stranded_below: float = 0.8  # requests waiting while usage is below this: stranded
+    # KV blocks leak: the cache holds at least this share beyond what the running requests
+    # take at their fresh share, and enough that the fresh peak load would fill it (kv_full).
+    # It shows at any load, a quiet window's too, before the blocks bind at the peak.
+    kv_leak: float = 0.1
     min_waiting: float = 1.0  # mean waiting requests that count as "requests wait"
     min_preemptions_per_s: float = 0.01  # preemption rate that counts as "preempting"
     load_tolerance: float = 0.1  # load above fresh capacity x (1 + this) is more load
-    mix_tolerance: float = 0.15  # prompt-token share moved more than this: another mix
+    # Another request mix: prompt or generated tokens per request more than (1 + this) times,
+    # or less than 1 / (1 + this) times, the fresh run's.
+    mix_tolerance: float = 0.5
+    prefix_drop: float = 0.2  # the prefix-cache hit ratio this far below the fresh run's: too
     stall_after: float = 120.0  # requests pending and no token or step for this long
     # The active probe (vkvagent.probe) is wanted once no token or step has moved for this
     # long, at most once per this long; 0: never probe.
@@ -318,6 +325,7 @@ class DiagnosisState:
     kv: Hysteresis = Hysteresis()
     stranded: Hysteresis = Hysteresis()
     lagging: Hysteresis = Hysteresis()  # one data-parallel engine far behind the others
+    leak: Hysteresis = Hysteresis()  # each running request holds far more KV than fresh
     progress: Progress = Progress()
     throttled_at: float | None = None  # monotonic time a throttled GPU was last seen
     throttle_note: str = ""
@@ -356,6 +364,7 @@ class DiagnosisState:
             "kv": self.kv.to_json(),
             "stranded": self.stranded.to_json(),
             "lagging": self.lagging.to_json(),
+            "leak": self.leak.to_json(),
             "progress_since": self.progress.since,
             "progress_advanced": self.progress.advanced,
             "progress_engines": dict(self.progress.engines),
@@ -375,6 +384,7 @@ class DiagnosisState:
             kv=Hysteresis.from_json(data["kv"]),
             stranded=Hysteresis.from_json(data["stranded"]),
             lagging=Hysteresis.from_json(data["lagging"]) if "lagging" in data else Hysteresis(),
+            leak=Hysteresis.from_json(data["leak"]) if "leak" in data else Hysteresis(),
             progress=Progress(
                 optional_float(data["progress_since"]),
                 optional_float(data.get("progress_advanced")),
@@ -440,6 +450,9 @@ class Situation:
     engines: Sequence[EngineWindow] = ()  # each data-parallel engine over the window (2 or more)
     prefix_hit_ratio: float | None = None  # prefix-cache hits / queries over the window
     time: float | None = None  # UTC Unix seconds of the latest sample (for people)
+    # The fresh request mix (METRICS medians) to tell another mix by: the compared regime's,
+    # else the fresh capacity's (per request, the mix hardly depends on the load).
+    fresh_mix: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -593,7 +606,7 @@ def _diagnose(
             symptom="engine down",
         ), state
     stats, cmp = situation.stats, situation.comparison
-    state = _step_symptoms(s, state, stats, cmp, situation.capacity, now)
+    state = _step_symptoms(s, state, stats, cmp, situation.capacity, situation.fresh_mix, now)
     # One engine far behind its peers enters below enter_ratio of them and leaves only
     # once it serves leave_ratio: ``lagging`` is the engine still behind by the latter.
     lagging = _lagging(s, situation.engines, s.leave_ratio)
@@ -639,7 +652,7 @@ def _diagnose(
             f" tokens/s where the fresh server served "
             f"{capacity.generation_tokens_per_s:.0f} without a queue"
         )
-        vetoed = _veto(s, stats, cmp, capacity, throttle, evidence, symptom)
+        vetoed = _veto(s, stats, situation.fresh_mix, capacity, throttle, evidence, symptom)
         if vetoed:
             return vetoed, state
         return Diagnosis(
@@ -651,7 +664,7 @@ def _diagnose(
 
     if state.lagging.active and lagging is not None and stats is not None:
         engine, symptom = lagging
-        vetoed = _veto(s, stats, cmp, capacity, throttle, evidence, symptom)
+        vetoed = _veto(s, stats, situation.fresh_mix, capacity, throttle, evidence, symptom)
         if vetoed:
             return vetoed, state
         # Full and preempting: its KV leaks or fills; otherwise its requests are stranded.
@@ -661,6 +674,27 @@ def _diagnose(
         return Diagnosis(
             "kv_pressure" if full else "kv_stranded",
             f"{symptom}, for {_minutes(state.lagging.held_for(now))}",
+            evidence,
+            symptom=symptom,
+        ), state
+
+    leak = _kv_leak(s, stats, situation.fresh_mix, capacity)
+    if state.leak.active and leak is not None and stats is not None and capacity is not None:
+        leaked, room = leak
+        evidence["kv_leaked"] = leaked
+        symptom = (
+            f"{leaked:.0%} of the KV cache held beyond what {_num(stats.running, '.1f')} "
+            f"running requests take at their fresh share (KV usage {_num(stats.kv_usage)}); "
+            f"the fresh peak load, {capacity.requests_per_s:.2f} requests/s at KV usage "
+            f"{capacity.kv_usage:.2f}, leaves {room:.0%}"
+        )
+        vetoed = _veto(s, stats, situation.fresh_mix, None, throttle="", evidence=evidence,
+                       symptom=symptom)  # fmt: skip
+        if vetoed:
+            return vetoed, state
+        return Diagnosis(
+            "kv_pressure",
+            f"KV cache leaking: {symptom}, for {_minutes(state.leak.held_for(now))}",
             evidence,
             symptom=symptom,
         ), state
@@ -678,7 +712,7 @@ def _diagnose(
         symptom = (
             f"speed {cmp.ratio:.2f} of {situation.baseline_of} fresh baseline at {situation.regime}"
         )
-        vetoed = _veto(s, stats, cmp, capacity, throttle, evidence, symptom)
+        vetoed = _veto(s, stats, situation.fresh_mix, capacity, throttle, evidence, symptom)
         if vetoed:
             return vetoed, state
         return Diagnosis(
@@ -701,6 +735,7 @@ def _step_symptoms(
     stats: WindowStats | None,
     cmp: Comparison | None,
     capacity: Capacity | None,
+    fresh: Mapping[str, float],
     now: float,
 ) -> DiagnosisState:
     ratio = cmp.ratio if cmp is not None else None
@@ -713,9 +748,16 @@ def _step_symptoms(
     kv = None if stats is None else _kv_signature(s, stats)
     kv_gone = None if stats is None else _kv_clear(s, stats)
     stranded = _stranded_signature(s, stats, capacity)
+    leak = _kv_leak(s, stats, fresh, capacity)
+    # Under pressure (preempting) the cache is full whatever leaks: the storm is its own
+    # symptom, and a leak is told only by a server not preempting.
+    calm = stats is not None and (stats.preemptions_per_s or 0.0) < s.min_preemptions_per_s
+    leaking = None if leak is None else leak[0] >= leak[1] and calm
+    sealed = None if leak is None else leak[0] < leak[1] / 2
     return replace(
         state,
         speed=speed,
+        leak=state.leak.step(leaking, sealed, now, s.hold),
         kv=state.kv.step(kv, kv_gone, now, s.hold),
         stranded=state.stranded.step(
             stranded, None if stranded is None else not stranded, now, s.hold
@@ -749,6 +791,25 @@ def _lagging(
                 f"preemptions/s, serving {rate:.0f} tokens/s where its peers serve {peer:.0f}"
             )
     return None
+
+
+def _kv_leak(
+    s: DiagnosisSettings,
+    stats: WindowStats | None,
+    fresh: Mapping[str, float],
+    capacity: Capacity | None,
+) -> tuple[float, float] | None:
+    """(the share of the KV cache leaked, the share at which that fills the cache at the
+    fresh peak load): the usage beyond what the running requests take at their fresh share
+    (a request's share hardly depends on the load, so any fresh regime tells; the request
+    mix is checked apart). None without a fresh share and a fresh peak to tell by."""
+    if stats is None or stats.kv_usage is None or stats.running is None:
+        return None
+    usage, running = fresh.get("kv_usage"), fresh.get("running")
+    if not usage or not running or capacity is None or capacity.kv_usage is None:
+        return None
+    leaked = stats.kv_usage - stats.running * usage / running
+    return leaked, max(s.kv_leak, s.kv_full - capacity.kv_usage)
 
 
 def _kv_signature(s: DiagnosisSettings, stats: WindowStats) -> bool:
@@ -806,8 +867,8 @@ def _kv_pressure(
         f"{_minutes(state.kv.held_for(now))}"
     )
     capacity = situation.capacity
-    if throttle or _mix_changed(s, stats, situation.comparison):
-        vetoed = _veto(s, stats, situation.comparison, capacity, throttle, evidence, symptom)
+    if throttle or _mix_change(s, stats, situation.fresh_mix):
+        vetoed = _veto(s, stats, situation.fresh_mix, capacity, throttle, evidence, symptom)
         if vetoed is not None:
             return vetoed
     if capacity is None:
@@ -848,10 +909,21 @@ def _kv_pressure(
     )
 
 
-def _mix_changed(s: DiagnosisSettings, stats: WindowStats, cmp: Comparison | None) -> bool:
-    mix = stats.prompt_share
-    fresh_mix = cmp.baseline.get("prompt_share") if cmp is not None else None
-    return mix is not None and fresh_mix is not None and abs(mix - fresh_mix) > s.mix_tolerance
+MIX = (("prompt_per_request", "prompt tokens"), ("output_per_request", "generated tokens"))
+
+
+def _mix_change(s: DiagnosisSettings, stats: WindowStats, fresh: Mapping[str, float]) -> str:
+    """How the request mix differs from the fresh run's, in words; "" when it does not: the
+    tokens per request, prompt or generated, beyond ``mix_tolerance`` either way, or fewer
+    prompt tokens found in the prefix cache (more prefill for the same requests)."""
+    for name, words in MIX:
+        now, then = getattr(stats, name), fresh.get(name)
+        if now and then and max(now / then, then / now) > 1 + s.mix_tolerance:
+            return f"{now / then:.2f}x the {words} per request of the fresh run"
+    hits, fresh_hits = stats.prefix_hit_ratio, fresh.get("prefix_hit_ratio")
+    if hits is not None and fresh_hits is not None and fresh_hits - hits > s.prefix_drop:
+        return f"prefix-cache hit ratio {hits:.2f} against {fresh_hits:.2f} fresh"
+    return ""
 
 
 def _demand(stats: WindowStats) -> float:
@@ -863,7 +935,7 @@ def _demand(stats: WindowStats) -> float:
 def _veto(
     s: DiagnosisSettings,
     stats: WindowStats,
-    cmp: Comparison | None,
+    fresh_mix: Mapping[str, float],
     capacity: Capacity | None,
     throttle: str,
     evidence: dict[str, EvidenceValue],
@@ -877,15 +949,12 @@ def _veto(
             evidence,
             symptom=symptom,
         )
-    if _mix_changed(s, stats, cmp):
-        mix, fresh_mix = stats.prompt_share, cmp.baseline.get("prompt_share") if cmp else None
+    mix = _mix_change(s, stats, fresh_mix)
+    if mix:
         return Diagnosis(
-            "load_shift",
-            f"{symptom}, but the request mix changed: prompt share "
-            f"{mix:.2f} against {fresh_mix:.2f} fresh",
-            evidence,
+            "load_shift", f"{symptom}, but the request mix changed: {mix}", evidence,
             symptom=symptom,
-        )
+        )  # fmt: skip
     demand = _demand(stats)
     queueing = (stats.waiting or 0.0) >= s.min_waiting
     if (

@@ -4,9 +4,10 @@ A restart costs a cold start (minutes of no service), so it belongs where it cos
 the operator's calendar windows, when traffic is low, not too often, and never in a loop that
 does not help. Emergencies (by default only a stall: nothing is being served anyway) may go
 outside the windows. A scheduled restart (maximum uptime) is an explicit opt-in, run in the
-next window like any other. A slowdown (a diagnosed ``uptime_decline``, or one this server's
-past runs predict: ``prevention``) may go outside the windows when waiting for the next one
-would cost more service than the restart itself (``outside_windows = "when_cheaper"``).
+next window like any other. A slowdown (a diagnosed ``uptime_decline``, one this server's past
+runs predict: ``prevention``, or slower flags to roll back) may go outside the windows when
+waiting for the next one would cost more service than the restart itself
+(``outside_windows = "when_cheaper"``).
 
 Pure: the restart history, the operator's pause/resume and ``now`` (an aware datetime) come in
 as values; the verdict says what it would do and, when it does not act, what blocked it.
@@ -36,7 +37,9 @@ FLAGS = "flags"  # the cause of a restart that changes vLLM's flags ([vllm] appl
 PREVENTION = "prevention"  # a restart before the slowdown this server's past runs predict
 # Restarts nothing was found wrong before: never judged as a cure.
 PLANNED = (FLAGS, SCHEDULED, PREVENTION)
-SLOWDOWNS = ("uptime_decline", PREVENTION)  # what outside_windows may weigh against a restart
+# What outside_windows may weigh against a restart: a slowdown, diagnosed or predicted, and
+# slower flags due for a rollback (with the speed they cost: an operator's change has none).
+SLOWDOWNS = ("uptime_decline", PREVENTION, FLAGS)
 DAY = 86400.0
 
 
@@ -123,7 +126,7 @@ class PolicySettings:
     # of its own rates at the same local hour (TrafficProfile); 0: no gate.
     max_request_rate_percentile: float = 0.0
     min_interval: float = 3600.0  # between two restarts, whatever the cause
-    max_per_day: int = 3  # restarts in any rolling 24 hours
+    max_per_day: int = 4  # restarts in any rolling 24 hours (the runbook's 6-hourly cron: 4)
     cooldown: float = 21600.0  # after a restart, non-emergency causes wait this long
     emergency: tuple[str, ...] = ("stall", "unresponsive")  # causes allowed outside windows
     max_uptime: float = 0.0  # opt-in scheduled restart after this uptime; 0: never
@@ -404,7 +407,8 @@ def evaluate(
     restart once ``plan`` (this server's past runs) says so: from its uptime T*, or in the
     last window before it; else a scheduled restart once the uptime passes ``max_uptime``;
     all wait for a window like any cause. ``loss``: the share of speed a diagnosed
-    ``uptime_decline`` has lost, weighed with ``plan`` against a restart outside the windows.
+    ``uptime_decline`` or flags due for a rollback cost, weighed against a restart outside
+    the windows.
     ``traffic``: this host's rates by local hour, for the percentile gate. ``mono``: the
     monotonic time of ``now``, which the intervals, cooldown, budget and back-off are measured
     on for every restart that has one (``RestartRecord.age``)."""

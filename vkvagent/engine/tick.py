@@ -85,6 +85,10 @@ class Observation:
     # A flag change waiting for a restart ("apply --max-num-seqs 64"): with nothing to fix,
     # the policy proposes one for it, in a window like a scheduled restart. Empty: none.
     flags_due: str = ""
+    # For a rollback in ``flags_due``: the fresh speed the change gave, over the one before
+    # it (the flags loop's judgement); the rest is lost until it is rolled back. None: not a
+    # rollback, or not judged.
+    flags_slower: float | None = None
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,7 @@ def decide(
         heard = heard.heard(sample)
     state = replace(state, diagnosis=heard)
     valid = _ordered(observed.samples)
-    state = _read_samples(state, valid)
+    state = _read_samples(settings, state, valid)
     latest = valid[-1] if valid else None
     segment = _segment(valid, b.window)
     stats = _stats(segment, b)
@@ -286,16 +290,20 @@ def decide(
     carried = _carried(settings, state.previous, baseline)
     reference = baseline if carried is None else baseline.merged(carried, b)
     regime = reference.known(key, b)
+    modelled = regime is None and stats is not None
+    if modelled:  # a load no fresh run learned: the speed the learned loads imply
+        regime = reference.modelled(stats.generation_tokens_per_s if stats else None, b)
     own = baseline.known(key, b)
     borrowed = carried.run if carried is not None and regime is not None and own is None else None
     comparison = compare(stats, key, regime) if stats and regime and key is not None else None
+    capacity = reference.capacity(b)
     situation = Situation(
         stats=stats,
         comparison=comparison,
         regime="idle" if key is None else regime_label(key, b),
         known=", ".join(regime_label(k, b) for k in baseline.known_keys(b)),
         learning=_learning(b, baseline, uptime),
-        capacity=reference.capacity(b),
+        capacity=capacity,
         gpus=[s.gpus for s in fresh],
         stall=(
             state.diagnosis.progress.stalled(latest.vllm, latest.mono, observed.probe)
@@ -308,10 +316,17 @@ def decide(
         down=_down(observed),
         flags=observed.flags,
         cache_config=latest.vllm.cache_config if latest is not None and latest.vllm else {},
-        baseline_of=_baseline_of(b, baseline, borrowed),
+        baseline_of=_baseline_of(b, baseline, borrowed, modelled and regime is not None),
         engines=_engine_windows(segment) if stats is not None else (),
         prefix_hit_ratio=stats.prefix_hit_ratio if stats is not None else None,
         time=latest.time if latest is not None else None,
+        fresh_mix=(
+            comparison.baseline
+            if comparison is not None
+            else reference.regimes[capacity.regime].medians
+            if capacity is not None
+            else {}
+        ),
     )
     diagnosis, dstate = diagnose(d, state.diagnosis, situation, mono)
 
@@ -362,7 +377,7 @@ def decide(
         traffic=traffic,
         flags_due=observed.flags_due,
         plan=state.plan,
-        loss=_loss(dstate, comparison) if diagnosis.cause == "uptime_decline" else None,
+        loss=_loss(dstate, comparison, diagnosis.cause, observed),
     )
     action, reason = _action(
         settings.policy, diagnosis, verdict, uptime, observed.flags_due, state.plan
@@ -372,6 +387,8 @@ def decide(
     evidence["run"] = state.run.key
     if borrowed is not None and comparison is not None:
         evidence["baseline_run"] = borrowed
+    if modelled and comparison is not None:
+        evidence["baseline_modelled"] = True
     if state.plan is not None:
         evidence.update(state.plan.evidence())
     return Decision(
@@ -443,7 +460,7 @@ def _after_reboot(state: EngineState, samples: Sequence[Sample]) -> EngineState:
     )
 
 
-def _read_samples(state: EngineState, valid: list[Sample]) -> EngineState:
+def _read_samples(settings: Settings, state: EngineState, valid: list[Sample]) -> EngineState:
     """Advance the run tracking and the stall clock over the samples not read before. A new
     process start time or a counter going down starts a new run (and a new baseline)."""
     run, progress = state.run, state.diagnosis.progress
@@ -456,8 +473,9 @@ def _read_samples(state: EngineState, valid: list[Sample]) -> EngineState:
         restarted = is_reset(before, metrics) if before is not None else _differs(run, metrics)
         if run.key is None or restarted:
             state = _new_run(
-                replace(state, diagnosis=replace(state.diagnosis, progress=progress)), sample
-            )
+                settings, replace(state, diagnosis=replace(state.diagnosis, progress=progress)),
+                sample,
+            )  # fmt: skip
             run, progress, before = state.run, state.diagnosis.progress, None
         progress = progress.observe(before, metrics, sample.mono)
         run = replace(
@@ -483,13 +501,19 @@ def _differs(run: RunState, metrics: VllmMetrics) -> bool:
     )
 
 
-def _new_run(state: EngineState, sample: Sample) -> EngineState:
+def _new_run(settings: Settings, state: EngineState, sample: Sample) -> EngineState:
+    """A new vLLM run: its fresh baseline starts empty, and the one it is judged by is the
+    last run's, with the earlier runs' loads that run matched (``_carried``): the fresh runs
+    of one server pass on what each learned, as long as each agrees with the one before."""
     metrics = sample.vllm
     assert metrics is not None
     start = metrics.process_start_time
     key = f"start:{start:.3f}" if start is not None else f"mono:{sample.mono:.3f}"
     old = state.baseline
-    keep = old if old is not None and old.regimes else state.previous
+    keep = state.previous
+    if old is not None and old.regimes:
+        carried = _carried(settings, state.previous, old)
+        keep = old if carried is None else old.merged(carried, settings.baseline)
     past = state.past
     due = state.diagnosis.due
     if state.track is not None and due is not None and due.cause == "uptime_decline":
@@ -661,9 +685,16 @@ def _planned(settings: PreventionSettings, state: EngineState, now: float) -> En
     return replace(state, plan=plan(settings, state.past, server, hour), planned_at=hour)
 
 
-def _loss(state: DiagnosisState, comparison: Comparison | None) -> float | None:
-    """The share of its fresh speed a run diagnosed ``uptime_decline`` has lost: now, or as
-    last measured when nothing compares now (idle, an unlearned load)."""
+def _loss(
+    state: DiagnosisState, comparison: Comparison | None, cause: str | None, observed: Observation
+) -> float | None:
+    """The share of its fresh speed the server is losing to what a restart would end: a run
+    diagnosed ``uptime_decline`` (now, or as last measured when nothing compares now: idle,
+    an unlearned load), or, with nothing wrong, slower flags due for a rollback."""
+    if cause is None and observed.flags_due and observed.flags_slower is not None:
+        return max(0.0, 1.0 - observed.flags_slower)
+    if cause != "uptime_decline":
+        return None
     ratio = comparison.ratio if comparison is not None else None
     if ratio is None and state.due is not None:
         ratio = state.due.ratio
@@ -683,8 +714,12 @@ def _learning(settings: BaselineSettings, baseline: Baseline, uptime: float | No
     return ""
 
 
-def _baseline_of(settings: BaselineSettings, own: Baseline, borrowed: str | None) -> str:
+def _baseline_of(
+    settings: BaselineSettings, own: Baseline, borrowed: str | None, modelled: bool
+) -> str:
     """Whose fresh baseline a comparison is against, in words."""
+    if modelled:
+        return "the fresh speed the learned loads imply (modelled), as"
     if borrowed is not None:
         return "an earlier run's"
     if own.late(settings) and own.busy_from is not None:
@@ -693,11 +728,15 @@ def _baseline_of(settings: BaselineSettings, own: Baseline, borrowed: str | None
 
 
 def _fresh_speeds(settings: Settings, previous: Baseline, current: Baseline) -> list[float]:
-    """This run's fresh speed over the previous run's (mean ITL), at each regime both know."""
+    """This run's fresh speed over the previous run's (mean ITL), at each regime this run
+    learned and the previous one learned or implies (``Baseline.modelled``)."""
     b = settings.baseline
     ratios = []
-    for key in sorted(set(previous.known_keys(b)) & set(current.known_keys(b))):
-        old, new = previous.regimes[key].median("itl"), current.regimes[key].median("itl")
+    for key in current.known_keys(b):
+        load = current.regimes[key].median("generation_tokens_per_s")
+        before = previous.known(key, b) or previous.modelled(load, b)
+        old = before.median("itl") if before is not None else None
+        new = current.regimes[key].median("itl")
         if old is not None and new:
             ratios.append(old / new)
     return ratios
@@ -708,8 +747,8 @@ def _carried(settings: Settings, previous: Baseline | None, current: Baseline) -
     only from the same server (vLLM version, model, cache config and configured flags), and
     once this run has been at least CARRY_SPEED as fast at every load both learned. A
     restart that did not restore the speed, an upgrade, a flag change or a baseline learned
-    late carries nothing; an older run's baselines are never passed on, so small differences
-    cannot add up."""
+    late carries nothing. A run's own loads always take precedence, so what is passed on from
+    run to run is, per load, the newest fresh run that learned it."""
     if previous is None or not previous.regimes or not current.server:
         return None
     if previous.late(settings.baseline):  # it may hold a slowness: never the standard
