@@ -261,3 +261,14 @@ def test_an_unlearned_load_is_judged_by_the_speed_the_learned_ones_imply() -> No
     one = Baseline(run="r", regimes={key(700.0): regime(700.0)})
     assert one.modelled(1000.0, SETTINGS) is None
     assert learned.modelled(None, SETTINGS) is None
+
+
+def test_a_run_first_seen_after_its_fresh_hours_learns_late() -> None:
+    # vkvagent started (or lost its state) when vLLM had been up for 3 hours.
+    seen = Baseline(run="r", seen_from=3 * 3600.0)
+    b = learn(seen, SETTINGS.min_values, uptime=3 * 3600.0)
+    assert b.known(19, SETTINGS) is not None and b.late(SETTINGS)
+    # Seen from its start, the same windows are fresh.
+    assert not learn(Baseline(run="r", seen_from=60.0), SETTINGS.min_values,
+                     uptime=3 * 3600.0).late(SETTINGS)  # fmt: skip
+    assert Baseline.from_json(json.loads(json.dumps(b.to_json()))) == b

@@ -112,7 +112,7 @@ def test_ticks_write_status_events_metrics_and_survive_an_agent_restart(
     assert report.verdict.state == "healthy"
     assert report.vllm.flavor == "v1-latest" and report.vllm.recognised is True
     assert report.now.tokens_per_s is not None and report.now.tokens_per_s > 1000
-    assert report.policy.mode == "observe" and report.policy.budget_left == 3
+    assert report.policy.mode == "observe" and report.policy.budget_left == 4
     assert status.exit_code(report, report.updated) == status.StatusCode.HEALTHY
     # One event per change of verdict, not per tick: nothing to do, learning then healthy.
     decisions = [e for e in events_of(stream) if e["event"] == "decision.changed"]

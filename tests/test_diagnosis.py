@@ -780,3 +780,11 @@ def test_a_kv_leak_is_told_at_any_load_before_it_binds() -> None:
     assert result.cause == "load_shift"
     # Without the fresh peak's usage there is nothing to tell a leak by.
     assert run(held(situation(quiet, comparison=None)))[0].cause is None
+
+
+def test_a_baseline_kept_before_tokens_per_request_still_tells_another_mix() -> None:
+    old = {k: v for k, v in BASE.medians.items() if not k.endswith("_per_request")}
+    old["per_request"] = BASE.medians["per_request"]
+    shifted = situation(window(**SLOW, prompt_share=0.6), fresh_mix=old)
+    result, _ = run(held(shifted))
+    assert result.cause == "load_shift" and "prompt share 0.60 against 0.85" in result.summary

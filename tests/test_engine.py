@@ -250,7 +250,7 @@ def test_a_counter_reset_starts_a_new_run_with_a_new_baseline() -> None:
     second = first[-5:] + [sample(t, mono=1400.0 + t) for t in range(0, 60, 10)]
     decision = decide(settings, state, Observation(second), now_of(second[-1]))
     assert decision.state.run.key == "mono:1400.000"
-    assert decision.state.baseline == Baseline(run="mono:1400.000", server=SERVER)
+    assert decision.state.baseline == Baseline(run="mono:1400.000", server=SERVER, seen_from=50.0)
     assert decision.state.previous is learned
     assert decision.uptime == pytest.approx(50.0)  # counted from the new run's first sample
 

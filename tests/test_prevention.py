@@ -20,6 +20,7 @@ from vkvagent.engine.prevention import (
     BUCKET,
     DEFAULT_OUTAGE,
     KEPT,
+    Plan,
     PreventionSettings,
     Track,
     ended,
@@ -73,7 +74,9 @@ def test_the_plan_restarts_at_the_renewal_optimum() -> None:
     # outweighs one more outage.
     assert found.at == pytest.approx(math.sqrt(found.onset**2 + 2 * 200.0 / found.rate))
     assert 5.0 < found.at / HOUR < 7.0
-    assert found.loss(found.onset) == 0.0 and found.loss(found.onset + HOUR) > 0.0
+    # The share of service lost per period is least at T*.
+    assert found.cost_rate(found.at) < found.cost_rate(found.at - HOUR)
+    assert found.cost_rate(found.at) < found.cost_rate(found.at + HOUR)
     # Waiting costs nothing before T*, and more the longer past it.
     assert found.cost_of_waiting(found.at - 2 * HOUR, HOUR) == 0.0
     assert 0 < found.cost_of_waiting(found.at, HOUR) < found.cost_of_waiting(found.at, 2 * HOUR)
@@ -179,3 +182,33 @@ def test_slower_flags_are_rolled_back_when_waiting_costs_more_an_apply_waits() -
     # The operator's own change costs no speed: it waits for the window.
     apply = verdict(WINDOWED, 3.0, at(12), flags_due="apply max-num-seqs=64", plan=None)
     assert apply.action == "hold" and apply.reason.startswith("outside window (next")
+
+
+def test_no_windows_vetoes_and_an_uncured_slowdown_keep_prevention_back() -> None:
+    assert PLAN is not None
+    # No windows means emergencies only: a slowdown is never "cheaper now".
+    none = PolicySettings(mode="enforce", windows=())
+    prevented = verdict(none, 20.0, at(12))
+    assert prevented.action == "hold" and prevented.reason == "outside window (none set)"
+    decline = verdict(none, 17.0, at(12), cause="uptime_decline", wanted=True, loss=0.3)
+    assert decline.action == "hold" and decline.reason.startswith("outside window (none set)")
+    # A load beyond the fresh capacity or a throttled GPU explains the moment: no
+    # preventive restart into it.
+    for vetoed in ("load_shift", "gpu_throttle"):
+        assert verdict(WINDOWED, 20.0, at(12), cause=vetoed).action == "none"
+    # The last restart for the slowdown did not cure it: nothing to prevent.
+    uncured = (RestartRecord(NOW - 10 * HOUR, "uptime_decline", recovered=False),)
+    assert verdict(WINDOWED, 20.0, at(12), history=uncured).action == "none"
+
+
+def test_a_window_long_before_the_plans_uptime_waits_for_a_later_one() -> None:
+    # A decline from 28 h of uptime at 2 %/h: T* is 28.1 h.
+    onset, rate = 28 * HOUR, 0.02 / HOUR
+    slow = Plan(math.sqrt(onset**2 + 2 * 200.0 / rate), onset, rate, 200.0, 1)
+    # 7 h of uptime in a window, the next window at 31 h: restarting every 7 h would cost
+    # more than every 31 h.
+    assert slow.cost_rate(7 * HOUR) > slow.cost_rate(31 * HOUR)
+    assert verdict(WINDOWED, 7.0, at(26), plan=slow).action == "none"
+    # At 28 h, the next window (52 h) is far past T*: this window is the last before it.
+    last = verdict(WINDOWED, 28.0, at(26), plan=slow)
+    assert (last.action, last.cause) == ("restart", PREVENTION)

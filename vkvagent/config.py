@@ -528,9 +528,10 @@ class PolicyConfig:
     )  # fmt: skip
     outside_windows: str = setting(
         _P.outside_windows,
-        "A slowdown (a diagnosed uptime_decline, or a preventive restart) restarts outside "
-        "the windows when waiting for the next one would lose more service (speed lost x "
-        "time) than the restart's outage: when_cheaper; or always waits: never.",
+        "A slowdown (a diagnosed uptime_decline, a preventive restart, or slower flags due "
+        "for a rollback) restarts outside the windows when waiting for the next one would "
+        "lose more service (speed lost x time) than the restart's outage: when_cheaper; or "
+        "always waits: never.",
         choices=policy.OUTSIDE_WINDOWS,
     )  # fmt: skip
     prevent: bool = setting(

@@ -213,13 +213,10 @@ MODEL_REACH = 1
 
 
 def _line(points: Sequence[tuple[float, float]], x: float) -> float:
-    """The least-squares line through ``points`` (two or more, not all at one x), at ``x``."""
-    n = len(points)
-    mx = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
-    sxx = sum((p[0] - mx) ** 2 for p in points)
-    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / sxx if sxx else 0.0
-    return my + slope * (x - mx)
+    """The line through two points, at ``x`` (flat if both are at one x)."""
+    (x0, y0), (x1, y1) = points
+    slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+    return y0 + slope * (x - x0)
 
 
 @dataclass(frozen=True)
@@ -264,13 +261,19 @@ class Baseline:
     last_added: float | None = None  # monotonic time of the last window kept
     server: str = ""  # engine.server_identity of the run: another run's stands in only if equal
     busy_from: float | None = None  # the uptime of the first window kept: fresh from there
+    # The uptime this run was first seen at, when it was seen before it learned anything.
+    seen_from: float | None = None
 
     def late(self, settings: BaselineSettings) -> bool:
-        """Learned after ``learn_within`` of uptime: whatever the run lost before is in it."""
+        """Learned after ``learn_within`` of uptime, or by an agent that first saw the run
+        after its fresh hours: whatever the run lost before is in it."""
+        if self.seen_from is not None and self.seen_from > settings.warmup + settings.learn_for:
+            return True
         return self.busy_from is not None and self.busy_from > settings.learn_within
 
     def fresh_until(self, settings: BaselineSettings) -> float:
-        """The uptime after which this run learns nothing more while fresh."""
+        """The uptime after which nothing this run learns counts as fresh (a late baseline
+        still learns, for ``learn_for`` from its first busy window)."""
         if self.busy_from is None or self.late(settings):
             return settings.learn_within
         return self.busy_from + settings.learn_for
@@ -288,9 +291,10 @@ class Baseline:
     def modelled(self, load: float | None, settings: BaselineSettings) -> Regime | None:
         """At a load (generated tokens/s) in no regime learned, the fresh speed the learned
         ones imply: the per-token latency and the tokens/s per request, each a power of the
-        load (a line in log-log through each known regime's median load, least squares), the
-        rest the nearest known regime's. Only from two known regimes or more, and between
-        them or at most ``MODEL_REACH`` buckets beyond; else None."""
+        load between the two known regimes around it (or the two nearest, beyond them: a
+        line in log-log through their median loads), the rest the nearest known regime's.
+        Only from two known regimes or more, and between them or at most ``MODEL_REACH``
+        buckets beyond; else None."""
         keys = self.known_keys(settings)
         if not load or load <= 0 or len(keys) < 2:
             return None
@@ -311,7 +315,10 @@ class Baseline:
             if len(found) < 2:
                 medians.pop(name, None)
                 continue
-            medians[name] = math.exp(_line(found, x))
+            found.sort()
+            above = next((i for i, (fx, _fy) in enumerate(found) if fx > x), len(found))
+            i = min(max(above, 1), len(found) - 1)
+            medians[name] = math.exp(_line(found[i - 1 : i + 1], x))
         return Regime(settings.min_values, {n: (v,) for n, v in medians.items()})
 
     def learn(
@@ -371,6 +378,7 @@ class Baseline:
             "server": self.server,
             "last_added": self.last_added,
             "busy_from": self.busy_from,
+            "seen_from": self.seen_from,
             "regimes": {
                 str(key): {"count": r.count, "values": {n: list(v) for n, v in r.values.items()}}
                 for key, r in sorted(self.regimes.items())
@@ -386,8 +394,9 @@ class Baseline:
             last, busy_from = data.get("last_added"), data.get("busy_from", 0.0)
             if not isinstance(run, str) or not (last is None or _is_number(last)):
                 raise ValueError("run must be a string and last_added a number or null")
-            if not (busy_from is None or _is_number(busy_from)):
-                raise ValueError("busy_from must be a number or null")
+            seen_from = data.get("seen_from")
+            if not all(v is None or _is_number(v) for v in (busy_from, seen_from)):
+                raise ValueError("busy_from and seen_from must be numbers or null")
             if not isinstance(server, str):
                 raise ValueError("server must be a string")
             regimes = {}
@@ -412,6 +421,7 @@ class Baseline:
             None if last is None else float(last),
             server,
             None if busy_from is None or not regimes else float(busy_from),
+            None if seen_from is None else float(seen_from),
         )
 
 

@@ -554,7 +554,9 @@ def _recovered(s: DiagnosisSettings, state: DiagnosisState, situation: Situation
     cmp, stats = situation.comparison, situation.stats
     if cmp is None or cmp.ratio is None or cmp.ratio <= s.leave_ratio or stats is None:
         return False
-    if any(h.pending_since is not None for h in (state.speed, state.kv, state.stranded)):
+    if any(
+        h.pending_since is not None for h in (state.speed, state.kv, state.stranded, state.leak)
+    ):
         return False
     return due.cause not in LOAD_BOUND or due.demand is None or _asked(stats) >= due.demand
 
@@ -910,6 +912,7 @@ def _kv_pressure(
 
 
 MIX = (("prompt_per_request", "prompt tokens"), ("output_per_request", "generated tokens"))
+OLD_MIX_TOLERANCE = 0.15  # the prompt share's, for baselines kept before tokens per request
 
 
 def _mix_change(s: DiagnosisSettings, stats: WindowStats, fresh: Mapping[str, float]) -> str:
@@ -920,6 +923,15 @@ def _mix_change(s: DiagnosisSettings, stats: WindowStats, fresh: Mapping[str, fl
         now, then = getattr(stats, name), fresh.get(name)
         if now and then and max(now / then, then / now) > 1 + s.mix_tolerance:
             return f"{now / then:.2f}x the {words} per request of the fresh run"
+    # A baseline kept before tokens per request were: the prompt share, as it was told.
+    share, fresh_share = stats.prompt_share, fresh.get("prompt_share")
+    if (
+        fresh.get("prompt_per_request") is None
+        and share is not None
+        and fresh_share is not None
+        and abs(share - fresh_share) > OLD_MIX_TOLERANCE
+    ):
+        return f"prompt share {share:.2f} against {fresh_share:.2f} fresh"
     hits, fresh_hits = stats.prefix_hit_ratio, fresh.get("prefix_hit_ratio")
     if hits is not None and fresh_hits is not None and fresh_hits - hits > s.prefix_drop:
         return f"prefix-cache hit ratio {hits:.2f} against {fresh_hits:.2f} fresh"

@@ -26,7 +26,7 @@ from functools import cached_property
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from vkvagent.engine.diagnosis import FIXABLE
+from vkvagent.engine.diagnosis import FIXABLE, VETOED
 from vkvagent.engine.prevention import DEFAULT_OUTAGE, Plan
 
 MODES = ("off", "observe", "enforce")
@@ -369,7 +369,7 @@ def escalated(
     settings: PolicySettings, history: Sequence[RestartRecord], controls: Controls
 ) -> int:
     """How many restarts in a row, since the last resume, did not restore performance, once
-    that reaches ``escalate_after`` (else 0). Planned restarts (scheduled, flags) are not
+    that reaches ``escalate_after`` (else 0). Planned restarts (``PLANNED``) are not
     judged."""
     judged = [
         r
@@ -418,10 +418,11 @@ def evaluate(
         return Verdict(action, reason, cause, is_open, upcoming, drain)
 
     due = settings.max_uptime > 0 and uptime is not None and uptime >= settings.max_uptime
-    calm = not wanted and cause not in ("gpu_fault", "engine_down")
+    calm = not wanted and cause not in (*VETOED, "engine_down")
     if flags_due and cause is None:  # not over a veto: the new run would be judged under it
         cause, wanted = FLAGS, True
-    elif calm and _prevention_due(settings, plan, uptime, is_open, upcoming, now):
+    elif calm and _prevention_due(settings, plan, uptime, is_open, upcoming, now, history,
+                                  controls):  # fmt: skip
         cause, wanted = PREVENTION, True
     elif due and calm:
         cause, wanted = SCHEDULED, True
@@ -438,7 +439,7 @@ def evaluate(
             f"escalated: the last {streak} restarts did not restore "
             "performance; waiting for `vkvagent resume`",
         )
-    if cause == "uptime_decline" and _slowdown_uncured(history, controls):
+    if cause in ("uptime_decline", PREVENTION) and _slowdown_uncured(history, controls):
         return verdict(
             "hold",
             "escalated: the last restart for uptime_decline did not restore the fresh speed "
@@ -521,18 +522,24 @@ def _prevention_due(
     is_open: bool,
     upcoming: datetime | None,
     now: datetime,
+    history: Sequence[RestartRecord],
+    controls: Controls,
 ) -> bool:
     """From the plan's uptime on (no sooner than the cooldown and the daily budget let
-    restarts recur: spread evenly, not three in a row and a long wait), or in the last window
-    that opens before it."""
+    restarts recur: spread evenly, not four in a row and a long wait), or in a window, when
+    restarting now costs less per hour of the run than at the next window; never after a
+    restart for the slowdown did not cure it."""
     if not settings.prevent or plan is None or uptime is None:
+        return False
+    if _slowdown_uncured(history, controls):
         return False
     at = max(plan.at, settings.cooldown, DAY / settings.max_per_day)
     if uptime >= at:
         return True
-    if not is_open or uptime < settings.cooldown:  # a run this young is not a candidate
+    if not is_open or uptime < settings.cooldown or upcoming is None:
         return False
-    return upcoming is None or uptime + (upcoming - now).total_seconds() >= at
+    later = uptime + (upcoming - now).total_seconds()
+    return later >= at and plan.cost_rate(uptime) <= plan.cost_rate(later)
 
 
 def _cheaper_now(
@@ -548,7 +555,9 @@ def _cheaper_now(
     service (speed lost x time) than the restart's outage. "" to wait."""
     if settings.outside_windows != "when_cheaper" or cause not in SLOWDOWNS or uptime is None:
         return ""
-    wait = (upcoming - now).total_seconds() if upcoming is not None else math.inf
+    if upcoming is None:  # no windows: only emergencies restart, as configured
+        return ""
+    wait = (upcoming - now).total_seconds()
     outage = plan.outage if plan is not None else DEFAULT_OUTAGE
     if cause == PREVENTION and plan is not None:
         lost = plan.cost_of_waiting(uptime, wait)
@@ -558,11 +567,9 @@ def _cheaper_now(
         return ""
     if not lost > outage:
         return ""
-    until = "no window set" if upcoming is None else f"{_ago(wait)} to the next window"
-    lost_words = "all of it" if math.isinf(lost) else f"{lost / 60:.0f} min"
     return (
-        f"outside window, cheaper now: waiting ({until}) would lose {lost_words} of service, "
-        f"a restart {outage / 60:.0f} min"
+        f"outside window, cheaper now: waiting ({_ago(wait)} to the next window) would lose "
+        f"{lost / 60:.0f} min of service, a restart {outage / 60:.0f} min"
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from vkvagent.engine.diagnosis import optional_float
 
 BUCKET = 1800.0  # seconds of uptime per point of a run's speed track
+TRACKED = 48 * 3600.0  # uptime tracked: a decline that waits longer is left to diagnosis
 KEPT = 6  # degraded runs kept per engine state (the newest)
 MIN_POINTS = 6  # buckets the fit needs
 MIN_FIT = 0.6  # share of the loss's variance the hinge must explain
@@ -54,6 +55,8 @@ class Track:
     cured: bool | None = None  # whether that run was as fast as this one's fresh self
 
     def add(self, uptime: float, ratio: float) -> Track:
+        if not 0 <= uptime < TRACKED:
+            return self
         index = int(uptime // BUCKET)
         total, n = self.buckets.get(index, (0.0, 0))
         buckets = dict(self.buckets)
@@ -114,9 +117,11 @@ class Plan:
     outage: float  # seconds of service a restart costs
     runs: int  # cured runs it rests on
 
-    def loss(self, uptime: float) -> float:
-        """The share of its speed a run of this server is expected to have lost."""
-        return max(0.0, self.rate * (uptime - self.onset))
+    def cost_rate(self, period: float) -> float:
+        """The share of the service lost by restarting every ``period`` seconds: one outage
+        and the speed lost up to it, per second of the run (least at ``at``)."""
+        lost = max(0.0, period - self.onset)
+        return (self.outage + self.rate / 2 * lost * lost) / period
 
     def cost_of_waiting(self, uptime: float, seconds: float) -> float:
         """Service seconds lost, beyond what the renewal optimum loses, by restarting
@@ -130,7 +135,7 @@ class Plan:
     def words(self) -> str:
         return (
             f"{self.runs} cured run(s) of this server lost speed from "
-            f"{self.onset / 3600:.1f} h of uptime at {self.rate * 360000:.1f} %/h; a restart "
+            f"{self.onset / 3600:.1f} h of uptime at {self.rate * 360000:.2g} %/h; a restart "
             f"costs {self.outage / 60:.0f} min, so restart from {self.at / 3600:.1f} h"
         )
 
@@ -159,8 +164,12 @@ def plan(
     ]
     if not server or len(cured) < settings.min_runs:
         return None
-    points = [p for t in cured for p in t.points()]
-    fit = hinge(points)
+    # One point per bucket, the runs' mean: at most TRACKED / BUCKET points to fit.
+    pooled: dict[float, list[float]] = {}
+    for track in cured:
+        for uptime, loss in track.points():
+            pooled.setdefault(uptime, []).append(loss)
+    fit = hinge([(u, sum(v) / len(v)) for u, v in sorted(pooled.items())])
     if fit is None:
         return None
     onset, rate = fit

@@ -284,14 +284,18 @@ def decide(
     baseline = state.baseline or Baseline(run=state.run.key or "none")
     if not baseline.server and latest is not None and latest.vllm is not None:
         baseline = replace(baseline, server=server_identity(latest.vllm, observed.flags))
+    if baseline.seen_from is None and not baseline.regimes and uptime is not None:
+        baseline = replace(baseline, seen_from=uptime)
     key = regime_of(stats, b) if stats else None
     # What this server does when fresh: this run's baselines, and at the loads it has not
     # learned, the previous run's where they may stand in (_carried).
     carried = _carried(settings, state.previous, baseline)
     reference = baseline if carried is None else baseline.merged(carried, b)
     regime = reference.known(key, b)
-    modelled = regime is None and stats is not None
-    if modelled:  # a load no fresh run learned: the speed the learned loads imply
+    # A load no fresh run learned: the speed the learned loads imply; not while this run is
+    # fresh and may learn it itself.
+    modelled = regime is None and stats is not None and not _fresh(b, baseline, uptime)
+    if modelled:
         regime = reference.modelled(stats.generation_tokens_per_s if stats else None, b)
     own = baseline.known(key, b)
     borrowed = carried.run if carried is not None and regime is not None and own is None else None
@@ -334,6 +338,7 @@ def decide(
         diagnosis.cause is None
         and dstate.speed.pending_since is None
         and dstate.kv.pending_since is None
+        and dstate.leak.pending_since is None
         and (dstate.throttled_at is None or mono - dstate.throttled_at > d.hold)
     )
     if stats is not None and latest is not None and quiet:
@@ -712,6 +717,10 @@ def _learning(settings: BaselineSettings, baseline: Baseline, uptime: float | No
     if uptime <= baseline.busy_from + settings.learn_for and not baseline.known_keys(settings):
         return f"collecting this run's baseline (uptime {uptime / 60:.0f} min)"
     return ""
+
+
+def _fresh(settings: BaselineSettings, baseline: Baseline, uptime: float | None) -> bool:
+    return uptime is not None and uptime <= baseline.fresh_until(settings)
 
 
 def _baseline_of(
