@@ -1284,7 +1284,8 @@ def _window_evidence(
         out["throughput_ratio"] = cmp.throughput
         out["ttft_ratio"] = cmp.ttft
         for name in (
-            "itl", "per_request", "running", "requests_per_s", "prompt_share", "sm_clock_ratio"
+            "itl", "per_request", "running", "requests_per_s", "prompt_share", "sm_clock_ratio",
+            "prompt_per_request", "output_per_request",
         ):  # fmt: skip
             if name in cmp.baseline:
                 out["baseline_" + name] = cmp.baseline[name]

@@ -728,7 +728,7 @@ def _baseline_of(
 ) -> str:
     """Whose fresh baseline a comparison is against, in words."""
     if modelled:
-        return "the fresh speed the learned loads imply (modelled), as"
+        return "the learned loads' modelled"
     if borrowed is not None:
         return "an earlier run's"
     if own.late(settings) and own.busy_from is not None:
