@@ -260,6 +260,13 @@ class Streams(Clients):
         super().__init__(box, clients, max_tokens)
         self.paused = paused
         self.streams: list[Stream] = []
+        self._open: dict[int, float] = {}  # each client's stream under way: when it began
+
+    def open_for(self) -> list[float]:
+        """How long each stream under way has been (seconds)."""
+        now = time.time()
+        with self._lock:
+            return [now - began for began in self._open.values()]
 
     def count(self, outcome: str) -> int:
         with self._lock:
@@ -289,8 +296,11 @@ class Streams(Clients):
                 self._stop.wait(0.05)
                 continue
             started = time.time()
+            with self._lock:
+                self._open[threading.get_ident()] = started
             outcome = self._stream()
             with self._lock:
+                del self._open[threading.get_ident()]
                 self.streams.append(Stream(started, time.time(), outcome))
             if outcome != "ok":
                 self._stop.wait(0.1)
