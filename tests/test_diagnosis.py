@@ -75,7 +75,7 @@ def situation(stats: WindowStats | None = None, **extra: Any) -> Situation:
         known="724-1024 generated tokens/s",
         learning="",
         capacity=CAPACITY,
-        fresh_mix=BASE.medians,
+        fresh=BASE.medians,
     )
     fields.update(extra)
     return Situation(**fields)
@@ -785,6 +785,6 @@ def test_a_kv_leak_is_told_at_any_load_before_it_binds() -> None:
 def test_a_baseline_kept_before_tokens_per_request_still_tells_another_mix() -> None:
     old = {k: v for k, v in BASE.medians.items() if not k.endswith("_per_request")}
     old["per_request"] = BASE.medians["per_request"]
-    shifted = situation(window(**SLOW, prompt_share=0.6), fresh_mix=old)
+    shifted = situation(window(**SLOW, prompt_share=0.6), fresh=old)
     result, _ = run(held(shifted))
     assert result.cause == "load_shift" and "prompt share 0.60 against 0.85" in result.summary

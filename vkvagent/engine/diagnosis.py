@@ -325,7 +325,7 @@ class DiagnosisState:
     kv: Hysteresis = Hysteresis()
     stranded: Hysteresis = Hysteresis()
     lagging: Hysteresis = Hysteresis()  # one data-parallel engine far behind the others
-    leak: Hysteresis = Hysteresis()  # each running request holds far more KV than fresh
+    leak: Hysteresis = Hysteresis()  # KV blocks held beyond what the running requests take
     progress: Progress = Progress()
     throttled_at: float | None = None  # monotonic time a throttled GPU was last seen
     throttle_note: str = ""
@@ -450,9 +450,10 @@ class Situation:
     engines: Sequence[EngineWindow] = ()  # each data-parallel engine over the window (2 or more)
     prefix_hit_ratio: float | None = None  # prefix-cache hits / queries over the window
     time: float | None = None  # UTC Unix seconds of the latest sample (for people)
-    # The fresh request mix (METRICS medians) to tell another mix by: the compared regime's,
-    # else the fresh capacity's (per request, the mix hardly depends on the load).
-    fresh_mix: Mapping[str, float] = field(default_factory=dict)
+    # The fresh server's medians (METRICS) to tell another request mix and a KV leak by: the
+    # compared regime's, else the fresh capacity's (per request, neither depends much on the
+    # load).
+    fresh: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -608,7 +609,7 @@ def _diagnose(
             symptom="engine down",
         ), state
     stats, cmp = situation.stats, situation.comparison
-    state = _step_symptoms(s, state, stats, cmp, situation.capacity, situation.fresh_mix, now)
+    state = _step_symptoms(s, state, stats, cmp, situation.capacity, situation.fresh, now)
     # One engine far behind its peers enters below enter_ratio of them and leaves only
     # once it serves leave_ratio: ``lagging`` is the engine still behind by the latter.
     lagging = _lagging(s, situation.engines, s.leave_ratio)
@@ -654,7 +655,7 @@ def _diagnose(
             f" tokens/s where the fresh server served "
             f"{capacity.generation_tokens_per_s:.0f} without a queue"
         )
-        vetoed = _veto(s, stats, situation.fresh_mix, capacity, throttle, evidence, symptom)
+        vetoed = _veto(s, stats, situation.fresh, capacity, throttle, evidence, symptom)
         if vetoed:
             return vetoed, state
         return Diagnosis(
@@ -666,7 +667,7 @@ def _diagnose(
 
     if state.lagging.active and lagging is not None and stats is not None:
         engine, symptom = lagging
-        vetoed = _veto(s, stats, situation.fresh_mix, capacity, throttle, evidence, symptom)
+        vetoed = _veto(s, stats, situation.fresh, capacity, throttle, evidence, symptom)
         if vetoed:
             return vetoed, state
         # Full and preempting: its KV leaks or fills; otherwise its requests are stranded.
@@ -680,7 +681,7 @@ def _diagnose(
             symptom=symptom,
         ), state
 
-    leak = _kv_leak(s, stats, situation.fresh_mix, capacity)
+    leak = _kv_leak(s, stats, situation.fresh, capacity)
     if state.leak.active and leak is not None and stats is not None and capacity is not None:
         leaked, room = leak
         evidence["kv_leaked"] = leaked
@@ -690,7 +691,7 @@ def _diagnose(
             f"the fresh peak load, {capacity.requests_per_s:.2f} requests/s at KV usage "
             f"{capacity.kv_usage:.2f}, leaves {room:.0%}"
         )
-        vetoed = _veto(s, stats, situation.fresh_mix, None, throttle="", evidence=evidence,
+        vetoed = _veto(s, stats, situation.fresh, None, throttle="", evidence=evidence,
                        symptom=symptom)  # fmt: skip
         if vetoed:
             return vetoed, state
@@ -714,7 +715,7 @@ def _diagnose(
         symptom = (
             f"speed {cmp.ratio:.2f} of {situation.baseline_of} fresh baseline at {situation.regime}"
         )
-        vetoed = _veto(s, stats, situation.fresh_mix, capacity, throttle, evidence, symptom)
+        vetoed = _veto(s, stats, situation.fresh, capacity, throttle, evidence, symptom)
         if vetoed:
             return vetoed, state
         return Diagnosis(
@@ -869,8 +870,8 @@ def _kv_pressure(
         f"{_minutes(state.kv.held_for(now))}"
     )
     capacity = situation.capacity
-    if throttle or _mix_change(s, stats, situation.fresh_mix):
-        vetoed = _veto(s, stats, situation.fresh_mix, capacity, throttle, evidence, symptom)
+    if throttle or _mix_change(s, stats, situation.fresh):
+        vetoed = _veto(s, stats, situation.fresh, capacity, throttle, evidence, symptom)
         if vetoed is not None:
             return vetoed
     if capacity is None:
@@ -947,7 +948,7 @@ def _demand(stats: WindowStats) -> float:
 def _veto(
     s: DiagnosisSettings,
     stats: WindowStats,
-    fresh_mix: Mapping[str, float],
+    fresh: Mapping[str, float],
     capacity: Capacity | None,
     throttle: str,
     evidence: dict[str, EvidenceValue],
@@ -961,7 +962,7 @@ def _veto(
             evidence,
             symptom=symptom,
         )
-    mix = _mix_change(s, stats, fresh_mix)
+    mix = _mix_change(s, stats, fresh)
     if mix:
         return Diagnosis(
             "load_shift", f"{symptom}, but the request mix changed: {mix}", evidence,

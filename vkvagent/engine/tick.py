@@ -324,7 +324,7 @@ def decide(
         engines=_engine_windows(segment) if stats is not None else (),
         prefix_hit_ratio=stats.prefix_hit_ratio if stats is not None else None,
         time=latest.time if latest is not None else None,
-        fresh_mix=(
+        fresh=(
             comparison.baseline
             if comparison is not None
             else reference.regimes[capacity.regime].medians
