@@ -175,7 +175,9 @@ class Clients:
 
     def __enter__(self: _C) -> _C:
         for number in range(self.clients):
-            thread = threading.Thread(target=self._client, name=f"client-{number}", daemon=True)
+            thread = threading.Thread(
+                target=self._client, args=(number,), name=f"client-{number}", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
         return self
@@ -185,7 +187,7 @@ class Clients:
         for thread in self._threads:
             thread.join(timeout=120)
 
-    def _client(self) -> None:
+    def _client(self, number: int) -> None:
         raise NotImplementedError
 
 
@@ -198,7 +200,7 @@ class Traffic(Clients):
         super().__init__(box, clients, max_tokens)
         self.outcomes: dict[str, int] = {}
 
-    def _client(self) -> None:
+    def _client(self, number: int) -> None:
         while not self._stop.is_set():
             try:
                 status, _body = complete(self.box, max_tokens=self.max_tokens)
@@ -246,9 +248,12 @@ class Stream:
 
 
 class Streams(Clients):
-    """Clients streaming completions one after another until stopped, each a whole answer of
-    ``max_tokens`` tokens, so a restart finds requests in flight. While ``paused()`` is true
-    (a load balancer that took the host out of rotation) they send nothing."""
+    """Clients streaming completions one after another until stopped, each a whole answer, so
+    a restart finds requests in flight. Client ``n`` asks for ``max_tokens`` x (1 - n/5)
+    tokens: clients with equally long answers run in step (vLLM batches them), and a restart
+    could come in the instant they all send their next request, with nothing in flight. While
+    ``paused()`` is true (a load balancer that took the host out of rotation) they send
+    nothing."""
 
     def __init__(
         self,
@@ -290,7 +295,8 @@ class Streams(Clients):
         with self._lock:
             return [s for s in self.streams if s.ended > when and s.outcome in ("cut", "error")]
 
-    def _client(self) -> None:
+    def _client(self, number: int) -> None:
+        tokens = self.max_tokens - number * self.max_tokens // 5
         while not self._stop.is_set():
             if self.paused():
                 self._stop.wait(0.05)
@@ -298,16 +304,16 @@ class Streams(Clients):
             started = time.time()
             with self._lock:
                 self._open[threading.get_ident()] = started
-            outcome = self._stream()
+            outcome = self._stream(tokens)
             with self._lock:
                 del self._open[threading.get_ident()]
                 self.streams.append(Stream(started, time.time(), outcome))
             if outcome != "ok":
                 self._stop.wait(0.1)
 
-    def _stream(self) -> str:
+    def _stream(self, tokens: int) -> str:
         body = json.dumps({
-            "model": SERVED, "prompt": "The agent", "max_tokens": self.max_tokens,
+            "model": SERVED, "prompt": "The agent", "max_tokens": tokens,
             "ignore_eos": True, "stream": True,
         })  # fmt: skip
         try:

@@ -44,6 +44,10 @@ from tests.test_actuator import (
 )
 from tests.test_advice import sandbox_status
 from tests.test_daemon_systemd import AGENT, agent_unit, events, wait_event
+from vkvagent.engine.baseline import WindowStats, window_stats
+from vkvagent.engine.diagnosis import DiagnosisSettings, mix_change
+from vkvagent.engine.samples import VllmMetrics
+from vkvagent.vllm_metrics import Normaliser
 
 pytestmark = [pytest.mark.vllm, pytest.mark.systemd]
 
@@ -334,3 +338,57 @@ def test_plan_reads_the_real_units_command_line(vllm_box: Sandbox) -> None:
     suggested = (*changed[:1], "0.28", *changed[2:])
     assert f"after:  {shlex.join((*UNMANAGED, *suggested))}\n" in shown.stdout
     assert unit(vllm_box).invocation_id == invocation
+
+
+def test_the_request_mix_vkvagent_reads_is_the_one_vllm_served(vllm_box: Sandbox) -> None:
+    """Tokens per request, prompt and generated, from the real vLLM's counters: equal to what
+    its own answers' ``usage`` says, and a prompt 3x longer at the same generated length is
+    a change of mix that vetoes a restart (``mix_tolerance`` 0.5: beyond 1.5x either way)."""
+    normaliser = Normaliser()
+
+    def scrape() -> tuple[float, VllmMetrics]:
+        status, page = vllm_box.http_get(8000, "/metrics")
+        assert status == 200
+        return time.monotonic(), normaliser.normalise(page.decode())
+
+    def served(prompt: str, requests: int = 6) -> tuple[WindowStats, float, float]:
+        """The window's stats over ``requests`` completions of ``prompt``, and what vLLM's
+        answers said they took: prompt and generated tokens per request."""
+        before = scrape()
+        used = [
+            complete(vllm_box, prompt=prompt, max_tokens=24)[1]["usage"] for _ in range(requests)
+        ]
+        after = scrape()
+        counted = before[1].request_success_total or 0.0
+        while after[1].request_success_total != counted + requests:  # counted once answered
+            assert time.monotonic() - before[0] < 60, "vLLM never counted the requests"
+            time.sleep(0.2)
+            after = scrape()
+        stats = window_stats([before, after])
+        assert stats is not None
+        prompt_tokens = sum(u["prompt_tokens"] for u in used) / requests  # type: ignore[index]
+        generated = sum(u["completion_tokens"] for u in used) / requests  # type: ignore[index]
+        return stats, prompt_tokens, generated
+
+    short, short_prompt, short_output = served("The agent watches the server")
+    long_prompt_text = " ".join(["The agent watches the server and restarts it when it helps."] * 8)
+    long, long_prompt, long_output = served(long_prompt_text)
+    print(
+        f"\nreal vLLM {VERSION}: prompt/generated tokens per request, short "
+        f"{short.prompt_per_request}/{short.output_per_request} (usage {short_prompt}/"
+        f"{short_output}), long {long.prompt_per_request}/{long.output_per_request} (usage "
+        f"{long_prompt}/{long_output})"
+    )
+    assert short.prompt_per_request == pytest.approx(short_prompt)
+    assert short.output_per_request == pytest.approx(short_output)
+    assert long.prompt_per_request == pytest.approx(long_prompt)
+    assert long.output_per_request == pytest.approx(long_output)
+    assert short_output == long_output == 24
+    assert long_prompt > 3 * short_prompt
+
+    settings = DiagnosisSettings()
+    assert mix_change(settings, long, short.values()).startswith(
+        f"{long_prompt / short_prompt:.2f}x the prompt tokens per request of the fresh run"
+    )
+    again, _prompt, _output = served("The agent watches the server")
+    assert mix_change(settings, again, short.values()) == ""

@@ -870,7 +870,7 @@ def _kv_pressure(
         f"{_minutes(state.kv.held_for(now))}"
     )
     capacity = situation.capacity
-    if throttle or _mix_change(s, stats, situation.fresh):
+    if throttle or mix_change(s, stats, situation.fresh):
         vetoed = _veto(s, stats, situation.fresh, capacity, throttle, evidence, symptom)
         if vetoed is not None:
             return vetoed
@@ -916,7 +916,7 @@ MIX = (("prompt_per_request", "prompt tokens"), ("output_per_request", "generate
 OLD_MIX_TOLERANCE = 0.15  # the prompt share's, for baselines kept before tokens per request
 
 
-def _mix_change(s: DiagnosisSettings, stats: WindowStats, fresh: Mapping[str, float]) -> str:
+def mix_change(s: DiagnosisSettings, stats: WindowStats, fresh: Mapping[str, float]) -> str:
     """How the request mix differs from the fresh run's, in words; "" when it does not: the
     tokens per request, prompt or generated, beyond ``mix_tolerance`` either way, or fewer
     prompt tokens found in the prefix cache (more prefill for the same requests)."""
@@ -962,7 +962,7 @@ def _veto(
             evidence,
             symptom=symptom,
         )
-    mix = _mix_change(s, stats, fresh)
+    mix = mix_change(s, stats, fresh)
     if mix:
         return Diagnosis(
             "load_shift", f"{symptom}, but the request mix changed: {mix}", evidence,
