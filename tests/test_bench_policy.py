@@ -490,6 +490,19 @@ def test_installed_degraded_starts_on_a_server_up_for_20_hours() -> None:
     assert walk(short, [0]).score() > walk(short, []).score()
 
 
+def test_vkvagent_installed_on_a_degraded_server_learns_from_that_first_run() -> None:
+    # The late first run is restarted once it is 25 % below its late baseline; the next run's
+    # fresh speed shows the restart cured it, which scales the first run's speed to fresh:
+    # its 20 to 26 h of uptime then time the second run's restart, before it declines.
+    model = Model(world_named("installed-degraded"), steps=20 * HOUR)
+    run = run_vkvagent(model, vkvagent_settings())
+    (first, _cause, _inside), (second, cause, _inside2) = run.restarts[:2]
+    assert run.restarts[0][1] == "uptime_decline"
+    assert cause == "prevention"
+    uptime_h = (second - first) / HOUR
+    assert 5.0 <= uptime_h <= 7.0, uptime_h  # the decline begins at 5 h of uptime
+
+
 def test_bursty_demand_has_the_traces_minute_to_minute_variance() -> None:
     per_minute = burst()
     assert len(per_minute) == 58

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -116,6 +117,48 @@ def test_a_track_survives_json_and_refuses_garbage() -> None:
         Track.from_json(data)
     with pytest.raises(ValueError, match="track: KeyError"):
         Track.from_json({"run": "a"})
+    # State saved before late tracks: not late.
+    del data["late"]
+    data["cured"] = True
+    assert Track.from_json(data) == track
+    assert Track.from_json({**data, "late": True}).late
+    with pytest.raises(ValueError, match="late"):
+        Track.from_json({**data, "late": 1})
+
+
+def test_a_late_run_counts_once_the_next_run_says_how_slow_it_already_was() -> None:
+    # vkvagent installed on a server up 20 h, already at 0.7 of its fresh speed: its late
+    # baseline is that speed, so the run's own ratios start at 1.0 and fall 2 %/h of fresh.
+    track = Track(run="installed", server="s")
+    for minute in range(20 * 60, 26 * 60):
+        u = minute * 60.0
+        track = track.add(u, 1.0 - 0.02 * (u / HOUR - 20.0) / 0.7)
+    late = ended((), replace(track, late=True), "next", NOW - HOUR, 200.0)
+    # Until the next run's fresh speed is known, its points are relative to a slowed server.
+    assert plan(SETTINGS, judged(late, "next", True), "s", NOW) is None
+    # The next run is 1/0.7 as fast as the late baseline: the points are scaled to its speed.
+    (scaled,) = judged(late, "next", True, speedup=1 / 0.7)
+    assert not scaled.late and scaled.cured
+    first = scaled.points()[0]
+    assert first[0] == pytest.approx(20.25 * HOUR)
+    # Lost of the fresh speed: 0.3 when first seen, 2 %/h since (the bucket's mean minute).
+    assert first[1] == pytest.approx(0.3 + 0.02 * 14.5 / 60)
+    # With the run in progress, stable for its first 5 h, the onset is no earlier than that.
+    current = declining("now", hours=5.0, noise=0.0)
+    found = plan(SETTINGS, (scaled,), "s", NOW, current=current)
+    assert found is not None and found.runs == 1
+    assert found.onset >= 4.5 * HOUR
+    # Another server's run in progress, or one tracked late itself, adds nothing.
+    alone = plan(SETTINGS, (scaled,), "s", NOW)
+    assert alone is not None and alone.onset < found.onset
+    assert plan(SETTINGS, (scaled,), "s", NOW, current=replace(current, server="t")) == alone
+    assert plan(SETTINGS, (scaled,), "s", NOW, current=replace(current, late=True)) == alone
+    # Where a cured run has points, the run in progress adds none: its first busy hours are
+    # its baseline, a speed of 1 by definition.
+    fresh = (cured(declining("a")),)
+    assert plan(SETTINGS, fresh, "s", NOW, current=current) == plan(SETTINGS, fresh, "s", NOW)
+    # Judged not cured, a late run stays out.
+    assert plan(SETTINGS, judged(late, "next", False, speedup=1.0), "s", NOW) is None
 
 
 WINDOWED = PolicySettings(mode="enforce", windows=("daily 02:00-05:00",))

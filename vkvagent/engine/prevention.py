@@ -12,6 +12,12 @@ Restarting every ``T`` seconds then loses ``(C + r (T - u0)^2 / 2) / T`` of the 
 host's own runs. A run of the same server is due for a preventive restart from ``T*`` on, and
 the policy decides where it goes (in a window, or at once when waiting costs more).
 
+A run first seen late (vkvagent installed on a server up for hours) is tracked against its late
+baseline, a speed already lost; once the next run's fresh speed says how much faster the
+restart made it, its track is scaled to that fresh speed and counts like any other. The run
+in progress adds its own points where no cured run has any (before the late run was first
+seen): a run that keeps its speed moves the onset on.
+
 Evidence ages: runs that ended more than ``max_age`` ago no longer count, so a server that
 stopped declining (an upgrade is another server anyway) is let run long enough, once, to show
 it. Pure: values in, values out; ``to_json``/``from_json`` make it persistable.
@@ -53,6 +59,9 @@ class Track:
     outage: float | None = None  # seconds from its last sample to the next run's first
     next_run: str | None = None  # the run that followed it, whose fresh speed judges the cure
     cured: bool | None = None  # whether that run was as fast as this one's fresh self
+    # Tracked against the run's own late baseline (speeds relative to a slowed server): not
+    # used until the next run's fresh speed rescales it (``judged``).
+    late: bool = False
 
     def add(self, uptime: float, ratio: float) -> Track:
         if not 0 <= uptime < TRACKED:
@@ -80,6 +89,7 @@ class Track:
             "outage": self.outage,
             "next_run": self.next_run,
             "cured": self.cured,
+            "late": self.late,
         }
 
     @classmethod
@@ -94,6 +104,9 @@ class Track:
             cured = data["cured"]
             if cured is not None and not isinstance(cured, bool):
                 raise ValueError("cured must be true, false or null")
+            late = data.get("late", False)  # absent in state saved before late tracks
+            if not isinstance(late, bool):
+                raise ValueError("late must be true or false")
             return cls(
                 run=str(data["run"]),
                 server=str(data["server"]),
@@ -102,6 +115,7 @@ class Track:
                 outage=optional_float(data["outage"]),
                 next_run=None if data["next_run"] is None else str(data["next_run"]),
                 cured=cured,
+                late=late,
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"track: {type(exc).__name__}: {exc}") from None
@@ -150,14 +164,20 @@ class Plan:
 
 
 def plan(
-    settings: PreventionSettings, tracks: Sequence[Track], server: str, now: float
+    settings: PreventionSettings,
+    tracks: Sequence[Track],
+    server: str,
+    now: float,
+    current: Track | None = None,
 ) -> Plan | None:
     """The plan for ``server`` from its cured runs that ended within ``max_age`` of ``now``
-    (UTC Unix seconds); None while they are too few or show no clear decline."""
+    (UTC Unix seconds), with the points of ``current``, the run in progress; None while the
+    cured runs are too few or show no clear decline."""
     cured = [
         t
         for t in tracks
         if t.cured
+        and not t.late
         and t.server == server
         and t.ended is not None
         and 0 <= now - t.ended <= settings.max_age
@@ -169,6 +189,12 @@ def plan(
     for track in cured:
         for uptime, loss in track.points():
             pooled.setdefault(uptime, []).append(loss)
+    # The run in progress fills the uptimes no cured run saw: before a late run was first
+    # seen. Where they saw it, its own points are no better (a run's first busy hours are its
+    # baseline, at a speed of 1 by definition).
+    if current is not None and current.server == server and not current.late:
+        for uptime, loss in current.points():
+            pooled.setdefault(uptime, [loss])
     fit = hinge([(u, sum(v) / len(v)) for u, v in sorted(pooled.items())])
     if fit is None:
         return None
@@ -222,8 +248,19 @@ def ended(
     return (*tracks, done)[-KEPT:]
 
 
-def judged(tracks: Sequence[Track], run: str, cured: bool) -> tuple[Track, ...]:
-    """The tracks with the one ``run`` followed judged: cured or not."""
+def judged(
+    tracks: Sequence[Track], run: str, cured: bool, speedup: float | None = None
+) -> tuple[Track, ...]:
+    """The tracks with the one ``run`` followed judged: cured or not, by ``run``'s fresh speed
+    over the one it was judged against (``speedup``). A late track cured is scaled by it to
+    its speed against ``run``'s fresh self."""
     return tuple(
-        replace(t, cured=cured) if t.next_run == run and t.cured is None else t for t in tracks
+        _judged(t, cured, speedup) if t.next_run == run and t.cured is None else t for t in tracks
     )
+
+
+def _judged(track: Track, cured: bool, speedup: float | None) -> Track:
+    if track.late and cured and speedup:
+        scaled = {k: (total / speedup, n) for k, (total, n) in track.buckets.items()}
+        return replace(track, buckets=scaled, late=False, cured=True)
+    return replace(track, cured=cured)

@@ -346,22 +346,23 @@ def decide(
     recovered = state.recovered
     past = state.past
     if recovered is None and state.previous is not None:
-        recovered = _recovered(settings, state.previous, baseline)
+        recovered, speedup = _recovered(settings, state.previous, baseline)
         if recovered is not None and state.run.key is not None:
-            past = judged(past, state.run.key, recovered)
+            past = judged(past, state.run.key, recovered, speedup)
     seen = max((s.mono for s in fresh), default=state.seen)
     traffic = state.traffic
     if stats is not None and stats.requests_per_s is not None:
         traffic = traffic.record(stats.requests_per_s, now, settings.policy.zone)
     track = state.track or Track(run=state.run.key or "none")
+    late = borrowed is None and baseline.late(b)  # the speed is against a late baseline
     if (
         comparison is not None
         and comparison.ratio is not None
         and uptime is not None
         and diagnosis.cause in (None, "uptime_decline")
-        and not (borrowed is None and baseline.late(b))
+        and (late == track.late or not track.buckets)  # a track's points are of one kind
     ):
-        track = track.add(uptime, comparison.ratio)
+        track = replace(track.add(uptime, comparison.ratio), late=late)
     state = replace(
         state, baseline=baseline, diagnosis=dstate, recovered=recovered, seen=seen,
         traffic=traffic, track=replace(track, server=baseline.server), past=past,
@@ -687,7 +688,8 @@ def _planned(settings: PreventionSettings, state: EngineState, now: float) -> En
     if state.planned_at == hour:
         return state
     server = state.baseline.server if state.baseline is not None else ""
-    return replace(state, plan=plan(settings, state.past, server, hour), planned_at=hour)
+    found = plan(settings, state.past, server, hour, current=state.track)
+    return replace(state, plan=found, planned_at=hour)
 
 
 def _loss(
@@ -768,18 +770,21 @@ def _carried(settings: Settings, previous: Baseline | None, current: Baseline) -
     return previous if speeds and min(speeds) >= CARRY_SPEED else None
 
 
-def _recovered(settings: Settings, previous: Baseline, current: Baseline) -> bool | None:
+def _recovered(
+    settings: Settings, previous: Baseline, current: Baseline
+) -> tuple[bool | None, float | None]:
     """Whether this run's fresh speed matches the previous run's, where both know the same
-    regime: the judgement of the restart in between. None until it can be told."""
+    regime: the judgement of the restart in between (None until it can be told), and the
+    median of this run's speed over the previous run's."""
     ratios = _fresh_speeds(settings, previous, current)
     if not ratios:
-        return None
+        return None, None
     ratio = sorted(ratios)[len(ratios) // 2]
     if ratio >= settings.diagnosis.leave_ratio:
-        return True
+        return True, ratio
     if ratio < settings.diagnosis.enter_ratio:
-        return False
-    return None
+        return False, ratio
+    return None, ratio
 
 
 # A run whose fresh speed is at least this fraction of the previous run's is judged, at loads it
