@@ -298,20 +298,24 @@ class Streams(Clients):
     def _client(self, number: int) -> None:
         tokens = self.max_tokens - number * self.max_tokens // 5
         while not self._stop.is_set():
-            if self.paused():
-                self._stop.wait(0.05)
-                continue
             started = time.time()
             with self._lock:
                 self._open[threading.get_ident()] = started
             outcome = self._stream(tokens)
             with self._lock:
                 del self._open[threading.get_ident()]
-                self.streams.append(Stream(started, time.time(), outcome))
-            if outcome != "ok":
+                if outcome is not None:
+                    self.streams.append(Stream(started, time.time(), outcome))
+            if outcome is None:
+                self._stop.wait(0.05)
+            elif outcome != "ok":
                 self._stop.wait(0.1)
 
-    def _stream(self, tokens: int) -> str:
+    def _stream(self, tokens: int) -> str | None:
+        """One completion's outcome; None when paused, checked before connecting and again
+        just before the request is sent (a connection can take a while on a busy host)."""
+        if self.paused():
+            return None
         body = json.dumps({
             "model": SERVED, "prompt": "The agent", "max_tokens": tokens,
             "ignore_eos": True, "stream": True,
@@ -325,6 +329,8 @@ class Streams(Clients):
             return "error"
         answered = False  # a failure before vLLM answered is an error, after it a cut
         try:
+            if self.paused():
+                return None
             connection.request(
                 "POST", "/v1/completions", body, {"Content-Type": "application/json"}
             )

@@ -131,10 +131,12 @@ def test_a_drained_restart_lets_the_streams_in_flight_finish(vllm_box: Sandbox) 
 def test_with_a_pre_stop_hook_that_stops_the_clients_no_request_fails(vllm_box: Sandbox) -> None:
     env_file = "/var/lib/lb/env"
     vllm_box.run("mkdir", "-p", "/var/lib/lb")
+    # Out of rotation, then a second for the requests already routed here to arrive (a
+    # balancer's deregistration delay) before vLLM stops admitting.
     pre_stop = [
         "/bin/sh", "-c",
         f'echo "$VKVAGENT_HOOK $VKVAGENT_UNIT $VKVAGENT_CAUSE $VKVAGENT_ACTION" > {env_file}; '
-        f"touch {MARK}; echo out of rotation",
+        f"touch {MARK}; sleep 1; echo out of rotation",
     ]  # fmt: skip
     post_ready = ["/bin/rm", "-f", MARK]
     configure(
