@@ -342,7 +342,7 @@ def test_plan_reads_the_real_units_command_line(vllm_box: Sandbox) -> None:
 
 def test_the_request_mix_vkvagent_reads_is_the_one_vllm_served(vllm_box: Sandbox) -> None:
     """Tokens per request, prompt and generated, from the real vLLM's counters: equal to what
-    its own answers' ``usage`` says, and a prompt 3x longer at the same generated length is
+    its own answers' ``usage`` says, and a prompt 20x longer at the same generated length is
     a change of mix that vetoes a restart (``mix_tolerance`` 0.5: beyond 1.5x either way)."""
     normaliser = Normaliser()
 
