@@ -3,8 +3,9 @@ systemd 252 (tests/sandbox.py) while clients stream completions, with vkvagent's
 
 - the first restart gives vLLM its own graceful shutdown: ``--shutdown-timeout`` in vkvagent's
   drop-in, with ``TimeoutStopSec=`` above it and ``KillMode=mixed``;
-- from then on a restart lets every request in flight finish (checked on the client side), and
-  the ledger and the output say what it cost: 0 cut off, the drain's and the outage's seconds;
+- from then on a restart lets the requests in flight finish (checked on the client side; one
+  sent in the instant of the stop may be cut), and the ledger and the output say what it
+  cost: 0 cut off by vLLM's count, the drain's and the outage's seconds;
 - with a ``pre_stop`` hook that takes the host out of rotation (the clients stop sending) and a
   ``post_ready`` that puts it back, no request fails at all;
 - ``--no-drain`` cuts the requests in flight off, and says how many;

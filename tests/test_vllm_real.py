@@ -1,7 +1,8 @@
 """vkvagent against the real vLLM 0.32 (CPU build, tests/realvllm.py) as vllm.service under a
 real systemd 252 (tests/sandbox.py): flags applied and proven, a breaking change rolled back
 with vLLM's own words in the journal, a restart under client traffic with vkvagent's share of
-it measured, and a crashed engine left to systemd's Restart=.
+it measured, a crashed engine left to systemd's Restart=, and the request mix vkvagent reads
+from vLLM's counters.
 
 One container for the module (every vLLM start costs 40 to 70 s); the tests run in file order
 and each leaves vLLM serving. 6 to 7 minutes in all."""
