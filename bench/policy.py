@@ -54,7 +54,14 @@ from vkvagent.config import Config
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
 from vkvagent.engine.diagnosis import FIXABLE
 from vkvagent.engine.policy import PolicySettings, RestartRecord, window_state
-from vkvagent.engine.samples import FlagValue, GpuReading, Histogram, Sample, VllmMetrics
+from vkvagent.engine.samples import (
+    FlagValue,
+    GpuReading,
+    Histogram,
+    Sample,
+    UnitFacts,
+    VllmMetrics,
+)
 from vkvagent.flags import shown
 from vkvagent.gpu import GpuReader, RecordedBackend
 from vkvagent.reconcile import Change, FlagState, flags_key
@@ -213,7 +220,18 @@ class Synth:
         if self.run is None or self.run.started != run_started:
             self.run = _Counters(run_started)
         self._advance(self.run, values)
-        return Sample(wall, mono, self._metrics(self.run, values), None, self._gpus(values)), memory
+        metrics, gpus = self._metrics(self.run, values), self._gpus(values)
+        return Sample(wall, mono, metrics, None, gpus, unit=self._unit(memory)), memory
+
+    def _unit(self, memory: float) -> UnitFacts:
+        """The unit as systemd shows it: its memory and MemoryMax (the engine times a leak
+        against it)."""
+        run = self.run
+        assert run is not None
+        return UnitFacts(
+            "active", "running", f"{run.started:.0f}", 1, int(memory), 0,
+            memory_max_bytes=int(self.server.memory_max),
+        )  # fmt: skip
 
     def _advance(self, c: _Counters, v: Values) -> None:
         s, rng, dt = self.server, self.rng, SAMPLE_EVERY

@@ -545,3 +545,15 @@ def test_the_summary_gives_vkvagents_share_of_the_windowed_oracle() -> None:
     head, _rule, line = summary(rows).splitlines()
     assert "| windowed oracle |" in head and "| vkvagent of windowed oracle |" in head
     assert line == "| w | 1.000 | 0.889 | 0.556 | 0.667 | 0.778 | 0.833 | 0.800 | 0.900 | - |"
+
+
+def test_vkvagent_restarts_a_memory_leak_in_the_last_window_before_memory_max() -> None:
+    # The week's first run leaks 64 KiB a request and would reach MemoryMax (40 GiB) on
+    # Tuesday afternoon: the Monday window is a day too early, Tuesday's is the last in time.
+    # Each run after it, started at 02:00, would reach it the next afternoon.
+    model = Model(world_named("memory-growth"), steps=2 * DAY_STEPS + 4 * HOUR)
+    run = run_vkvagent(model, vkvagent_settings())
+    assert [cause for _k, cause, _inside in run.restarts] == ["host_memory_growth"] * 2
+    assert all(inside for _k, _cause, inside in run.restarts)
+    assert [k // DAY_STEPS for k, _cause, _inside in run.restarts] == [1, 2]  # Tue, Wed
+    assert run.path.kills == []

@@ -548,6 +548,26 @@ def test_memory_growing_with_requests_served_is_host_memory_growth() -> None:
     assert result.evidence["bytes_per_request"] == pytest.approx(128 * 1024)
 
 
+def test_a_memory_leak_is_timed_against_the_units_memory_max() -> None:
+    # 240 requests a minute x 128 KiB: 1800 MiB an hour, from 6 + 2.64 GiB after 90 min.
+    points = leak(128 * 1024)
+    trend = memory_growth(S, points, limit=20 * GIB)
+    assert trend is not None and trend.limit == 20 * GIB
+    hours = (20 - 6 - 21600 * 128 / 2**20) / (1800 / 1024)
+    assert trend.to_limit == pytest.approx(hours * 3600)
+    result, _ = run([situation(memory=points, memory_limit=20 * GIB)])
+    assert result.cause == "host_memory_growth" and result.harm_in == trend.to_limit
+    assert result.evidence["memory_max_bytes"] == 20 * GIB
+    assert result.evidence["memory_limit_in_s"] == trend.to_limit
+    assert f"reaches MemoryMax (20.0 GiB) in {hours:.1f} h" in result.summary
+    # Past the limit already (anon is charged with page cache): the harm is now.
+    assert run([situation(memory=points, memory_limit=7 * GIB)])[0].harm_in == 0.0
+    # Unlimited: the leak is not timed, and waits for no later window.
+    unlimited, _ = run([situation(memory=points)])
+    assert unlimited.harm_in is None and "memory_limit_in_s" not in unlimited.evidence
+    assert "MemoryMax" not in unlimited.summary
+
+
 def test_memory_that_is_flat_noisy_short_or_from_an_earlier_run_is_not_growth() -> None:
     assert memory_growth(S, leak(0.0, noise=GIB)) is None  # big swings, no trend
     assert memory_growth(S, leak(1024)) is None  # grows, but 20 MiB is not a problem

@@ -47,7 +47,7 @@ TIGHT_KV = 1500
 REASONS = (
     "restart: ", "outside window", "cooldown: ", "budget: ", "min interval: ", "escalated: ",
     "paused until", "traffic gate: ", "observe mode: ", "vetoed: ", "unknown baseline: ",
-    "learning: ", "healthy: ", "watching: ", "idle: ", "engine down: ", "mode off",
+    "learning: ", "healthy: ", "watching: ", "idle: ", "engine down: ", "mode off", "not yet: ",
 )  # fmt: skip
 
 

@@ -255,6 +255,7 @@ UNIT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "n_restarts": st.integers(0, 2**31),
     "memory_anon_bytes": optional(INT64),
     "active_since": optional(st.floats(-1e12, 1e12)),
+    "memory_max_bytes": optional(INT64),
 }
 SAMPLES = st.builds(
     Sample,

@@ -427,3 +427,31 @@ def test_apply_at_next_window_waits_for_the_window_then_returns() -> None:
     assert slept == []  # already open: at once
     with _pytest.raises(CommandError, match="no restart window"):
         wait_for_window(PolicySettings(windows=()), io.StringIO(), now=lambda: clock[0])
+
+
+def test_a_foretold_harm_restarts_in_the_last_window_before_it_or_just_ahead_of_it() -> None:
+    """A memory leak timed against MemoryMax (``harm_in``) waits for a later window that
+    opens well before it; when none does, it goes an hour ahead of it, drained."""
+    h = 3600.0
+    leak = dict(cause="host_memory_growth", harm_in=40 * h)  # the next window is 23 h away
+    held = verdict(**leak)
+    assert (held.action, held.reason) == (
+        "hold",
+        "not yet: the harm is 40.0 h away, after the next window (2025-03-05T02:00:00Z)",
+    )
+    assert verdict(**{**leak, "harm_in": 28 * h}).action == "restart"  # 23 h > 0.75 x 28 h
+    assert verdict(**{**leak, "harm_in": None}).action == "restart"  # untimed: as before
+    # Outside the windows (the next opens in 12 h): it waits until the harm is an hour away.
+    assert verdict(now=OUT, **{**leak, "harm_in": 5 * h}).reason.startswith("outside window (")
+    near = verdict(now=OUT, **{**leak, "harm_in": 50 * 60.0})
+    assert (near.action, near.reason, near.drain_max_in_flight) == (
+        "restart",
+        "restart: outside window, before the harm: host_memory_growth foretells it in 50 min,"
+        " before the next window (12.0 h)",
+        0,
+    )
+    never = PolicySettings(mode="enforce", windows=ENFORCE.windows, outside_windows="never")
+    assert verdict(never, now=OUT, **{**leak, "harm_in": 50 * 60.0}).action == "hold"
+    # The budget still binds, as for any restart.
+    full = tuple(restart(hours, now=OUT) for hours in (7, 13, 19, 23))
+    assert verdict(now=OUT, history=full, **{**leak, "harm_in": 50 * 60.0}).action == "hold"

@@ -137,6 +137,9 @@ def test_unit_facts_judge_growth_by_anon_memory_and_fall_back_to_memory_current(
     assert (facts.memory_bytes, facts.memory_anon_bytes) == (20 * 2**30, anon)
     assert (facts.growth_bytes, facts.growth_source) == (anon, "anon")
     assert Sample(0.0, 0.0, None, unit=facts).to_json()["unit"]["memory_anon_bytes"] == anon
+    assert facts.memory_max_bytes is None  # unlimited
+    limited = unit_facts(replace(state, memory_max=40 * 2**30), tmp_path / "v2")
+    assert limited == replace(facts, memory_max_bytes=40 * 2**30)
 
     fallback = unit_facts(state, tmp_path / "v1")  # no memory.stat there, as on cgroup v1
     assert fallback == replace(facts, memory_anon_bytes=None)

@@ -103,6 +103,19 @@ def test_memory_current_is_the_running_sims_memory(shared_systemd: Systemd) -> N
     assert 5 * 2**20 < state.memory_current < 1 * 2**30  # a Python HTTP server: tens of MiB
 
 
+def test_memory_max_is_the_units_limit_and_none_when_unlimited(
+    shared_sandbox: Sandbox, shared_systemd: Systemd
+) -> None:
+    """MemoryMax, what a leak is timed against: unset is systemd's infinity, read as None."""
+    assert shared_systemd.unit(VLLM).memory_max is None
+    shared_sandbox.run("systemctl", "set-property", "--runtime", VLLM, "MemoryMax=3G")
+    try:
+        assert shared_systemd.unit(VLLM).memory_max == 3 * 2**30
+    finally:
+        shared_sandbox.run("systemctl", "set-property", "--runtime", VLLM, "MemoryMax=infinity")
+    assert shared_systemd.unit(VLLM).memory_max is None
+
+
 def test_the_units_control_group_and_its_anon_memory_in_the_containers_cgroup_fs(
     shared_sandbox: Sandbox, shared_systemd: Systemd
 ) -> None:

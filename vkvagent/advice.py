@@ -19,13 +19,12 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from vkvagent import flags, status
 from vkvagent.config import DROPIN_DIR
-from vkvagent.engine.samples import FlagValue
+from vkvagent.engine.samples import FlagValue, utc_text
 from vkvagent.errors import VkvagentError
 
 if sys.version_info >= (3, 11):
@@ -87,7 +86,7 @@ def nothing_to_suggest(report: status.StatusReport | None) -> str | None:
         return None
     cause = report.verdict.cause or report.verdict.state
     return (
-        f"nothing to suggest: the last diagnosis ({_when(report.updated)}) is {cause}: "
+        f"nothing to suggest: the last diagnosis ({utc_text(report.updated)}) is {cause}: "
         f"{report.verdict.reason}; flags are suggested only for kv_pressure"
     )
 
@@ -194,7 +193,7 @@ def conf_d_text(suggested: Suggested, earlier: Mapping[str, Any] | None = None) 
     report = suggested.report
     out = [
         "# Written by `vkvagent plan --suggested`: the [vllm.flags] change the daemon's last",
-        f"# diagnosis suggested ({_when(report.updated)}, "
+        f"# diagnosis suggested ({utc_text(report.updated)}, "
         f"{report.verdict.cause or report.verdict.state}).",
         "# Review each flag (docs/tuning.md argues them), then `vkvagent plan` and apply.",
         "# Later conf.d files win, key by key.",
@@ -216,7 +215,7 @@ def diagnosis_line(report: status.StatusReport, now: float) -> str:
         " (stale: the daemon stopped or went silent since)" if status.is_stale(report, now) else ""
     )
     cause = report.verdict.cause or report.verdict.state
-    return f"diagnosis: {cause} at {_when(report.updated)}{stale}: {report.verdict.reason}"
+    return f"diagnosis: {cause} at {utc_text(report.updated)}{stale}: {report.verdict.reason}"
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -248,10 +247,6 @@ def _toml_value(value: object) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     return json.dumps(str(value), ensure_ascii=False)
-
-
-def _when(updated: float) -> str:
-    return datetime.fromtimestamp(updated, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def diagnosis_json(report: status.StatusReport, now: float) -> dict[str, Any]:

@@ -114,6 +114,9 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE samples ADD COLUMN unit_memory_anon_bytes INTEGER",
         "ALTER TABLE samples ADD COLUMN unit_active_since REAL",
     ),
+    (  # 4: the unit's MemoryMax, the limit a memory leak is timed against
+        "ALTER TABLE samples ADD COLUMN unit_memory_max_bytes INTEGER",
+    ),
 )
 
 # VllmMetrics fields stored as they are, tuples stored as JSON, and histograms.
@@ -133,7 +136,7 @@ _VLLM_COLUMNS = (
 )  # fmt: skip
 _UNIT_FIELDS = (
     "active_state", "sub_state", "invocation_id", "main_pid", "memory_bytes", "n_restarts",
-    "memory_anon_bytes", "active_since",
+    "memory_anon_bytes", "active_since", "memory_max_bytes",
 )  # fmt: skip
 _UNIT_COLUMNS = (*("unit_" + name for name in _UNIT_FIELDS), "unit_error")
 _SAMPLE_COLUMNS = (

@@ -44,7 +44,7 @@ from typing import Any
 
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
 from vkvagent.engine.policy import RestartRecord
-from vkvagent.engine.samples import GpuReading, Sample, VllmMetrics
+from vkvagent.engine.samples import GpuReading, Sample, VllmMetrics, utc_text
 from vkvagent.errors import VkvagentError
 from vkvagent.gpu import decode_clock_event_reasons
 from vkvagent.jsonsafe import finite
@@ -275,7 +275,7 @@ def fetch(
         for first, last in chunks(start, end, step, max_points):
             form = {"query": selector, "start": _num(first), "end": _num(last), "step": _num(step)}
             response = _post(opener, endpoint, form, timeout)
-            store.add(response, f"{endpoint} ({selector}, {_iso(first)} to {_iso(last)})")
+            store.add(response, f"{endpoint} ({selector}, {utc_text(first)} to {utc_text(last)})")
     return store
 
 
@@ -534,7 +534,7 @@ def timeline(
         step = statistics.median_low(gaps)
     if step <= 0 or (times[-1] - times[0]) / step >= MAX_EVALUATIONS:
         raise ReplayError(
-            f"{_iso(times[0])} to {_iso(times[-1])} every {step:g} s is over "
+            f"{utc_text(times[0])} to {utc_text(times[-1])} every {step:g} s is over "
             f"{MAX_EVALUATIONS:,} evaluations: replay a shorter range or use a larger step"
         )
     times = _fill_gaps(times, step)
@@ -663,8 +663,8 @@ class Result:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "from": _iso(self.first.timestamp()) if self.first else None,
-            "to": _iso(self.last.timestamp()) if self.last else None,
+            "from": utc_text(self.first.timestamp()) if self.first else None,
+            "to": utc_text(self.last.timestamp()) if self.last else None,
             "step_s": self.step,
             "evaluations": self.evaluations,
             "mode": self.settings.policy.mode,
@@ -678,7 +678,7 @@ class Result:
             "probe_wanted_min": round(self.probe_seconds / 60, 1),
             "flag_changes": [
                 {
-                    "at": _iso(c.ended),
+                    "at": utc_text(c.ended),
                     "cache_config": dict(c.flags),
                     "verdict": c.verdict,
                     "ratio": None if c.ratio is None else round(c.ratio, 4),
@@ -804,10 +804,6 @@ def check_step(settings: Settings, step: float) -> None:
 # -- output ------------------------------------------------------------------------------------
 
 
-def _iso(at: float) -> str:
-    return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def describe(result: Result) -> str:
     """A readable timeline: one line per change, then the summary."""
     s = result.summary()
@@ -832,9 +828,8 @@ def describe(result: Result) -> str:
     for change in result.flag_changes:
         shown = ", ".join(f"{k} {v}" for k, v in change.flags.items())
         speed = "" if change.ratio is None else f", {change.ratio:.2f} of the fresh speed before"
-        lines.append(
-            f"flag change at {_iso(change.ended)} (cache_config {shown}): {change.verdict}{speed}"
-        )
+        at = utc_text(change.ended)
+        lines.append(f"flag change at {at} (cache_config {shown}): {change.verdict}{speed}")
     if s["probe_wanted_min"]:
         lines.append(
             f"probe: for {s['probe_wanted_min']:g} min no token moved, where the live daemon "

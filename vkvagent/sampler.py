@@ -82,4 +82,5 @@ def unit_facts(state: UnitState, cgroup_root: str | Path = CGROUP_ROOT) -> UnitF
         state.n_restarts,
         read_anon(state.control_group, cgroup_root),
         state.active_enter_timestamp / 1e6 if state.active_enter_timestamp else None,
+        state.memory_max,
     )

@@ -113,6 +113,8 @@ class UnitState:
     control_group: str = ""
     # When the unit last became active (CLOCK_REALTIME, µs since the epoch); 0: never.
     active_enter_timestamp: int = 0
+    # MemoryMax: the cgroup's hard limit, where the kernel OOM-kills; None when unlimited.
+    memory_max: int | None = None
 
 
 class Systemd:
@@ -157,6 +159,7 @@ class Systemd:
             raise SystemdError(operation, name, NO_SUCH_UNIT, error[1], error[0] or None)
         service = self._properties(operation, name, path, SERVICE) if _is_service(name) else {}
         memory = service.get("MemoryCurrent", UINT64_MAX)
+        limit = service.get("MemoryMax", UINT64_MAX)
         return UnitState(
             name=name,
             load_state=unit["LoadState"],
@@ -178,6 +181,7 @@ class Systemd:
             start_limit_interval_usec=unit["StartLimitIntervalUSec"],
             control_group=service.get("ControlGroup", ""),
             active_enter_timestamp=unit.get("ActiveEnterTimestamp", 0),
+            memory_max=None if limit == UINT64_MAX else limit,
         )
 
     def reload(self, timeout: float | None = None) -> None:

@@ -15,7 +15,8 @@ A case says:
   "why"}`` (refused) or ``{"repeat": N, "silent": "why"}`` (connected, no answer: hung);
   ``gpu`` sets ``reasons``, ``clock``, ``max``, ``xid`` and ``ecc`` on every GPU; ``probe``
   is the outcome of an active probe sent at that sample (``ok``, ``timeout``);
-- optional ``memory``: ``{"start": bytes, "per_request": bytes}``, the unit's memory;
+- optional ``memory``: ``{"start": bytes, "per_request": bytes, "max": bytes}``, the
+  unit's memory and its MemoryMax (optional);
 - optional ``restarts``: ``[{"at": ISO, "cause": ..., "recovered": ...}]``;
 - ``expect``: what the last decision must be (``cause``, ``action``, ``reason`` prefix,
   ``suggestion`` keys); no earlier decision may restart.
@@ -37,7 +38,14 @@ from vkvagent.engine import EngineState, Observation, RunState, Settings
 from vkvagent.engine.baseline import METRICS, Baseline, BaselineSettings, Regime
 from vkvagent.engine.diagnosis import DiagnosisSettings, MemoryPoint, ProbeFacts
 from vkvagent.engine.policy import PolicySettings, RestartRecord
-from vkvagent.engine.samples import THROTTLE_REASONS, GpuReading, Histogram, Sample, VllmMetrics
+from vkvagent.engine.samples import (
+    THROTTLE_REASONS,
+    GpuReading,
+    Histogram,
+    Sample,
+    UnitFacts,
+    VllmMetrics,
+)
 
 HERE = Path(__file__).parent
 ITL_BOUNDS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, math.inf)
@@ -147,7 +155,10 @@ def _ticks(
         else:
             values = dict(zip(columns, entry["row"]))
             metrics = _advance(counters, values, interval, started)
-            samples.append(Sample(wall, mono, metrics, None, (_gpu(entry.get("gpu", {})),)))
+            unit = _unit(leak)
+            samples.append(
+                Sample(wall, mono, metrics, None, (_gpu(entry.get("gpu", {})),), None, unit)
+            )
             if leak:
                 served = counters.req - 1e4
                 memory.append(
@@ -169,6 +180,13 @@ def _ticks(
             probe=probe,
         )
         yield observed, datetime.fromtimestamp(wall, timezone.utc)
+
+
+def _unit(leak: dict[str, Any] | None) -> UnitFacts | None:
+    """The unit as systemd shows it where the case gives its MemoryMax."""
+    if not leak or "max" not in leak:
+        return None
+    return UnitFacts("active", "running", "case", 1, None, 0, memory_max_bytes=int(leak["max"]))
 
 
 def _advance(c: _Counters, v: dict[str, float], dt: float, started: float) -> VllmMetrics:

@@ -22,12 +22,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from typing import Any, Callable, Union
 
 from vkvagent.engine.baseline import Capacity, Comparison, WindowStats
 from vkvagent.engine.gpu_faults import describe_xid, is_fault
-from vkvagent.engine.samples import EngineSignals, FlagValue, GpuReading, Sample, VllmMetrics
+from vkvagent.engine.samples import (
+    EngineSignals,
+    FlagValue,
+    GpuReading,
+    Sample,
+    VllmMetrics,
+    utc_text,
+)
 
 FIXABLE = frozenset(
     {"uptime_decline", "kv_pressure", "kv_stranded", "stall", "unresponsive", "host_memory_growth"}
@@ -440,6 +446,7 @@ class Situation:
     stall: Stall = Stall()
     unresponsive: str | None = None  # vLLM silent past unresponsive_after, in words
     memory: Sequence[MemoryPoint] = ()  # oldest first
+    memory_limit: float | None = None  # the unit's MemoryMax, bytes; None: unlimited
     run_began: float | None = None  # monotonic time this vLLM run began
     down: str | None = None  # why there is no live engine to judge, if so
     flags: Mapping[str, FlagValue] = field(default_factory=dict)  # the flags in effect
@@ -484,6 +491,9 @@ class Diagnosis:
     symptom: str | None = None
     suggestion: Mapping[str, FlagValue] = field(default_factory=dict)
     reasons: Mapping[str, str] = field(default_factory=dict)  # why each suggested flag
+    # Seconds until the harm the cause foretells (a leak reaching MemoryMax): the policy
+    # restarts in the last window before it. None: the harm is here, or cannot be timed.
+    harm_in: float | None = None
 
     @property
     def fixable(self) -> bool:
@@ -533,10 +543,10 @@ def _judge_run(
     evidence["held_cause"] = due.cause
     evidence["held_for_s"] = now - due.since
     if due.at is not None:
-        evidence["held_since"] = _utc(due.at)
+        evidence["held_since"] = utc_text(due.at)
     if due.ratio is not None:
         evidence["held_ratio"] = due.ratio
-    when = f" at {_utc(due.at)}" if due.at is not None else ""
+    when = f" at {utc_text(due.at)}" if due.at is not None else ""
     return Diagnosis(
         due.cause,
         f"held for this run: {due.summary} (diagnosed {_span(now - due.since)} ago{when}); "
@@ -572,10 +582,6 @@ def _asked(stats: WindowStats) -> float:
 
 def _span(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 5400 else _minutes(seconds)
-
-
-def _utc(at: float) -> str:
-    return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _diagnose(
@@ -702,14 +708,21 @@ def _diagnose(
             symptom=symptom,
         ), state
 
-    growth = memory_growth(s, situation.memory, situation.run_began)
+    growth = memory_growth(s, situation.memory, situation.run_began, situation.memory_limit)
     if growth is not None:
         evidence.update(growth.evidence())
         line = (
             f"unit memory grew {growth.grown / GIB:.1f} GiB in step with requests served "
             f"({growth.per_request:.0f} bytes each, r={growth.correlation:.2f})"
         )
-        return Diagnosis("host_memory_growth", line, evidence, symptom="memory growth"), state
+        if growth.limit is not None and growth.to_limit is not None:
+            line += (
+                f"; at this run's pace it reaches MemoryMax ({growth.limit / GIB:.1f} GiB) "
+                f"in {_span(growth.to_limit)}"
+            )
+        return Diagnosis(
+            "host_memory_growth", line, evidence, symptom="memory growth", harm_in=growth.to_limit
+        ), state
 
     if state.speed.active and stats is not None and cmp is not None and cmp.ratio is not None:
         symptom = (
@@ -1060,26 +1073,38 @@ class MemoryTrend:
     correlation: float
     current: float  # bytes now
     span: float  # seconds covered
+    limit: float | None = None  # the unit's MemoryMax; None: unlimited
+    # Seconds until ``current`` reaches ``limit`` at the series' mean growth per second (its
+    # requests at the rate they came); None without a limit.
+    to_limit: float | None = None
 
     def evidence(self) -> dict[str, EvidenceValue]:
-        return {
+        found: dict[str, EvidenceValue] = {
             "memory_growth_bytes": self.grown,
             "bytes_per_request": self.per_request,
             "memory_correlation": self.correlation,
             "memory_bytes": self.current,
             "memory_span_s": self.span,
         }
+        if self.limit is not None and self.to_limit is not None:
+            found["memory_max_bytes"] = self.limit
+            found["memory_limit_in_s"] = self.to_limit
+        return found
 
 
 def memory_growth(
-    s: DiagnosisSettings, points: Sequence[MemoryPoint], since: float | None = None
+    s: DiagnosisSettings,
+    points: Sequence[MemoryPoint],
+    since: float | None = None,
+    limit: float | None = None,
 ) -> MemoryTrend | None:
     """Memory that rises steadily with requests served (a per-request leak), or None.
 
     A least-squares line of bytes against requests served, over this run's points (those
     from monotonic time ``since`` on; oldest first): it must span ``memory_min_span``,
     follow requests closely (correlation) and have grown ``memory_min_growth``. At most
-    ``_FIT_POINTS`` points, evenly spread, enter the fit, so a long series costs no more."""
+    ``_FIT_POINTS`` points, evenly spread, enter the fit, so a long series costs no more.
+    With ``limit`` (MemoryMax), when the growth reaches it at the series' pace."""
     first = 0 if since is None else _first_from(points, since)
     if len(points) - first < 6 or points[-1].mono - points[first].mono < s.memory_min_span:
         return None
@@ -1100,7 +1125,9 @@ def memory_growth(
     grown = slope * (kept[-1].requests_served - kept[0].requests_served)
     if slope <= 0 or correlation < s.memory_min_correlation or grown < s.memory_min_growth:
         return None
-    return MemoryTrend(grown, slope, correlation, kept[-1].bytes, kept[-1].mono - kept[0].mono)
+    span = kept[-1].mono - kept[0].mono
+    to_limit = None if limit is None else max(0.0, limit - kept[-1].bytes) * span / grown
+    return MemoryTrend(grown, slope, correlation, kept[-1].bytes, span, limit, to_limit)
 
 
 _FIT_POINTS = 64

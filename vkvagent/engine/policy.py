@@ -28,6 +28,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from vkvagent.engine.diagnosis import FIXABLE, VETOED
 from vkvagent.engine.prevention import DEFAULT_OUTAGE, Plan
+from vkvagent.engine.samples import utc_text
 
 MODES = ("off", "observe", "enforce")
 OUTSIDE_WINDOWS = ("never", "when_cheaper")
@@ -401,6 +402,7 @@ def evaluate(
     flags_due: str = "",
     plan: Plan | None = None,
     loss: float | None = None,
+    harm_in: float | None = None,
 ) -> Verdict:
     """The verdict for a diagnosed ``cause``; ``wanted`` says a restart would fix it. With no
     such cause, a flag change (``flags_due`` says which) is proposed, else a preventive
@@ -408,7 +410,8 @@ def evaluate(
     last window before it; else a scheduled restart once the uptime passes ``max_uptime``;
     all wait for a window like any cause. ``loss``: the share of speed a diagnosed
     ``uptime_decline`` or flags due for a rollback cost, weighed against a restart outside
-    the windows.
+    the windows. ``harm_in``: the seconds until the harm a cause foretells (a leak reaching
+    MemoryMax); its restart waits for the last window that opens well before it.
     ``traffic``: this host's rates by local hour, for the percentile gate. ``mono``: the
     monotonic time of ``now``, which the intervals, cooldown, budget and back-off are measured
     on for every restart that has one (``RestartRecord.age``)."""
@@ -446,7 +449,7 @@ def evaluate(
             "(a slowdown a restart does not cure); waiting for `vkvagent resume`",
         )
     if controls.paused_until is not None and at < controls.paused_until:
-        return verdict("hold", f"paused until {_iso(controls.paused_until)}")
+        return verdict("hold", f"paused until {utc_text(controls.paused_until)}")
     emergency = cause in settings.emergency
     aborted, since_aborted, wait = retry_wait(history, controls, at, emergency=emergency, mono=mono)
     if aborted and since_aborted < wait:
@@ -476,10 +479,14 @@ def evaluate(
                 f"cooldown: last restart {_ago(past[0])} ago (cooldown {_ago(settings.cooldown)})",
             )
         if not is_open:
-            cheaper = _cheaper_now(settings, cause, plan, loss, uptime, upcoming, now)
+            cheaper = _cheaper_now(settings, cause, plan, loss, uptime, upcoming, now, harm_in)
             if not cheaper:
-                following = f" (next {_iso(upcoming.timestamp())})" if upcoming else " (none set)"
+                following = (
+                    f" (next {utc_text(upcoming.timestamp())})" if upcoming else " (none set)"
+                )
                 return verdict("hold", f"outside window{following}")
+        elif not_yet := _not_yet(harm_in, upcoming, now):
+            return verdict("hold", not_yet)
         if settings.max_request_rate > 0:
             if request_rate is None:
                 return verdict("hold", "traffic gate: request rate unknown")
@@ -542,6 +549,26 @@ def _prevention_due(
     return later >= at and plan.cost_rate(uptime) <= plan.cost_rate(later)
 
 
+# A foretold harm (``harm_in``) waits for the next window only if that opens within this share
+# of the time left: the projection assumes the pace so far, and a busier day comes sooner.
+HARM_SHARE = 0.75
+# Before a harm the next window comes too late for, the restart goes this long ahead of it:
+# late enough that the run has its time, early enough to drain and start again.
+HARM_LEAD = 3600.0
+
+
+def _not_yet(harm_in: float | None, upcoming: datetime | None, now: datetime) -> str:
+    """Why a foretold harm waits: a window to come still opens well before it. "" to go."""
+    if harm_in is None or upcoming is None:
+        return ""
+    if (upcoming - now).total_seconds() >= HARM_SHARE * harm_in:
+        return ""
+    return (
+        f"not yet: the harm is {_ago(harm_in)} away, after the next window "
+        f"({utc_text(upcoming.timestamp())})"
+    )
+
+
 def _cheaper_now(
     settings: PolicySettings,
     cause: str | None,
@@ -550,14 +577,23 @@ def _cheaper_now(
     uptime: float | None,
     upcoming: datetime | None,
     now: datetime,
+    harm_in: float | None = None,
 ) -> str:
-    """Why a slowdown restarts outside the windows: waiting for the next one would lose more
-    service (speed lost x time) than the restart's outage. "" to wait."""
-    if settings.outside_windows != "when_cheaper" or cause not in SLOWDOWNS or uptime is None:
-        return ""
-    if upcoming is None:  # no windows: only emergencies restart, as configured
-        return ""
+    """Why a restart goes outside the windows: a slowdown's waiting for the next one would
+    lose more service (speed lost x time) than the restart's outage, or a foretold harm (an
+    OOM kill, which cuts every request) comes before it and is near. "" to wait."""
+    if settings.outside_windows != "when_cheaper" or upcoming is None:
+        return ""  # without windows, only emergencies restart, as configured
     wait = (upcoming - now).total_seconds()
+    if harm_in is not None and harm_in < wait:
+        if harm_in > HARM_LEAD:
+            return ""
+        return (
+            f"outside window, before the harm: {cause} foretells it in {_ago(harm_in)}, "
+            f"before the next window ({_ago(wait)})"
+        )
+    if cause not in SLOWDOWNS or uptime is None:
+        return ""
     outage = plan.outage if plan is not None else DEFAULT_OUTAGE
     if cause == PREVENTION and plan is not None:
         lost = plan.cost_of_waiting(uptime, wait)
@@ -599,10 +635,6 @@ def _busier_than_usual(
             f"percentile at {hour:02d}:00 (up to {bin_top(limit):.2g}/s)"
         )
     return ""
-
-
-def _iso(at: float) -> str:
-    return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _ago(seconds: float) -> str:

@@ -11,11 +11,17 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any, Union
 
 FlagValue = Union[bool, int, float, str]
 """A flag's value once validated: bool, int, float or one of the flag's choices."""
+
+
+def utc_text(at: float) -> str:
+    """``at`` (UTC, Unix seconds) as reasons, evidence and reports write it."""
+    return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -182,6 +188,7 @@ class UnitFacts:
     # before it was recorded has none.
     memory_anon_bytes: int | None = None
     active_since: float | None = None  # UTC when the unit last became active
+    memory_max_bytes: int | None = None  # MemoryMax, where the kernel OOM-kills; None: unlimited
 
     @property
     def growth_bytes(self) -> int | None:

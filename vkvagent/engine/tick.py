@@ -17,7 +17,7 @@ import re
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from vkvagent.engine import policy
@@ -48,7 +48,7 @@ from vkvagent.engine.diagnosis import (
 from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
 from vkvagent.engine.prevention import Plan, PreventionSettings, Track, ended, judged, plan
 from vkvagent.engine.rates import counters, is_reset, mean
-from vkvagent.engine.samples import FlagValue, GpuReading, Sample, VllmMetrics
+from vkvagent.engine.samples import FlagValue, GpuReading, Sample, VllmMetrics, utc_text
 
 ACTIONS = ("restart", "hold", "none")
 
@@ -221,12 +221,12 @@ class Decision:
     def to_json(self) -> dict[str, Any]:
         """The decision as replay's JSON prints it (the state is persisted separately)."""
         return {
-            "time": _iso(self.time),
+            "time": utc_text(self.time.timestamp()),
             "action": self.action,
             "cause": self.cause,
             "reason": self.reason,
             "window_open": self.window_open,
-            "next_window": _iso(self.next_window) if self.next_window else None,
+            "next_window": utc_text(self.next_window.timestamp()) if self.next_window else None,
             "ratio": _rounded(self.ratio),
             "uptime": _rounded(self.uptime),
             "evidence": {k: _rounded(v) for k, v in self.evidence.items()},
@@ -245,10 +245,6 @@ class Decision:
 
 
 _REASON_HEAD = re.compile(r"^[A-Za-z _-]+(?::[A-Za-z _-]+)?")
-
-
-def _iso(at: datetime) -> str:
-    return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _rounded(value: EvidenceValue) -> EvidenceValue:
@@ -316,6 +312,7 @@ def decide(
         ),
         unresponsive=_unresponsive(d, state.diagnosis, observed, mono),
         memory=observed.memory,
+        memory_limit=_memory_limit(latest),
         run_began=latest.mono - uptime if latest is not None and uptime is not None else None,
         down=_down(observed),
         flags=observed.flags,
@@ -384,6 +381,7 @@ def decide(
         flags_due=observed.flags_due,
         plan=state.plan,
         loss=_loss(dstate, comparison, diagnosis.cause, observed),
+        harm_in=diagnosis.harm_in,
     )
     action, reason = _action(
         settings.policy, diagnosis, verdict, uptime, observed.flags_due, state.plan
@@ -706,6 +704,11 @@ def _loss(
     if ratio is None and state.due is not None:
         ratio = state.due.ratio
     return None if ratio is None else max(0.0, 1.0 - ratio)
+
+
+def _memory_limit(latest: Sample | None) -> float | None:
+    unit = latest.unit if latest is not None else None
+    return None if unit is None or unit.memory_max_bytes is None else float(unit.memory_max_bytes)
 
 
 def _learning(settings: BaselineSettings, baseline: Baseline, uptime: float | None) -> str:
