@@ -51,17 +51,22 @@ from bench.policy_model import (
     window_mask,
 )
 from vkvagent.config import Config
-from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
-from vkvagent.engine.diagnosis import FIXABLE
-from vkvagent.engine.policy import PolicySettings, RestartRecord, window_state
-from vkvagent.engine.samples import (
+from vkvagent.engine import (
+    Decision,
+    EngineState,
     FlagValue,
     GpuReading,
     Histogram,
+    Observation,
+    Recent,
     Sample,
+    Settings,
     UnitFacts,
     VllmMetrics,
-)
+    decide,
+)  # fmt: skip
+from vkvagent.engine.diagnosis import FIXABLE
+from vkvagent.engine.policy import PolicySettings, RestartRecord, window_state
 from vkvagent.flags import shown
 from vkvagent.gpu import GpuReader, RecordedBackend
 from vkvagent.reconcile import Change, FlagState, flags_key

@@ -557,3 +557,15 @@ def test_vkvagent_restarts_a_memory_leak_in_the_last_window_before_memory_max() 
     assert all(inside for _k, _cause, inside in run.restarts)
     assert [k // DAY_STEPS for k, _cause, _inside in run.restarts] == [1, 2]  # Tue, Wed
     assert run.path.kills == []
+
+
+def test_vkvagent_restarts_a_kv_leak_before_the_days_peak_not_the_next_night() -> None:
+    # The first run learned its fresh speed and usage at night (5 requests/s). By 11:00 it
+    # has served 7 requests/s cleanly; the leak fills the cache at that load from about
+    # 13:30, and waiting for the 02:00 window would cost the afternoon's and evening's peaks.
+    model = Model(world_named("kv-pressure"), steps=16 * HOUR)
+    run = run_vkvagent(model, vkvagent_settings())
+    assert run.restarts, "the leak waited for the window"
+    step, cause, inside = run.restarts[0]
+    assert (cause, inside) == ("kv_pressure", False)
+    assert 12 * HOUR <= step <= 15 * HOUR, step / HOUR

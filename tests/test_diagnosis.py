@@ -802,6 +802,40 @@ def test_a_kv_leak_is_told_at_any_load_before_it_binds() -> None:
     assert run(held(situation(quiet, comparison=None)))[0].cause is None
 
 
+def test_a_kv_leak_is_judged_at_the_heaviest_load_this_run_served_cleanly() -> None:
+    # The fresh hours were quiet: 4.04 requests/s took 0.45 of the cache, which leaves 0.45
+    # of room. The run then served 6.06 requests/s cleanly, 0.675 of the cache fresh: from
+    # then on a leak of 0.225 fills it at that load.
+    peak = replace(CAPACITY, kv_usage=0.45)
+    busy = situation(
+        window(requests_per_s=6.06, arrivals_per_s=6.06, running=26.4, kv_usage=0.7),
+        capacity=peak, comparison=None,
+    )  # fmt: skip
+    # A quiet hour: 4 requests running take 0.10 at the fresh share and hold 0.40.
+    quiet = situation(
+        window(running=4.0, kv_usage=0.4, generation_tokens_per_s=200.0),
+        capacity=peak, comparison=None,
+    )  # fmt: skip
+    leaked = 0.4 - 4.0 * 0.45 / 17.6
+    assert run(held(quiet))[0].cause is None  # 0.30 leaked is within the fresh peak's room
+    result, state = run([busy, *held(quiet)])
+    assert state.heaviest == pytest.approx(6.06)
+    assert result.cause == "kv_pressure" and result.evidence["kv_leaked"] == pytest.approx(leaked)
+    assert "the heaviest load this run served cleanly, 6.06 requests/s" in result.summary
+    # What waiting costs once that load comes again: the share of it the leak has no room for.
+    assert result.evidence["kv_leak_loss"] == pytest.approx((leaked - 0.225) / 0.675)
+    # A heavier load that preempted or queued was not served cleanly: it does not count.
+    surge = situation(
+        window(requests_per_s=9.0, arrivals_per_s=12.0, running=60.0, kv_usage=0.95,
+               preemptions_per_s=0.5, waiting=20.0),
+        capacity=peak, comparison=None,
+    )  # fmt: skip
+    assert run([busy, surge])[1].heaviest == pytest.approx(6.06)
+    # A new run starts over; the state keeps it across agent restarts.
+    assert state.for_new_run().heaviest is None
+    assert DiagnosisState.from_json(json.loads(json.dumps(state.to_json()))) == state
+
+
 def test_a_baseline_kept_before_tokens_per_request_still_tells_another_mix() -> None:
     old = {k: v for k, v in BASE.medians.items() if not k.endswith("_per_request")}
     old["per_request"] = BASE.medians["per_request"]

@@ -455,3 +455,19 @@ def test_a_foretold_harm_restarts_in_the_last_window_before_it_or_just_ahead_of_
     # The budget still binds, as for any restart.
     full = tuple(restart(hours, now=OUT) for hours in (7, 13, 19, 23))
     assert verdict(now=OUT, history=full, **{**leak, "harm_in": 50 * 60.0}).action == "hold"
+
+
+def test_a_leaking_kv_cache_goes_outside_the_windows_when_waiting_costs_more() -> None:
+    # 12 h to the next window; the leak no longer holds 10 % of the heaviest clean load.
+    leak = verdict(now=OUT, cause="kv_pressure", loss=0.1)
+    assert (leak.action, leak.reason) == (
+        "restart",
+        "restart: outside window, cheaper now: waiting (12.0 h to the next window) would lose "
+        "72 min of service, a restart 3 min",
+    )
+    assert leak.drain_max_in_flight == 0
+    # A KV storm with no leak measured (loss unknown) waits for the window, as before.
+    assert verdict(now=OUT, cause="kv_pressure").reason.startswith("outside window (")
+    # Near the window, a small loss is not worth a restart.
+    dawn = at("2025-03-05T01:30:00Z")
+    assert verdict(now=dawn, cause="kv_pressure", loss=0.05).reason.startswith("outside window")

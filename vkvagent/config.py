@@ -377,8 +377,9 @@ class DiagnosisConfig:
     kv_leak: float = setting(
         _D.kv_leak,
         "Share of the KV cache held beyond what the running requests take at their fresh "
-        "share, at least this and enough that the fresh peak load would fill the cache, held "
-        "for `hold`: blocks leak (kv_pressure), seen at any load before they bind.",
+        "share, at least this and enough that the heaviest load this run served cleanly (no "
+        "preemption, no queue) would fill the cache, held for `hold`: blocks leak "
+        "(kv_pressure), seen at any load before they bind.",
         min=0.01, max=1,
     )  # fmt: skip
     min_waiting: float = setting(
@@ -528,10 +529,11 @@ class PolicyConfig:
     )  # fmt: skip
     outside_windows: str = setting(
         _P.outside_windows,
-        "A slowdown (a diagnosed uptime_decline, a preventive restart, or slower flags due "
-        "for a rollback) restarts outside the windows when waiting for the next one would "
-        "lose more service (speed lost x time) than the restart's outage: when_cheaper; or "
-        "always waits: never.",
+        "A slowdown (a diagnosed uptime_decline, a preventive restart, slower flags due for "
+        "a rollback, or a leaking KV cache) restarts outside the windows when waiting for the "
+        "next one would lose more service (speed or load lost x time) than the restart's "
+        "outage, and a leak of memory before it would reach MemoryMax: when_cheaper; or always "
+        "waits: never.",
         choices=policy.OUTSIDE_WINDOWS,
     )  # fmt: skip
     prevent: bool = setting(

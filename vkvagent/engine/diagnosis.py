@@ -75,8 +75,9 @@ class DiagnosisSettings:
     kv_full: float = 0.9  # mean KV usage at or above this is "near full"
     kv_stranded_below: float = 0.8  # requests waiting while usage is below this: stranded
     # KV blocks leak: the cache holds at least this share beyond what the running requests
-    # take at their fresh share, and enough that the fresh peak load would fill it (kv_full).
-    # It shows at any load, a quiet window's too, before the blocks bind at the peak.
+    # take at their fresh share, and enough that the heaviest load this run served cleanly
+    # would fill it (kv_full). It shows at any load, a quiet window's too, before the blocks
+    # bind at the peak.
     kv_leak: float = 0.1
     min_waiting: float = 1.0  # mean waiting requests that count as "requests wait"
     min_preemptions_per_s: float = 0.01  # preemption rate that counts as "preempting"
@@ -342,6 +343,9 @@ class DiagnosisState:
     silent_since: float | None = None
     answered_at: float | None = None
     due: Due | None = None  # the cause this run is due for a restart for (judge the run)
+    # The heaviest demand (requests/s) this run served cleanly, no preemption and no queue:
+    # the load a leaking KV cache must still hold (the fresh hours may have been quiet ones).
+    heaviest: float | None = None
 
     def for_new_run(self) -> DiagnosisState:
         """A new vLLM process: symptoms and the cause it was due for start over; what the
@@ -381,6 +385,7 @@ class DiagnosisState:
             "silent_since": self.silent_since,
             "answered_at": self.answered_at,
             "due": self.due.to_json() if self.due is not None else None,
+            "heaviest": self.heaviest,
         }
 
     @classmethod
@@ -407,6 +412,7 @@ class DiagnosisState:
             answered_at=optional_float(data.get("answered_at")),
             # States written before runs were judged have none: nothing is held.
             due=Due.from_json(data["due"]) if data.get("due") is not None else None,
+            heaviest=optional_float(data.get("heaviest")),
         )
 
 
@@ -687,15 +693,15 @@ def _diagnose(
             symptom=symptom,
         ), state
 
-    leak = _kv_leak(s, stats, situation.fresh, capacity)
+    leak = _kv_leak(s, stats, situation.fresh, capacity, state.heaviest)
     if state.leak.active and leak is not None and stats is not None and capacity is not None:
-        leaked, room = leak
-        evidence["kv_leaked"] = leaked
+        evidence["kv_leaked"] = leak.leaked
+        evidence["kv_leak_loss"] = leak.loss
         symptom = (
-            f"{leaked:.0%} of the KV cache held beyond what {_num(stats.running, '.1f')} "
+            f"{leak.leaked:.0%} of the KV cache held beyond what {_num(stats.running, '.1f')} "
             f"running requests take at their fresh share (KV usage {_num(stats.kv_usage)}); "
-            f"the fresh peak load, {capacity.requests_per_s:.2f} requests/s at KV usage "
-            f"{capacity.kv_usage:.2f}, leaves {room:.0%}"
+            f"the heaviest load this run served cleanly, {leak.load:.2f} requests/s, takes "
+            f"KV usage {leak.needs:.2f} fresh and leaves {leak.room:.0%}"
         )
         vetoed = _veto(s, stats, situation.fresh, None, throttle="", evidence=evidence,
                        symptom=symptom)  # fmt: skip
@@ -764,14 +770,18 @@ def _step_symptoms(
     kv = None if stats is None else _kv_signature(s, stats)
     kv_gone = None if stats is None else _kv_clear(s, stats)
     stranded = _stranded_signature(s, stats, capacity)
-    leak = _kv_leak(s, stats, fresh, capacity)
     # Under pressure (preempting) the cache is full whatever leaks: the storm is its own
     # symptom, and a leak is told only by a server not preempting.
     calm = stats is not None and (stats.preemptions_per_s or 0.0) < s.min_preemptions_per_s
-    leaking = None if leak is None else leak[0] >= leak[1] and calm
-    sealed = None if leak is None else leak[0] < leak[1] / 2
+    heaviest = state.heaviest
+    if stats is not None and calm and (stats.waiting or 0.0) < 0.5:
+        heaviest = max(heaviest or 0.0, _demand(stats))
+    leak = _kv_leak(s, stats, fresh, capacity, heaviest)
+    leaking = None if leak is None else leak.leaked >= leak.room and calm
+    sealed = None if leak is None else leak.leaked < leak.room / 2
     return replace(
         state,
+        heaviest=heaviest,
         speed=speed,
         leak=state.leak.step(leaking, sealed, now, s.hold),
         kv=state.kv.step(kv, kv_gone, now, s.hold),
@@ -809,23 +819,45 @@ def _lagging(
     return None
 
 
+@dataclass(frozen=True)
+class Leak:
+    """KV blocks held beyond what the running requests take at their fresh share."""
+
+    leaked: float  # the share of the cache leaked
+    load: float  # the heaviest load (requests/s) this run served cleanly, or the fresh peak's
+    needs: float  # the KV usage that load takes on the fresh server
+    room: float  # the leak at which that load fills the cache (kv_full), at least kv_leak
+
+    @property
+    def loss(self) -> float:
+        """The share of that load the leak leaves no room for: what waiting costs once it
+        comes again (the cache holds kv_full - leaked of the ``needs`` it takes)."""
+        return min(1.0, max(0.0, self.leaked - self.room) / self.needs) if self.needs else 0.0
+
+
 def _kv_leak(
     s: DiagnosisSettings,
     stats: WindowStats | None,
     fresh: Mapping[str, float],
     capacity: Capacity | None,
-) -> tuple[float, float] | None:
-    """(the share of the KV cache leaked, the share at which that fills the cache at the
-    fresh peak load): the usage beyond what the running requests take at their fresh share
-    (a request's share hardly depends on the load, so any fresh regime tells; the request
-    mix is checked apart). None without a fresh share and a fresh peak to tell by."""
+    heaviest: float | None,
+) -> Leak | None:
+    """The usage beyond what the running requests take at their fresh share (a request's
+    share hardly depends on the load, so any fresh regime tells; the request mix is checked
+    apart), against the room the heaviest load this run served cleanly leaves: the fresh
+    peak's usage scaled by the load (a lower bound: a busier server holds each request
+    longer). None without a fresh share and a fresh peak to tell by."""
     if stats is None or stats.kv_usage is None or stats.running is None:
         return None
     usage, running = fresh.get("kv_usage"), fresh.get("running")
-    if not usage or not running or capacity is None or capacity.kv_usage is None:
+    if not usage or not running or capacity is None or not capacity.kv_usage:
         return None
+    if not capacity.requests_per_s > 0:
+        return None
+    load = max(capacity.requests_per_s, heaviest or 0.0)
+    needs = capacity.kv_usage * load / capacity.requests_per_s
     leaked = stats.kv_usage - stats.running * usage / running
-    return leaked, max(s.kv_leak, s.kv_full - capacity.kv_usage)
+    return Leak(leaked, load, needs, max(s.kv_leak, s.kv_full - needs))
 
 
 def _kv_signature(s: DiagnosisSettings, stats: WindowStats) -> bool:

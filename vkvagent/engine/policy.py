@@ -38,9 +38,10 @@ FLAGS = "flags"  # the cause of a restart that changes vLLM's flags ([vllm] appl
 PREVENTION = "prevention"  # a restart before the slowdown this server's past runs predict
 # Restarts nothing was found wrong before: never judged as a cure.
 PLANNED = (FLAGS, SCHEDULED, PREVENTION)
-# What outside_windows may weigh against a restart: a slowdown, diagnosed or predicted, and
-# slower flags due for a rollback (with the speed they cost: an operator's change has none).
-SLOWDOWNS = ("uptime_decline", PREVENTION, FLAGS)
+# What outside_windows may weigh against a restart: a slowdown, diagnosed or predicted,
+# slower flags due for a rollback (with the speed they cost: an operator's change has none),
+# and a leaking KV cache (the share of its heaviest clean load it no longer holds).
+SLOWDOWNS = ("uptime_decline", PREVENTION, FLAGS, "kv_pressure")
 DAY = 86400.0
 
 

@@ -380,7 +380,7 @@ def decide(
         traffic=traffic,
         flags_due=observed.flags_due,
         plan=state.plan,
-        loss=_loss(dstate, comparison, diagnosis.cause, observed),
+        loss=_loss(dstate, comparison, diagnosis, observed),
         harm_in=diagnosis.harm_in,
     )
     action, reason = _action(
@@ -691,13 +691,22 @@ def _planned(settings: PreventionSettings, state: EngineState, now: float) -> En
 
 
 def _loss(
-    state: DiagnosisState, comparison: Comparison | None, cause: str | None, observed: Observation
+    state: DiagnosisState,
+    comparison: Comparison | None,
+    diagnosis: Diagnosis,
+    observed: Observation,
 ) -> float | None:
     """The share of its fresh speed the server is losing to what a restart would end: a run
     diagnosed ``uptime_decline`` (now, or as last measured when nothing compares now: idle,
-    an unlearned load), or, with nothing wrong, slower flags due for a rollback."""
+    an unlearned load), or, with nothing wrong, slower flags due for a rollback; for a
+    leaking KV cache, the share of the heaviest load this run served cleanly that it no
+    longer holds."""
+    cause = diagnosis.cause
     if cause is None and observed.flags_due and observed.flags_slower is not None:
         return max(0.0, 1.0 - observed.flags_slower)
+    if cause == "kv_pressure":
+        leak = diagnosis.evidence.get("kv_leak_loss")
+        return float(leak) if isinstance(leak, float) else None
     if cause != "uptime_decline":
         return None
     ratio = comparison.ratio if comparison is not None else None
