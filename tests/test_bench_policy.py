@@ -569,3 +569,14 @@ def test_vkvagent_restarts_a_kv_leak_before_the_days_peak_not_the_next_night() -
     step, cause, inside = run.restarts[0]
     assert (cause, inside) == ("kv_pressure", False)
     assert 12 * HOUR <= step <= 15 * HOUR, step / HOUR
+
+
+def test_vkvagent_keeps_preventing_on_idle_nights_after_a_late_first_baseline() -> None:
+    # The week's first run learned its speed from 07:00, 2 h into its decline; once the next
+    # run showed how much faster fresh is, that run's track is rescaled, and prevention holds
+    # through Tuesday instead of losing its plan and letting a run decline again.
+    model = Model(world_named("idle-nights"), steps=DAY_STEPS + 20 * HOUR)
+    run = run_vkvagent(model, vkvagent_settings())
+    causes = [cause for _k, cause, _inside in run.restarts]
+    assert causes[0] == "uptime_decline" and len(causes) >= 5
+    assert set(causes[1:]) == {"prevention"}, causes

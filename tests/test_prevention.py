@@ -161,6 +161,28 @@ def test_a_late_run_counts_once_the_next_run_says_how_slow_it_already_was() -> N
     assert plan(SETTINGS, judged(late, "next", False, speedup=1.0), "s", NOW) is None
 
 
+def test_a_run_whose_baseline_came_late_in_it_is_rescaled_by_the_next_runs_speed() -> None:
+    # Its first busy hours came 7 h into the run (a quiet night), 2 h into a decline of 2 %/h:
+    # its baseline is 0.96 of the fresh speed, and its own ratios start at 1.0 there.
+    track = Track(run="quiet-start", server="s")
+    for minute in range(7 * 60, 17 * 60):
+        u = minute * 60.0
+        track = track.add(u, (1.0 - 0.02 * (u / HOUR - 5.0)) / 0.96)
+    done = ended((), track, "next", NOW - HOUR, 200.0)
+    # The next run, fresh, is 1/0.96 as fast: the points become speed lost of that.
+    (scaled,) = judged(done, "next", True, speedup=1 / 0.96)
+    assert scaled.cured and scaled.points()[0][1] == pytest.approx(0.04 + 0.02 * 14.5 / 60)
+    # With the run in progress stable for its first 5 h, one decline from 5 h on.
+    current = declining("now", hours=5.0, noise=0.0)
+    found = plan(SETTINGS, (scaled,), "s", NOW, current=current)
+    assert found is not None
+    assert found.onset == pytest.approx(5 * HOUR, abs=0.75 * HOUR)
+    assert found.rate * HOUR == pytest.approx(0.02, rel=0.15)
+    # Within noise of its successor (3 %), a run's own baseline stands.
+    (kept,) = judged(done, "next", True, speedup=1.02)
+    assert kept.cured and kept.buckets == track.buckets
+
+
 WINDOWED = PolicySettings(mode="enforce", windows=("daily 02:00-05:00",))
 PLAN = plan(SETTINGS, [cured(declining("a"))], "s", NOW)
 

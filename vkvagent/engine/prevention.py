@@ -14,7 +14,9 @@ the policy decides where it goes (in a window, or at once when waiting costs mor
 
 A run first seen late (vkvagent installed on a server up for hours) is tracked against its late
 baseline, a speed already lost; once the next run's fresh speed says how much faster the
-restart made it, its track is scaled to that fresh speed and counts like any other. The run
+restart made it, its track is scaled to that fresh speed and counts like any other. So is a
+run whose first busy hours came late in it (a quiet night), once the next run is more than
+``SLOWED_BASELINE`` faster than its baseline: that baseline was learned already slowed. The run
 in progress adds its own points where no cured run has any (before the late run was first
 seen): a run that keeps its speed moves the onset on.
 
@@ -38,6 +40,7 @@ KEPT = 6  # degraded runs kept per engine state (the newest)
 MIN_POINTS = 6  # buckets the fit needs
 MIN_FIT = 0.6  # share of the loss's variance the hinge must explain
 DEFAULT_OUTAGE = 180.0  # seconds a restart is taken to cost before one was measured
+SLOWED_BASELINE = 0.03  # a cured run's successor this much faster: its baseline was slowed
 
 
 @dataclass(frozen=True)
@@ -260,7 +263,9 @@ def judged(
 
 
 def _judged(track: Track, cured: bool, speedup: float | None) -> Track:
-    if track.late and cured and speedup:
+    # A baseline the next run beat by more than noise was learned already slowed (the run's
+    # first busy hours came late in it): its track is rescaled like a late one's.
+    if cured and speedup and (track.late or speedup > 1 + SLOWED_BASELINE):
         scaled = {k: (total / speedup, n) for k, (total, n) in track.buckets.items()}
         return replace(track, buckets=scaled, late=False, cured=True)
     return replace(track, cured=cured)
