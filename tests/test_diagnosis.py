@@ -25,6 +25,7 @@ from vkvagent.engine.diagnosis import (
     Due,
     EngineWindow,
     Hysteresis,
+    Leak,
     MemoryPoint,
     ProbeFacts,
     Progress,
@@ -560,8 +561,13 @@ def test_a_memory_leak_is_timed_against_the_units_memory_max() -> None:
     assert result.evidence["memory_max_bytes"] == 20 * GIB
     assert result.evidence["memory_limit_in_s"] == trend.to_limit
     assert f"reaches MemoryMax (20.0 GiB) in {hours:.1f} h" in result.summary
-    # Past the limit already (anon is charged with page cache): the harm is now.
+    # Already past the limit (the kernel reclaims page cache before it kills): the harm is now.
     assert run([situation(memory=points, memory_limit=7 * GIB)])[0].harm_in == 0.0
+    # Held through a moment the fit cannot be made (no memory read): the harm keeps its time.
+    timed = situation(memory=points, memory_limit=20 * GIB)
+    held_on, _ = run([timed, situation(comparison=None, memory_limit=20 * GIB)])
+    assert held_on.cause == "host_memory_growth" and held_on.summary.startswith("held for")
+    assert held_on.harm_in == pytest.approx(trend.to_limit - 30.0)
     # Unlimited: the leak is not timed, and waits for no later window.
     unlimited, _ = run([situation(memory=points)])
     assert unlimited.harm_in is None and "memory_limit_in_s" not in unlimited.evidence
@@ -821,16 +827,20 @@ def test_a_kv_leak_is_judged_at_the_heaviest_load_this_run_served_cleanly() -> N
     result, state = run([busy, *held(quiet)])
     assert state.heaviest == pytest.approx(6.06)
     assert result.cause == "kv_pressure" and result.evidence["kv_leaked"] == pytest.approx(leaked)
-    assert "the heaviest load this run served cleanly, 6.06 requests/s" in result.summary
+    assert "the heaviest load served cleanly, 6.06 requests/s" in result.summary
     # What waiting costs once that load comes again: the share of it the leak has no room for.
     assert result.evidence["kv_leak_loss"] == pytest.approx((leaked - 0.225) / 0.675)
-    # A heavier load that preempted or queued was not served cleanly: it does not count.
-    surge = situation(
-        window(requests_per_s=9.0, arrivals_per_s=12.0, running=60.0, kv_usage=0.95,
-               preemptions_per_s=0.5, waiting=20.0),
-        capacity=peak, comparison=None,
-    )  # fmt: skip
-    assert run([busy, surge])[1].heaviest == pytest.approx(6.06)
+    # A heavier load that preempted, or queued, was not served cleanly: it does not count.
+    heavier = dict(requests_per_s=9.0, arrivals_per_s=9.0, running=40.0, kv_usage=0.95)
+    for unclean in (dict(preemptions_per_s=0.5), dict(waiting=20.0)):
+        surge = situation(window(**heavier, **unclean), capacity=peak, comparison=None)
+        assert run([busy, surge])[1].heaviest == pytest.approx(6.06)
+    clean = situation(window(**heavier), capacity=peak, comparison=None)
+    assert run([busy, clean])[1].heaviest == pytest.approx(9.0)
+    # A load that takes nearly all the cache fresh leaves the least room, kv_leak (0.1); the
+    # loss is still the share of it that no longer fits (kv_full 0.9 - leaked, of 0.85).
+    heavy = Leak(leaked=0.2, load=7.63, needs=0.85, room=0.1, full=0.9)
+    assert heavy.loss == pytest.approx((0.2 + 0.85 - 0.9) / 0.85)
     # A new run starts over; the state keeps it across agent restarts.
     assert state.for_new_run().heaviest is None
     assert DiagnosisState.from_json(json.loads(json.dumps(state.to_json()))) == state

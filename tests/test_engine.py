@@ -23,9 +23,11 @@ from vkvagent.engine import (
     ACTIONS,
     Decision,
     EngineState,
+    MemoryPoint,
     Observation,
     Recent,
     Settings,
+    UnitFacts,
     decide,
     server_identity,
 )
@@ -673,3 +675,23 @@ def test_a_decline_is_restarted_at_once_then_prevented_from_its_own_history() ->
     assert second.ratio is not None and second.ratio > 0.8  # before it was worth a diagnosis
     between = [d for d in host.decisions if first.time < d.time < second.time]
     assert not any(d.cause == "uptime_decline" for d in between)
+
+
+def test_a_leak_keeps_the_units_memory_max_through_a_sample_whose_unit_was_not_read() -> None:
+    """MemoryMax comes with the unit's facts; a D-Bus error on the latest sample (no facts)
+    does not make the leak untimed, which would restart it at the first window."""
+    start = 1.7e9 + 990.0  # process_start_time: the run began at mono 990
+    limit = 20 * 2**30
+    facts = UnitFacts("active", "running", "x", 1, None, 0, memory_max_bytes=limit)
+    samples = [replace(sample(t, start=start), unit=facts) for t in range(3300, 3701, 10)]
+    samples[-1] = replace(samples[-1], unit=None, unit_error="D-Bus: timeout")
+    # 6 GiB, then 1 GiB every 10 minutes, in step with the requests served (one per 10 s).
+    memory = [
+        MemoryPoint(1000.0 + s, 6 * 2**30 + s / 600 * 2**30, s / 10) for s in range(0, 3701, 60)
+    ]
+    decision = decide(Settings(), EngineState(), Observation(samples, memory=memory),
+                      now_of(samples[-1]))  # fmt: skip
+    assert decision.cause == "host_memory_growth", decision.reason
+    assert decision.evidence["memory_max_bytes"] == limit
+    # 20 - 12.1 GiB left at 1 GiB / 10 min.
+    assert decision.evidence["memory_limit_in_s"] == pytest.approx((20 - 6 - 3660 / 600) * 600)

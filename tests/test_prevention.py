@@ -181,6 +181,11 @@ def test_a_run_whose_baseline_came_late_in_it_is_rescaled_by_the_next_runs_speed
     # Within noise of its successor (3 %), a run's own baseline stands.
     (kept,) = judged(done, "next", True, speedup=1.02)
     assert kept.cured and kept.buckets == track.buckets
+    # So does the baseline of a run compared from its first minutes, whatever the next run's
+    # speed says (fresh runs differ by a few percent): a constant offset would hide its onset.
+    early = ended((), declining("a"), "next", NOW - HOUR, 200.0)
+    (unscaled,) = judged(early, "next", True, speedup=1.05)
+    assert unscaled.cured and unscaled.buckets == early[0].buckets
 
 
 WINDOWED = PolicySettings(mode="enforce", windows=("daily 02:00-05:00",))

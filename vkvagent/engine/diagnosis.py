@@ -280,16 +280,18 @@ class Due:
     # The flags suggested then (kv_pressure), and why: still the advice while it is held.
     suggestion: Mapping[str, FlagValue] = field(default_factory=dict)
     reasons: Mapping[str, str] = field(default_factory=dict)
+    harm_at: float | None = None  # monotonic time the foretold harm comes (``harm_in``)
 
-    def noted(self, found: Diagnosis, demand: float | None, ratio: float | None) -> Due:
-        """Diagnosed again: the latest words and advice, the highest demand it showed at
-        (while clients give up, arrivals read low: the highest is the closest to what was
-        asked)."""
+    def noted(self, found: Diagnosis, demand: float | None, ratio: float | None, now: float) -> Due:
+        """Diagnosed again: the latest words, advice and foretold harm, the highest demand
+        it showed at (while clients give up, arrivals read low: the highest is the closest to
+        what was asked)."""
         known = [d for d in (self.demand, demand) if d is not None]
         top = max(known) if known else None
+        harm_at = None if found.harm_in is None else now + found.harm_in
         return replace(
             self, cause=found.cause or self.cause, summary=found.summary, demand=top,
-            ratio=ratio, suggestion=found.suggestion, reasons=found.reasons,
+            ratio=ratio, suggestion=found.suggestion, reasons=found.reasons, harm_at=harm_at,
         )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
@@ -302,6 +304,7 @@ class Due:
             "ratio": self.ratio,
             "suggestion": dict(self.suggestion),
             "reasons": dict(self.reasons),
+            "harm_at": self.harm_at,
         }
 
     @classmethod
@@ -321,6 +324,7 @@ class Due:
             ratio=optional_float(data.get("ratio")),
             suggestion=_flag_values(data.get("suggestion") or {}),
             reasons={str(k): str(v) for k, v in (data.get("reasons") or {}).items()},
+            harm_at=optional_float(data.get("harm_at")),
         )
 
 
@@ -497,8 +501,8 @@ class Diagnosis:
     symptom: str | None = None
     suggestion: Mapping[str, FlagValue] = field(default_factory=dict)
     reasons: Mapping[str, str] = field(default_factory=dict)  # why each suggested flag
-    # Seconds until the harm the cause foretells (a leak reaching MemoryMax): the policy
-    # restarts in the last window before it. None: the harm is here, or cannot be timed.
+    # Seconds until the harm the cause foretells (a leak reaching MemoryMax; 0 once there):
+    # the policy restarts in the last window before it. None: nothing foretold, or untimed.
     harm_in: float | None = None
 
     @property
@@ -537,7 +541,7 @@ def _judge_run(
         demand = _demand(stats) if stats is not None else None
         if due is None:
             due = Due(found.cause or "", now, situation.time, demand, found.summary, ratio)
-        due = due.noted(found, demand, ratio)
+        due = due.noted(found, demand, ratio, now)
         return found, replace(state, due=due)
     if due is None or found.cause is not None:  # a veto, a stall, a dead engine: it decides
         return found, state
@@ -561,6 +565,7 @@ def _judge_run(
         symptom=found.symptom or due.cause,
         suggestion=due.suggestion,
         reasons=due.reasons,
+        harm_in=None if due.harm_at is None else max(0.0, due.harm_at - now),
     ), state
 
 
@@ -700,8 +705,8 @@ def _diagnose(
         symptom = (
             f"{leak.leaked:.0%} of the KV cache held beyond what {_num(stats.running, '.1f')} "
             f"running requests take at their fresh share (KV usage {_num(stats.kv_usage)}); "
-            f"the heaviest load this run served cleanly, {leak.load:.2f} requests/s, takes "
-            f"KV usage {leak.needs:.2f} fresh and leaves {leak.room:.0%}"
+            f"the heaviest load served cleanly, {leak.load:.2f} requests/s, takes KV usage "
+            f"{leak.needs:.2f} fresh and leaves {leak.room:.0%}"
         )
         vetoed = _veto(s, stats, situation.fresh, None, throttle="", evidence=evidence,
                        symptom=symptom)  # fmt: skip
@@ -827,12 +832,13 @@ class Leak:
     load: float  # the heaviest load (requests/s) this run served cleanly, or the fresh peak's
     needs: float  # the KV usage that load takes on the fresh server
     room: float  # the leak at which that load fills the cache (kv_full), at least kv_leak
+    full: float  # kv_full
 
     @property
     def loss(self) -> float:
         """The share of that load the leak leaves no room for: what waiting costs once it
         comes again (the cache holds kv_full - leaked of the ``needs`` it takes)."""
-        return min(1.0, max(0.0, self.leaked - self.room) / self.needs) if self.needs else 0.0
+        return min(1.0, max(0.0, self.leaked + self.needs - self.full) / self.needs)
 
 
 def _kv_leak(
@@ -857,7 +863,7 @@ def _kv_leak(
     load = max(capacity.requests_per_s, heaviest or 0.0)
     needs = capacity.kv_usage * load / capacity.requests_per_s
     leaked = stats.kv_usage - stats.running * usage / running
-    return Leak(leaked, load, needs, max(s.kv_leak, s.kv_full - needs))
+    return Leak(leaked, load, needs, max(s.kv_leak, s.kv_full - needs), s.kv_full)
 
 
 def _kv_signature(s: DiagnosisSettings, stats: WindowStats) -> bool:

@@ -15,8 +15,9 @@ the policy decides where it goes (in a window, or at once when waiting costs mor
 A run first seen late (vkvagent installed on a server up for hours) is tracked against its late
 baseline, a speed already lost; once the next run's fresh speed says how much faster the
 restart made it, its track is scaled to that fresh speed and counts like any other. So is a
-run whose first busy hours came late in it (a quiet night), once the next run is more than
-``SLOWED_BASELINE`` faster than its baseline: that baseline was learned already slowed. The run
+run whose first busy hours came ``LATE_START`` or more into it (a quiet night), once the next
+run is more than ``SLOWED_BASELINE`` faster than its baseline: that baseline was learned
+already slowed. The run
 in progress adds its own points where no cured run has any (before the late run was first
 seen): a run that keeps its speed moves the onset on.
 
@@ -40,7 +41,10 @@ KEPT = 6  # degraded runs kept per engine state (the newest)
 MIN_POINTS = 6  # buckets the fit needs
 MIN_FIT = 0.6  # share of the loss's variance the hinge must explain
 DEFAULT_OUTAGE = 180.0  # seconds a restart is taken to cost before one was measured
-SLOWED_BASELINE = 0.03  # a cured run's successor this much faster: its baseline was slowed
+# A cured run first compared this late in it, whose successor was this much faster: its
+# baseline was learned already slowed.
+LATE_START = 2 * 3600.0
+SLOWED_BASELINE = 0.03
 
 
 @dataclass(frozen=True)
@@ -255,17 +259,23 @@ def judged(
     tracks: Sequence[Track], run: str, cured: bool, speedup: float | None = None
 ) -> tuple[Track, ...]:
     """The tracks with the one ``run`` followed judged: cured or not, by ``run``'s fresh speed
-    over the one it was judged against (``speedup``). A late track cured is scaled by it to
-    its speed against ``run``'s fresh self."""
+    over the one it was judged against (``speedup``). A late track cured, or one whose
+    baseline was learned already slowed, is scaled by it to its speed against ``run``'s
+    fresh self."""
     return tuple(
         _judged(t, cured, speedup) if t.next_run == run and t.cured is None else t for t in tracks
     )
 
 
 def _judged(track: Track, cured: bool, speedup: float | None) -> Track:
-    # A baseline the next run beat by more than noise was learned already slowed (the run's
-    # first busy hours came late in it): its track is rescaled like a late one's.
-    if cured and speedup and (track.late or speedup > 1 + SLOWED_BASELINE):
+    # A baseline learned hours into the run (its first busy hours came late) that the next
+    # run beat by more than noise was learned already slowed: rescaled like a late one's.
+    slowed = (
+        bool(track.buckets)
+        and min(track.buckets) * BUCKET >= LATE_START
+        and (speedup or 0.0) > 1 + SLOWED_BASELINE
+    )
+    if cured and speedup and (track.late or slowed):
         scaled = {k: (total / speedup, n) for k, (total, n) in track.buckets.items()}
         return replace(track, buckets=scaled, late=False, cured=True)
     return replace(track, cured=cured)

@@ -312,7 +312,7 @@ def decide(
         ),
         unresponsive=_unresponsive(d, state.diagnosis, observed, mono),
         memory=observed.memory,
-        memory_limit=_memory_limit(latest),
+        memory_limit=_memory_limit(observed.samples),
         run_began=latest.mono - uptime if latest is not None and uptime is not None else None,
         down=_down(observed),
         flags=observed.flags,
@@ -715,9 +715,14 @@ def _loss(
     return None if ratio is None else max(0.0, 1.0 - ratio)
 
 
-def _memory_limit(latest: Sample | None) -> float | None:
-    unit = latest.unit if latest is not None else None
-    return None if unit is None or unit.memory_max_bytes is None else float(unit.memory_max_bytes)
+def _memory_limit(samples: Sequence[Sample]) -> float | None:
+    """The unit's MemoryMax as last read: a sample whose unit could not be read (a D-Bus
+    error) leaves it as it was."""
+    for sample in reversed(samples):
+        if sample.unit is not None:
+            limit = sample.unit.memory_max_bytes
+            return None if limit is None else float(limit)
+    return None
 
 
 def _learning(settings: BaselineSettings, baseline: Baseline, uptime: float | None) -> str:
