@@ -261,6 +261,12 @@ def test_an_unlearned_load_is_judged_by_the_speed_the_learned_ones_imply() -> No
     one = Baseline(run="r", regimes={key(700.0): regime(700.0)})
     assert one.modelled(1000.0, SETTINGS) is None
     assert learned.modelled(None, SETTINGS) is None
+    # Inside a learned regime too, where the run's speed by uptime is judged: its median is
+    # one load, and the regime spans a factor 1.41 of them.
+    inside = learned.at_load(1100.0, SETTINGS)
+    assert inside is not None and key(1100.0) == key(1400.0)
+    assert inside.median("itl") == pytest.approx(0.02 * 1.1**0.43, rel=1e-6)
+    assert one.at_load(700.0, SETTINGS) is None and learned.at_load(2400.0, SETTINGS) is None
 
 
 def test_a_run_first_seen_after_its_fresh_hours_learns_late() -> None:

@@ -580,3 +580,15 @@ def test_vkvagent_keeps_preventing_on_idle_nights_after_a_late_first_baseline() 
     causes = [cause for _k, cause, _inside in run.restarts]
     assert causes[0] == "uptime_decline" and len(causes) >= 5
     assert set(causes[1:]) == {"prevention"}, causes
+
+
+def test_vkvagent_tells_the_first_runs_decline_by_its_trend_before_a_quarter_is_lost() -> None:
+    # The week's first run keeps its speed for 5 h, then loses it with uptime. Its own trend
+    # says 10 % lost by about 8 h (trend_loss), where the speed alone (enter_ratio 0.75)
+    # waited to 10.5 h; waiting for the 02:00 window would cost far more than the restart.
+    model = Model(world_named("uptime-decline"), steps=12 * HOUR)
+    run = run_vkvagent(model, vkvagent_settings())
+    assert run.restarts, "the decline was not told"
+    step, cause, inside = run.restarts[0]
+    assert (cause, inside) == ("uptime_decline", False)
+    assert 7 * HOUR <= step <= 9 * HOUR, step / HOUR

@@ -245,6 +245,27 @@ def test_a_held_slowdown_at_unchanged_load_and_mix_is_uptime_decline() -> None:
     assert "0.68 of this run's fresh baseline" in result.summary
 
 
+def test_a_run_falling_steadily_with_uptime_is_degraded_before_it_is_a_quarter_slower() -> None:
+    # 0.88 of the fresh speed: above enter_ratio (0.75), but this run's own speed by uptime
+    # has fallen 12 % on a steady trend (prevention.decline).
+    mild = dict(itl=0.0225 / 0.88, per_request=48.0 * 0.88, running=20.0)
+    falling = situation(window(**mild), decline=0.12)
+    result, state = run(held(falling))
+    assert result.cause == "uptime_decline" and result.fixable
+    assert result.evidence["trend_loss"] == pytest.approx(0.12)
+    assert "fallen 12% with uptime" in result.summary
+    # Between leave_ratio and 1 - trend_loss, a run still declining stays degraded.
+    back = situation(window(itl=0.0225 / 0.87, per_request=48.0 * 0.87), decline=0.12)
+    assert run([*held(falling), back])[0].cause == "uptime_decline"
+    # The same speed without the trend, or with a trend under trend_loss, is only watched.
+    for decline in (None, 0.08):
+        quiet, state = run(held(situation(window(**mild), decline=decline)))
+        assert quiet.cause is None and not state.speed.active, decline
+    # A trend_loss beyond 1 - enter_ratio never makes the speed alone wait longer.
+    deep = DiagnosisSettings(trend_loss=0.4)
+    assert run(held(situation(window(**SLOW), decline=0.5)), deep)[0].cause == "uptime_decline"
+
+
 def test_a_throttled_gpu_vetoes_the_restart_and_says_so() -> None:
     slow = situation(window(**SLOW), gpus=[(HOT,)])
     result, _ = run(held(slow))

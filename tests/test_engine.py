@@ -664,14 +664,15 @@ def test_a_decline_is_restarted_at_once_then_prevented_from_its_own_history() ->
     first, second = restarts(host)[:2]
     assert first.cause == "uptime_decline" and not first.window_open
     assert "cheaper now" in first.reason and first.drain_max_in_flight == 0
-    assert 3.5 < hours_after(START, first) < 6.0  # found, and restarted, the same evening
+    # Found by the run's own trend (10 % lost by about 3 h), and restarted, the same evening.
+    assert 3.0 < hours_after(START, first) < 6.0
     assert host.restarts[0].recovered is True
     assert second.cause == "prevention" and "1 cured run(s) of this server" in second.reason
     planned = float(second.evidence["prevent_at_s"] or 0) / 3600
     uptime = (second.time - first.time).total_seconds() / 3600
-    # Due at 2.3 h of uptime; the window opening at 02:00 is the last before that, so it
-    # goes there, in the window.
-    assert 1.5 < planned < 3.5 and second.window_open and 1.0 <= uptime < planned
+    # Due at about 2 h of uptime (01:20); the window opening at 02:00 is 40 minutes later,
+    # which loses less than a restart outside it, so it goes there.
+    assert 1.5 < planned < 3.5 and second.window_open and planned <= uptime < planned + 1.0
     assert second.ratio is not None and second.ratio > 0.8  # before it was worth a diagnosis
     between = [d for d in host.decisions if first.time < d.time < second.time]
     assert not any(d.cause == "uptime_decline" for d in between)

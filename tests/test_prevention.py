@@ -24,6 +24,7 @@ from vkvagent.engine.prevention import (
     Plan,
     PreventionSettings,
     Track,
+    decline,
     ended,
     hinge,
     judged,
@@ -66,6 +67,20 @@ def test_the_hinge_fit_finds_onset_and_rate_through_noise() -> None:
     assert hinge(declining("flat", per_h=0.0).points()) is None
     assert hinge(points[:5]) is None
     assert hinge([(u, -loss) for u, loss in points]) is None
+
+
+def test_a_run_in_progress_tells_its_own_decline_from_its_completed_half_hours() -> None:
+    # 2 %/h from 5 h of uptime: at 10.9 h the trend says 12 % lost, whatever the noise.
+    track = declining("r", hours=10.9)
+    loss = decline(track, 10.9 * HOUR)
+    assert loss is not None and loss == pytest.approx(0.118, abs=0.02)
+    # The half hour under way (from 10.5 h) does not count: an odd minute in it moves nothing.
+    odd = track.add(10.8 * HOUR, 0.2)
+    assert decline(odd, 10.9 * HOUR) == loss
+    # A run keeping its speed, or too young for MIN_POINTS half hours, has no trend.
+    assert decline(declining("flat", per_h=0.0, hours=11.0), 11 * HOUR) is None
+    assert decline(declining("young", onset_h=0.5, per_h=0.1, hours=3.0), 2.9 * HOUR) is None
+    assert decline(None, 11 * HOUR) is None and decline(track, None) is None
 
 
 def test_the_plan_restarts_at_the_renewal_optimum() -> None:

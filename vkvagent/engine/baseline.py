@@ -295,11 +295,22 @@ class Baseline:
         line in log-log through their median loads), the rest the nearest known regime's.
         Only from two known regimes or more, and between them or at most ``MODEL_REACH``
         buckets beyond; else None."""
+        if load and load > 0:
+            key = math.floor(math.log2(load) * settings.buckets_per_octave)
+            if self.known(key, settings) is not None:
+                return None
+        return self.at_load(load, settings)
+
+    def at_load(self, load: float | None, settings: BaselineSettings) -> Regime | None:
+        """The fresh speed at exactly this load, as ``modelled`` implies it, in a learned
+        regime too: within one (a factor 1.41 of load) a client's speed still falls with the
+        load, which a run's speed by uptime must not take for a decline. None from fewer than
+        two known regimes, or beyond ``MODEL_REACH``."""
         keys = self.known_keys(settings)
         if not load or load <= 0 or len(keys) < 2:
             return None
         key = math.floor(math.log2(load) * settings.buckets_per_octave)
-        if key in keys or not keys[0] - MODEL_REACH <= key <= keys[-1] + MODEL_REACH:
+        if not keys[0] - MODEL_REACH <= key <= keys[-1] + MODEL_REACH:
             return None
         nearest = self.regimes[min(keys, key=lambda k: (abs(k - key), k))]
         medians = dict(nearest.medians)

@@ -71,6 +71,9 @@ class DiagnosisSettings:
 
     enter_ratio: float = 0.75  # speed below this fraction of the baseline: degraded...
     leave_ratio: float = 0.85  # ...until it is back above this one
+    # ...or below 1 - this, in a run whose own speed has fallen steadily with uptime by this
+    # much (prevention.decline): a decline told hours before it costs a quarter of the speed.
+    trend_loss: float = 0.1
     hold: float = 900.0  # how long a symptom must last before it counts
     kv_full: float = 0.9  # mean KV usage at or above this is "near full"
     kv_stranded_below: float = 0.8  # requests waiting while usage is below this: stranded
@@ -458,6 +461,7 @@ class Situation:
     memory: Sequence[MemoryPoint] = ()  # oldest first
     memory_limit: float | None = None  # the unit's MemoryMax, bytes; None: unlimited
     run_began: float | None = None  # monotonic time this vLLM run began
+    decline: float | None = None  # speed this run lost by now on its own trend, if it declines
     down: str | None = None  # why there is no live engine to judge, if so
     flags: Mapping[str, FlagValue] = field(default_factory=dict)  # the flags in effect
     cache_config: Mapping[str, str] = field(default_factory=dict)
@@ -626,7 +630,7 @@ def _diagnose(
             symptom="engine down",
         ), state
     stats, cmp = situation.stats, situation.comparison
-    state = _step_symptoms(s, state, stats, cmp, situation.capacity, situation.fresh, now)
+    state = _step_symptoms(s, state, situation, now)
     # One engine far behind its peers enters below enter_ratio of them and leaves only
     # once it serves leave_ratio: ``lagging`` is the engine still behind by the latter.
     lagging = _lagging(s, situation.engines, s.leave_ratio)
@@ -742,12 +746,11 @@ def _diagnose(
         vetoed = _veto(s, stats, situation.fresh, capacity, throttle, evidence, symptom)
         if vetoed:
             return vetoed, state
-        return Diagnosis(
-            "uptime_decline",
-            f"{symptom} for {_minutes(state.speed.held_for(now))}, at unchanged load and mix",
-            evidence,
-            symptom=symptom,
-        ), state
+        line = f"{symptom} for {_minutes(state.speed.held_for(now))}, at unchanged load and mix"
+        if _declining(s, situation) and situation.decline is not None:
+            evidence["trend_loss"] = situation.decline
+            line += f"; this run's speed has fallen {situation.decline:.0%} with uptime"
+        return Diagnosis("uptime_decline", line, evidence, symptom=symptom), state
 
     if throttle:
         return Diagnosis(
@@ -757,18 +760,16 @@ def _diagnose(
 
 
 def _step_symptoms(
-    s: DiagnosisSettings,
-    state: DiagnosisState,
-    stats: WindowStats | None,
-    cmp: Comparison | None,
-    capacity: Capacity | None,
-    fresh: Mapping[str, float],
-    now: float,
+    s: DiagnosisSettings, state: DiagnosisState, situation: Situation, now: float
 ) -> DiagnosisState:
+    stats, capacity, fresh = situation.stats, situation.capacity, situation.fresh
+    cmp = situation.comparison
     ratio = cmp.ratio if cmp is not None else None
+    declining = _declining(s, situation)
+    slow = max(s.enter_ratio, 1 - s.trend_loss) if declining else s.enter_ratio
     speed = state.speed.step(
-        None if ratio is None else ratio < s.enter_ratio,
-        None if ratio is None else ratio > s.leave_ratio,
+        None if ratio is None else ratio < slow,
+        None if ratio is None else ratio > s.leave_ratio and not declining,
         now,
         s.hold,
     )
@@ -794,6 +795,10 @@ def _step_symptoms(
             stranded, None if stranded is None else not stranded, now, s.hold
         ),
     )
+
+
+def _declining(s: DiagnosisSettings, situation: Situation) -> bool:
+    return situation.decline is not None and situation.decline >= s.trend_loss
 
 
 def _lagging(

@@ -28,6 +28,7 @@ it. Pure: values in, values out; ``to_json``/``from_json`` make it persistable.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -239,6 +240,25 @@ def hinge(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
     if best is None or 1 - best[0] / spread < MIN_FIT:
         return None
     return best[1], best[2]
+
+
+def decline(track: Track | None, uptime: float | None) -> float | None:
+    """The speed ``track``'s run has lost by ``uptime`` on its own trend: the hinge fit of its
+    completed half hours. None without a clear decline (fewer than MIN_POINTS half hours, no
+    fit). It tells the first run of a server declining long before it is a quarter slower."""
+    if track is None or uptime is None:
+        return None
+    done = tuple(p for p in track.points() if p[0] + BUCKET / 2 <= uptime)
+    fit = _hinge(done)  # refitted once a half hour completes, not every tick
+    if fit is None:
+        return None
+    onset, rate = fit
+    return rate * max(0.0, uptime - onset)
+
+
+@functools.lru_cache(maxsize=4)
+def _hinge(points: tuple[tuple[float, float], ...]) -> tuple[float, float] | None:
+    return hinge(points)
 
 
 # A gap between two runs longer than this is not a restart's outage (the agent was stopped).

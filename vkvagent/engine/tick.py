@@ -46,7 +46,15 @@ from vkvagent.engine.diagnosis import (
     optional_float,
 )
 from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
-from vkvagent.engine.prevention import Plan, PreventionSettings, Track, ended, judged, plan
+from vkvagent.engine.prevention import (
+    Plan,
+    PreventionSettings,
+    Track,
+    decline,
+    ended,
+    judged,
+    plan,
+)
 from vkvagent.engine.rates import counters, is_reset, mean
 from vkvagent.engine.samples import FlagValue, GpuReading, Sample, VllmMetrics, utc_text
 
@@ -314,6 +322,7 @@ def decide(
         memory=observed.memory,
         memory_limit=_memory_limit(observed.samples),
         run_began=latest.mono - uptime if latest is not None and uptime is not None else None,
+        decline=decline(state.track, uptime),
         down=_down(observed),
         flags=observed.flags,
         cache_config=latest.vllm.cache_config if latest is not None and latest.vllm else {},
@@ -352,14 +361,14 @@ def decide(
         traffic = traffic.record(stats.requests_per_s, now, settings.policy.zone)
     track = state.track or Track(run=state.run.key or "none")
     late = borrowed is None and baseline.late(b)  # the speed is against a late baseline
+    speed = _speed_at_load(b, reference, stats, comparison)
     if (
-        comparison is not None
-        and comparison.ratio is not None
+        speed is not None
         and uptime is not None
         and diagnosis.cause in (None, "uptime_decline")
         and (late == track.late or not track.buckets)  # a track's points are of one kind
     ):
-        track = replace(track.add(uptime, comparison.ratio), late=late)
+        track = replace(track.add(uptime, speed), late=late)
     state = replace(
         state, baseline=baseline, diagnosis=dstate, recovered=recovered, seen=seen,
         traffic=traffic, track=replace(track, server=baseline.server), past=past,
@@ -713,6 +722,22 @@ def _loss(
     if ratio is None and state.due is not None:
         ratio = state.due.ratio
     return None if ratio is None else max(0.0, 1.0 - ratio)
+
+
+def _speed_at_load(
+    settings: BaselineSettings,
+    reference: Baseline,
+    stats: WindowStats | None,
+    comparison: Comparison | None,
+) -> float | None:
+    """The speed ratio of ``comparison``, against the fresh speed at exactly this load where
+    the learned loads imply it (``Baseline.at_load``), not the regime's median: so a morning's
+    rising load is not a decline with uptime."""
+    if stats is None or comparison is None or comparison.ratio is None:
+        return None
+    exact = reference.at_load(stats.generation_tokens_per_s, settings)
+    ratio = compare(stats, comparison.regime, exact).ratio if exact is not None else None
+    return comparison.ratio if ratio is None else ratio
 
 
 def _memory_limit(samples: Sequence[Sample]) -> float | None:
