@@ -747,7 +747,7 @@ def _diagnose(
         if vetoed:
             return vetoed, state
         line = f"{symptom} for {_minutes(state.speed.held_for(now))}, at unchanged load and mix"
-        if _declining(s, situation) and situation.decline is not None:
+        if situation.decline is not None and _declining(s, situation):
             evidence["trend_loss"] = situation.decline
             line += f"; this run's speed has fallen {situation.decline:.0%} with uptime"
         return Diagnosis("uptime_decline", line, evidence, symptom=symptom), state

@@ -2,9 +2,11 @@
 
 A run diagnosed with ``uptime_decline`` whose restart cured it (the next run was as fast as
 its fresh self again) shows at what uptime this server begins to lose speed, and how fast.
-Each run keeps its speed, against its fresh baseline, by half hour of uptime (``Track``). From
-the cured runs of the same server (vLLM version, model, cache config, flags), a hinge fit
-gives the onset ``u0`` and the rate ``r`` (fraction of speed lost per second after it).
+Each run keeps its speed, against its fresh baseline at the window's exact load, by half hour
+of uptime (``Track``); the run in progress's own fit (``decline``) tells diagnosis it is
+declining before it is a quarter slower. From the cured runs of the same server (vLLM
+version, model, cache config, flags), a hinge fit gives the onset ``u0`` and the rate ``r``
+(fraction of speed lost per second after it).
 
 Restarting every ``T`` seconds then loses ``(C + r (T - u0)^2 / 2) / T`` of the service, with
 ``C`` the service a restart itself costs (its outage, measured between runs). That is least at
