@@ -254,9 +254,12 @@ def test_a_run_falling_steadily_with_uptime_is_degraded_before_it_is_a_quarter_s
     assert result.cause == "uptime_decline" and result.fixable
     assert result.evidence["trend_loss"] == pytest.approx(0.12)
     assert "fallen 12% with uptime" in result.summary
-    # Between leave_ratio and 1 - trend_loss, a run still declining stays degraded.
-    back = situation(window(itl=0.0225 / 0.87, per_request=48.0 * 0.87), decline=0.12)
+    # Below 1 - trend_loss / 2, a run still declining stays degraded; above it, it is not.
+    back = situation(window(itl=0.0225 / 0.93, per_request=48.0 * 0.93), decline=0.12)
     assert run([*held(falling), back])[0].cause == "uptime_decline"
+    fast = situation(window(itl=0.0225 / 0.96, per_request=48.0 * 0.96), decline=0.12)
+    result, state = run([*held(falling), fast])
+    assert result.cause is None and not state.speed.active
     # The same speed without the trend, or with a trend under trend_loss, is only watched.
     for decline in (None, 0.08):
         quiet, state = run(held(situation(window(**mild), decline=decline)))

@@ -81,6 +81,11 @@ def test_a_run_in_progress_tells_its_own_decline_from_its_completed_half_hours()
     assert decline(declining("flat", per_h=0.0, hours=11.0), 11 * HOUR) is None
     assert decline(declining("young", onset_h=0.5, per_h=0.1, hours=3.0), 2.9 * HOUR) is None
     assert decline(None, 11 * HOUR) is None and decline(track, None) is None
+    # Not carried across hours without points (idle, or past TRACKED): at most the half hour
+    # after the last one completed.
+    stopped = decline(track, 60 * HOUR)
+    assert stopped is not None and stopped == pytest.approx(decline(track, 11.5 * HOUR))
+    assert stopped < 0.15
 
 
 def test_the_plan_restarts_at_the_renewal_optimum() -> None:

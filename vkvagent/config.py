@@ -364,8 +364,8 @@ class DiagnosisConfig:
     )  # fmt: skip
     trend_loss: float = setting(
         _D.trend_loss,
-        "Also degraded: speed below 1 - this in a run whose own speed, by half hour of "
-        "uptime, has fallen steadily by this much (a hinge fit).",
+        "Also degraded: speed below 1 - this (until above 1 - this / 2) in a run whose own "
+        "speed, by half hour of uptime, has fallen steadily by this much (a hinge fit).",
         min=0.01, max=0.95,
     )  # fmt: skip
     hold: float = setting(_D.hold, "Seconds a symptom must last before it counts.", min=0, max=DAY)

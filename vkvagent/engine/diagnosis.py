@@ -71,8 +71,9 @@ class DiagnosisSettings:
 
     enter_ratio: float = 0.75  # speed below this fraction of the baseline: degraded...
     leave_ratio: float = 0.85  # ...until it is back above this one
-    # ...or below 1 - this, in a run whose own speed has fallen steadily with uptime by this
-    # much (prevention.decline): a decline told hours before it costs a quarter of the speed.
+    # ...or below 1 - this (back above 1 - this / 2), in a run whose own speed has fallen
+    # steadily with uptime by this much (prevention.decline): a decline told hours before it
+    # costs a quarter of the speed.
     trend_loss: float = 0.1
     hold: float = 900.0  # how long a symptom must last before it counts
     kv_full: float = 0.9  # mean KV usage at or above this is "near full"
@@ -747,7 +748,7 @@ def _diagnose(
         if vetoed:
             return vetoed, state
         line = f"{symptom} for {_minutes(state.speed.held_for(now))}, at unchanged load and mix"
-        if situation.decline is not None and _declining(s, situation):
+        if situation.decline is not None and _declining(s, situation):  # for mypy: not None
             evidence["trend_loss"] = situation.decline
             line += f"; this run's speed has fallen {situation.decline:.0%} with uptime"
         return Diagnosis("uptime_decline", line, evidence, symptom=symptom), state
@@ -766,10 +767,13 @@ def _step_symptoms(
     cmp = situation.comparison
     ratio = cmp.ratio if cmp is not None else None
     declining = _declining(s, situation)
-    slow = max(s.enter_ratio, 1 - s.trend_loss) if declining else s.enter_ratio
+    # Declining, it enters below 1 - trend_loss and leaves only above 1 - trend_loss / 2.
+    slow, back = s.enter_ratio, s.leave_ratio
+    if declining:
+        slow, back = max(slow, 1 - s.trend_loss), max(back, 1 - s.trend_loss / 2)
     speed = state.speed.step(
         None if ratio is None else ratio < slow,
-        None if ratio is None else ratio > s.leave_ratio and not declining,
+        None if ratio is None else ratio > back,
         now,
         s.hold,
     )

@@ -246,8 +246,10 @@ def hinge(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
 
 def decline(track: Track | None, uptime: float | None) -> float | None:
     """The speed ``track``'s run has lost by ``uptime`` on its own trend: the hinge fit of its
-    completed half hours. None without a clear decline (fewer than MIN_POINTS half hours, no
-    fit). It tells the first run of a server declining long before it is a quarter slower."""
+    completed half hours, carried no further than the half hour after the last of them (not
+    across hours without points: idle, or past TRACKED). None without a clear decline (fewer
+    than MIN_POINTS half hours, no fit). It tells the first run of a server declining long
+    before it is a quarter slower."""
     if track is None or uptime is None:
         return None
     done = tuple(p for p in track.points() if p[0] + BUCKET / 2 <= uptime)
@@ -255,10 +257,10 @@ def decline(track: Track | None, uptime: float | None) -> float | None:
     if fit is None:
         return None
     onset, rate = fit
-    return rate * max(0.0, uptime - onset)
+    return rate * max(0.0, min(uptime, done[-1][0] + 1.5 * BUCKET) - onset)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=16)  # a few engines in one process (tests, the fleet) share it
 def _hinge(points: tuple[tuple[float, float], ...]) -> tuple[float, float] | None:
     return hinge(points)
 
