@@ -196,7 +196,12 @@ def regime_of(stats: WindowStats, settings: BaselineSettings) -> int | None:
     served = stats.generation_tokens_per_s
     if stats.running is None or stats.running < settings.min_running or not served:
         return None
-    return math.floor(math.log2(served) * settings.buckets_per_octave)
+    return load_key(served, settings)
+
+
+def load_key(load: float, settings: BaselineSettings) -> int:
+    """The regime a load (generation tokens/s, above 0) falls in."""
+    return math.floor(math.log2(load) * settings.buckets_per_octave)
 
 
 def regime_label(key: int, settings: BaselineSettings) -> str:
@@ -295,10 +300,8 @@ class Baseline:
         line in log-log through their median loads), the rest the nearest known regime's.
         Only from two known regimes or more, and between them or at most ``MODEL_REACH``
         buckets beyond; else None."""
-        if load and load > 0:
-            key = math.floor(math.log2(load) * settings.buckets_per_octave)
-            if self.known(key, settings) is not None:
-                return None
+        if load and load > 0 and self.known(load_key(load, settings), settings) is not None:
+            return None
         return self.at_load(load, settings)
 
     def at_load(self, load: float | None, settings: BaselineSettings) -> Regime | None:
@@ -309,7 +312,7 @@ class Baseline:
         keys = self.known_keys(settings)
         if not load or load <= 0 or len(keys) < 2:
             return None
-        key = math.floor(math.log2(load) * settings.buckets_per_octave)
+        key = load_key(load, settings)
         if not keys[0] - MODEL_REACH <= key <= keys[-1] + MODEL_REACH:
             return None
         nearest = self.regimes[min(keys, key=lambda k: (abs(k - key), k))]
