@@ -580,6 +580,12 @@ def test_vkvagent_keeps_preventing_on_idle_nights_after_a_late_first_baseline() 
     causes = [cause for _k, cause, _inside in run.restarts]
     assert causes[0] == "uptime_decline" and len(causes) >= 5
     assert set(causes[1:]) == {"prevention"}, causes
+    # Once a day of traffic is known, the night's restart goes at its end, not in its
+    # window (02:00-05:00): the decline of the quiet hours costs nothing, and the next run
+    # begins the busy day fresh.
+    nights = [k * STEP / 3600 % 24 for k, _c, _i in run.restarts if k >= DAY_STEPS]
+    assert nights and all(not h < 6.5 for h in nights), nights
+    assert any(6.5 <= h < 7 for h in nights), nights
 
 
 def test_vkvagent_tells_the_first_runs_decline_by_its_trend_before_a_quarter_is_lost() -> None:

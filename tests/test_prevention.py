@@ -12,10 +12,13 @@ import pytest
 
 from vkvagent.engine.policy import (
     PREVENTION,
+    RATES_MIN_VALUES,
     Controls,
     PolicySettings,
     RestartRecord,
+    TrafficProfile,
     evaluate,
+    rate_bin,
 )
 from vkvagent.engine.prevention import (
     BUCKET,
@@ -289,6 +292,69 @@ def test_no_windows_vetoes_and_an_uncured_slowdown_keep_prevention_back() -> Non
     # The last restart for the slowdown did not cure it: nothing to prevent.
     uncured = (RestartRecord(NOW - 10 * HOUR, "uptime_decline", recovered=False),)
     assert verdict(WINDOWED, 20.0, at(12), history=uncured).action == "none"
+
+
+def traffic(rate_at: dict[int, float], values: float = RATES_MIN_VALUES) -> TrafficProfile:
+    """A profile with ``values`` minutes at each hour's rate (requests/s)."""
+    return TrafficProfile({h: {rate_bin(r): values} for h, r in rate_at.items()})
+
+
+QUIET_NIGHTS = traffic({h: 0.0 if h < 7 else 4.0 for h in range(24)})
+
+
+def test_the_profiles_hourly_rates_are_known_once_every_hour_has_half_an_hour() -> None:
+    rates = QUIET_NIGHTS.rates()
+    assert rates is not None and rates[:7] == (0.0,) * 7  # idle counts as no traffic
+    assert all(r == pytest.approx(4.0, rel=0.1) for r in rates[7:])  # a bin's middle rate
+    short = TrafficProfile({**QUIET_NIGHTS.hours, 13: {rate_bin(4.0): RATES_MIN_VALUES - 1}})
+    assert short.rates() is None
+    assert traffic({h: 4.0 for h in range(23)}).rates() is None
+
+
+def test_prevention_goes_at_the_end_of_a_quiet_night_not_at_its_start() -> None:
+    assert PLAN is not None and PLAN.at < 6 * HOUR  # due from the cooldown's 6 h
+    # 02:00 in the window, 8 h of uptime, nights idle: the run's decline costs nothing until
+    # 07:00, and a restart then starts the day fresher. It waits for the last quiet moment.
+    held = verdict(WINDOWED, 8.0, at(2), traffic=QUIET_NIGHTS, request_rate=0.0)
+    assert (held.action, held.cause) == ("hold", PREVENTION)
+    assert held.reason == (
+        "prevention waits for the end of this host's quiet hours, 2025-03-04T06:50:00Z"
+    )
+    # It goes there, outside the window: waiting for the next would cost far more.
+    late = verdict(WINDOWED, 12.9, at(6.9), traffic=QUIET_NIGHTS, request_rate=0.0)
+    assert (late.action, late.cause) == ("restart", PREVENTION)
+    assert late.reason == "restart: outside window, at the end of this host's quiet hours"
+    # A run younger than the plan's uptime goes there too (at least the cooldown old): it
+    # would reach that uptime in the busy hours.
+    young = verdict(WINDOWED, 6.2, at(6.9), traffic=QUIET_NIGHTS, request_rate=0.0)
+    assert (young.action, young.cause) == ("restart", PREVENTION)
+    # Younger than the cooldown: nothing yet.
+    assert verdict(WINDOWED, 5.5, at(6.9), traffic=QUIET_NIGHTS, request_rate=0.0).action == (
+        "none"
+    )
+    # A busy night, a busy hour, no day of traffic known yet, or outside_windows = "never"
+    # (the quiet stretch may end outside them): the plan's uptime and the windows decide.
+    busy = verdict(WINDOWED, 8.0, at(2), traffic=QUIET_NIGHTS, request_rate=4.0)
+    assert (busy.action, busy.reason) == ("restart", "restart: in window")
+    assert verdict(WINDOWED, 6.1, at(12), traffic=QUIET_NIGHTS, request_rate=4.0).action == (
+        "restart"
+    )
+    unknown = traffic({h: 0.0 if h < 7 else 4.0 for h in range(20)})
+    never = PolicySettings(mode="enforce", windows=WINDOWED.windows, outside_windows="never")
+    for settings, profile in ((WINDOWED, unknown), (never, QUIET_NIGHTS)):
+        inside = verdict(settings, 8.0, at(2), traffic=profile, request_rate=0.0)
+        assert (inside.action, inside.reason) == ("restart", "restart: in window")
+
+
+def test_a_slow_plan_does_not_restart_at_every_quiet_nights_end() -> None:
+    # A decline from 40 h of uptime: at the end of a quiet night 7 h into the run, the run
+    # would not reach the plan's uptime before the next night's end. It waits.
+    onset, rate = 40 * HOUR, 0.02 / HOUR
+    slow = Plan(math.sqrt(onset**2 + 2 * 200.0 / rate), onset, rate, 200.0, 1)
+    kw = dict(traffic=QUIET_NIGHTS, request_rate=0.0, plan=slow)
+    assert verdict(WINDOWED, 7.0, at(6.9), **kw).action == "none"
+    # 17 h into it, it would: the restart goes now, not in tomorrow's busy hours.
+    assert verdict(WINDOWED, 17.0, at(6.9), **kw).action == "restart"
 
 
 def test_a_window_long_before_the_plans_uptime_waits_for_a_later_one() -> None:

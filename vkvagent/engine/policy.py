@@ -186,6 +186,9 @@ PROFILE_MIN_VALUES = 60  # values an hour of the day needs before its percentile
 PROFILE_MAX_VALUES = 14 * 60  # values an hour of the day holds before all of them are halved
 PROFILE_BINS_PER_OCTAVE = 4
 PROFILE_FLOOR = 1 / 64  # requests/s; slower counts as idle (bin -1)
+# Values each hour of the day needs before its mean rate weighs a preventive restart: half an
+# hour's (a restart's outage leaves its hour short of a full one).
+RATES_MIN_VALUES = 30
 
 
 def rate_bin(rate: float) -> int:
@@ -198,6 +201,10 @@ def rate_bin(rate: float) -> int:
 def bin_top(index: int) -> float:
     """The highest rate (requests/s) a bin holds."""
     return PROFILE_FLOOR * 2 ** ((index + 1) / PROFILE_BINS_PER_OCTAVE)
+
+
+def _bin_middle(index: int) -> float:
+    return 0.0 if index < 0 else PROFILE_FLOOR * 2 ** ((index + 0.5) / PROFILE_BINS_PER_OCTAVE)
 
 
 @dataclass(frozen=True)
@@ -226,6 +233,18 @@ class TrafficProfile:
 
     def count(self, hour: int) -> float:
         return sum(self.hours.get(hour, {}).values())
+
+    def rates(self) -> tuple[float, ...] | None:
+        """Each local hour's mean request rate (a bin counts at its middle rate, the idle bin
+        at 0); None until every hour holds RATES_MIN_VALUES values."""
+        rates = []
+        for hour in range(24):
+            counts = self.hours.get(hour, {})
+            total = sum(counts.values())
+            if total < RATES_MIN_VALUES:
+                return None
+            rates.append(sum(n * _bin_middle(i) for i, n in counts.items()) / total)
+        return tuple(rates)
 
     def percentile_bin(self, hour: int, percent: float) -> int | None:
         """The bin holding the ``percent``-th percentile of the hour's rates; None until the
@@ -423,15 +442,24 @@ def evaluate(
 
     due = settings.max_uptime > 0 and uptime is not None and uptime >= settings.max_uptime
     calm = not wanted and cause not in (*VETOED, "engine_down")
+    prevention = ""
+    if calm:
+        prevention = _prevention(
+            settings, plan, uptime, is_open, upcoming, now, history, controls, traffic,
+            request_rate,
+        )  # fmt: skip
     if flags_due and cause is None:  # not over a veto: the new run would be judged under it
         cause, wanted = FLAGS, True
-    elif calm and _prevention_due(settings, plan, uptime, is_open, upcoming, now, history,
-                                  controls):  # fmt: skip
+    elif prevention in (DUE, QUIET_END):
         cause, wanted = PREVENTION, True
     elif due and calm:
         cause, wanted = SCHEDULED, True
+    elif prevention:
+        cause = PREVENTION
     if settings.mode == "off":
         return verdict("none", "mode off")
+    if prevention and cause == PREVENTION and not wanted:
+        return verdict("hold", prevention)
     if not wanted:
         return verdict("none", "nothing a restart would fix")
 
@@ -479,7 +507,9 @@ def evaluate(
                 "hold",
                 f"cooldown: last restart {_ago(past[0])} ago (cooldown {_ago(settings.cooldown)})",
             )
-        if not is_open:
+        if not is_open and prevention == QUIET_END and cause == PREVENTION:
+            cheaper = "outside window, at the end of this host's quiet hours"
+        elif not is_open:
             cheaper = _cheaper_now(settings, cause, plan, loss, uptime, upcoming, now, harm_in)
             if not cheaper:
                 following = (
@@ -523,7 +553,17 @@ def _slowdown_uncured(history: Sequence[RestartRecord], controls: Controls) -> b
     return bool(judged) and max(judged, key=lambda r: r.time).recovered is False
 
 
-def _prevention_due(
+DUE = "due"  # what ``_prevention`` says of a preventive restart due now
+QUIET_END = "quiet end"  # ... due now, at the end of a quiet stretch: it costs next to nothing
+# Prevention by this host's traffic: an hour whose mean request rate is at most QUIET of the
+# day's mean is quiet; the hours ahead are looked at every PREVENT_STEP, up to PREVENT_HORIZON
+# (long enough to see a quiet night to its end).
+QUIET = 0.1
+PREVENT_STEP = 600.0
+PREVENT_HORIZON = 12 * 3600.0
+
+
+def _prevention(
     settings: PolicySettings,
     plan: Plan | None,
     uptime: float | None,
@@ -532,22 +572,63 @@ def _prevention_due(
     now: datetime,
     history: Sequence[RestartRecord],
     controls: Controls,
-) -> bool:
-    """From the plan's uptime on (no sooner than the cooldown and the daily budget let
-    restarts recur: spread evenly, not four in a row and a long wait), or in a window, when
-    restarting now costs less per hour of the run than at the next window; never after a
-    restart for the slowdown did not cure it."""
+    traffic: TrafficProfile | None,
+    request_rate: float | None,
+) -> str:
+    """DUE when a preventive restart is due now (QUIET_END: at the end of a quiet stretch),
+    why it waits when it is held for that end, else "". Due from the plan's uptime on, or in
+    a window when restarting now costs less per hour of the run than at the next window;
+    never sooner than the cooldown and the daily budget let restarts recur (spread evenly,
+    not four in a row and a long wait); never after a restart for the slowdown did not cure
+    it.
+
+    In this host's quiet hours (a day of its traffic known, ``TrafficProfile.rates``, and the
+    rate now quiet too), the run's decline costs next to nothing, and so would the restart:
+    it waits for the last PREVENT_STEP of the quiet stretch, and goes there if the run would
+    reach the plan's uptime before the same moment a day later, in a window or not: it costs
+    next to nothing. The next run then starts the busy hours fresh, not aged by the quiet
+    ones. Only where restarts may go outside the windows (``when_cheaper``)."""
     if not settings.prevent or plan is None or uptime is None:
-        return False
+        return ""
     if _slowdown_uncured(history, controls):
-        return False
-    at = max(plan.at, settings.cooldown, DAY / settings.max_per_day)
+        return ""
+    floor = max(settings.cooldown, DAY / settings.max_per_day)
+    at = max(plan.at, floor)
+    if settings.outside_windows == "when_cheaper" and uptime >= floor:
+        quiet = _quiet_for(traffic, now, settings.zone, request_rate)
+        if quiet is not None and quiet > 0:
+            if uptime < at:
+                return ""
+            end = utc_text(now.timestamp() + quiet)
+            return f"prevention waits for the end of this host's quiet hours, {end}"
+        if quiet == 0:  # the stretch's last moment
+            return QUIET_END if uptime + DAY >= at else ""
     if uptime >= at:
-        return True
+        return DUE
     if not is_open or uptime < settings.cooldown or upcoming is None:
-        return False
+        return ""
     later = uptime + (upcoming - now).total_seconds()
-    return later >= at and plan.cost_rate(uptime) <= plan.cost_rate(later)
+    return DUE if later >= at and plan.cost_rate(uptime) <= plan.cost_rate(later) else ""
+
+
+def _quiet_for(
+    traffic: TrafficProfile | None, now: datetime, zone: ZoneInfo, request_rate: float | None
+) -> float | None:
+    """How long the quiet stretch ``now`` is in goes on (0: this is its last PREVENT_STEP), by
+    this host's request rates by local hour and the rate now; None when ``now`` is not quiet,
+    or this host's traffic is not known for every hour of the day (or is none at all)."""
+    rates = traffic.rates() if traffic is not None else None
+    if rates is None or request_rate is None or not sum(rates) > 0:
+        return None
+    quiet = QUIET * sum(rates) / len(rates)
+    local = now.astimezone(zone)
+    hour = local.hour + local.minute / 60 + local.second / 3600
+    if request_rate > quiet or rates[local.hour] > quiet:
+        return None
+    for step in range(1, int(PREVENT_HORIZON // PREVENT_STEP) + 1):
+        if rates[int(hour + step * PREVENT_STEP / 3600) % 24] > quiet:
+            return (step - 1) * PREVENT_STEP
+    return PREVENT_HORIZON
 
 
 # A foretold harm (``harm_in``) waits for the next window only if that opens within this share
