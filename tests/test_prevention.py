@@ -302,13 +302,18 @@ def traffic(rate_at: dict[int, float], values: float = RATES_MIN_VALUES) -> Traf
 QUIET_NIGHTS = traffic({h: 0.0 if h < 7 else 4.0 for h in range(24)})
 
 
-def test_the_profiles_hourly_rates_are_known_once_every_hour_has_half_an_hour() -> None:
-    rates = QUIET_NIGHTS.rates()
+def test_the_profiles_typical_rates_are_known_once_every_hour_has_half_an_hour() -> None:
+    rates = QUIET_NIGHTS.typical
     assert rates is not None and rates[:7] == (0.0,) * 7  # idle counts as no traffic
     assert all(r == pytest.approx(4.0, rel=0.1) for r in rates[7:])  # a bin's middle rate
     short = TrafficProfile({**QUIET_NIGHTS.hours, 13: {rate_bin(4.0): RATES_MIN_VALUES - 1}})
-    assert short.rates() is None
-    assert traffic({h: 4.0 for h in range(23)}).rates() is None
+    assert short.typical is None
+    assert traffic({h: 4.0 for h in range(23)}).typical is None
+    # The median: one busy night among two quiet ones leaves the hour quiet.
+    mixed = {rate_bin(4.0): 60.0, rate_bin(0.0): 120.0}
+    assert TrafficProfile({**QUIET_NIGHTS.hours, 3: mixed}).typical == rates
+    # Derived, not state: a profile read back has it.
+    assert TrafficProfile.from_json(QUIET_NIGHTS.to_json()).typical == rates
 
 
 def test_prevention_goes_at_the_end_of_a_quiet_night_not_at_its_start() -> None:

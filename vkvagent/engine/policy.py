@@ -186,8 +186,8 @@ PROFILE_MIN_VALUES = 60  # values an hour of the day needs before its percentile
 PROFILE_MAX_VALUES = 14 * 60  # values an hour of the day holds before all of them are halved
 PROFILE_BINS_PER_OCTAVE = 4
 PROFILE_FLOOR = 1 / 64  # requests/s; slower counts as idle (bin -1)
-# Values each hour of the day needs before its mean rate weighs a preventive restart: half an
-# hour's (a restart's outage leaves its hour short of a full one).
+# Values each hour of the day needs before its median rate tells prevention's quiet hours: half
+# an hour's (a restart's outage leaves its hour short of a full one).
 RATES_MIN_VALUES = 30
 
 
@@ -203,6 +203,16 @@ def bin_top(index: int) -> float:
     return PROFILE_FLOOR * 2 ** ((index + 1) / PROFILE_BINS_PER_OCTAVE)
 
 
+def _percentile(counts: Mapping[int, float], percent: float) -> int:
+    """The bin holding the ``percent``-th percentile of ``counts`` (bin -> n, not empty)."""
+    total, running = sum(counts.values()), 0.0
+    for index in sorted(counts):
+        running += counts[index]
+        if running >= total * percent / 100 - 1e-9:
+            return index
+    return max(counts)
+
+
 def _bin_middle(index: int) -> float:
     return 0.0 if index < 0 else PROFILE_FLOOR * 2 ** ((index + 0.5) / PROFILE_BINS_PER_OCTAVE)
 
@@ -210,11 +220,22 @@ def _bin_middle(index: int) -> float:
 @dataclass(frozen=True)
 class TrafficProfile:
     """This host's request rates by local hour of the day (in the policy's time zone), for the
-    percentile traffic gate: per hour, how many minutes fell in each rate bin. Pure: ``record``
-    returns a new profile (itself when a value is not due yet)."""
+    percentile traffic gate and prevention's quiet hours: per hour, how many minutes fell in
+    each rate bin. Pure: ``record`` returns a new profile (itself when a value is not due
+    yet)."""
 
     hours: Mapping[int, Mapping[int, float]] = field(default_factory=dict)  # hour -> bin -> n
     last: float | None = None  # UTC Unix seconds of the last value kept
+
+    @cached_property
+    def typical(self) -> tuple[float, ...] | None:
+        """Each local hour's median rate (its bin's middle, the idle bin's 0), once every hour
+        holds RATES_MIN_VALUES values, else None; worked out once per profile (a minute)."""
+        known = [
+            c for c in map(self.hours.get, range(24)) if c and sum(c.values()) >= RATES_MIN_VALUES
+        ]
+        typical = tuple(_bin_middle(_percentile(c, 50)) for c in known)
+        return typical if len(typical) == 24 else None
 
     def record(self, rate: float, now: datetime, zone: ZoneInfo) -> TrafficProfile:
         """The profile with ``rate`` (requests/s) at ``now``, at most one value a minute."""
@@ -234,31 +255,13 @@ class TrafficProfile:
     def count(self, hour: int) -> float:
         return sum(self.hours.get(hour, {}).values())
 
-    def rates(self) -> tuple[float, ...] | None:
-        """Each local hour's mean request rate (a bin counts at its middle rate, the idle bin
-        at 0); None until every hour holds RATES_MIN_VALUES values."""
-        rates = []
-        for hour in range(24):
-            counts = self.hours.get(hour, {})
-            total = sum(counts.values())
-            if total < RATES_MIN_VALUES:
-                return None
-            rates.append(sum(n * _bin_middle(i) for i, n in counts.items()) / total)
-        return tuple(rates)
-
     def percentile_bin(self, hour: int, percent: float) -> int | None:
         """The bin holding the ``percent``-th percentile of the hour's rates; None until the
         hour holds PROFILE_MIN_VALUES values."""
         counts = self.hours.get(hour, {})
-        total = sum(counts.values())
-        if total < PROFILE_MIN_VALUES:
+        if sum(counts.values()) < PROFILE_MIN_VALUES:
             return None
-        running = 0.0
-        for index in sorted(counts):
-            running += counts[index]
-            if running >= total * percent / 100 - 1e-9:
-                return index
-        return max(counts)
+        return _percentile(counts, percent)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -555,9 +558,9 @@ def _slowdown_uncured(history: Sequence[RestartRecord], controls: Controls) -> b
 
 DUE = "due"  # what ``_prevention`` says of a preventive restart due now
 QUIET_END = "quiet end"  # ... due now, at the end of a quiet stretch: it costs next to nothing
-# Prevention by this host's traffic: an hour whose mean request rate is at most QUIET of the
-# day's mean is quiet; the hours ahead are looked at every PREVENT_STEP, up to PREVENT_HORIZON
-# (long enough to see a quiet night to its end).
+# Prevention by this host's traffic: an hour whose median request rate is at most QUIET of
+# the day's mean (of the hours' medians) is quiet; the hours ahead are looked at every
+# PREVENT_STEP, up to PREVENT_HORIZON (long enough to see a quiet night to its end).
 QUIET = 0.1
 PREVENT_STEP = 600.0
 PREVENT_HORIZON = 12 * 3600.0
@@ -582,8 +585,8 @@ def _prevention(
     not four in a row and a long wait); never after a restart for the slowdown did not cure
     it.
 
-    In this host's quiet hours (a day of its traffic known, ``TrafficProfile.rates``, and the
-    rate now quiet too), the run's decline costs next to nothing, and so would the restart:
+    In this host's quiet hours (a day of its traffic known, ``TrafficProfile.typical``, and
+    the rate now quiet too), the run's decline costs next to nothing, and so would the restart:
     it waits for the last PREVENT_STEP of the quiet stretch, and goes there if the run would
     reach the plan's uptime before the same moment a day later, in a window or not: it costs
     next to nothing. The next run then starts the busy hours fresh, not aged by the quiet
@@ -617,7 +620,7 @@ def _quiet_for(
     """How long the quiet stretch ``now`` is in goes on (0: this is its last PREVENT_STEP), by
     this host's request rates by local hour and the rate now; None when ``now`` is not quiet,
     or this host's traffic is not known for every hour of the day (or is none at all)."""
-    rates = traffic.rates() if traffic is not None else None
+    rates = traffic.typical if traffic is not None else None
     if rates is None or request_rate is None or not sum(rates) > 0:
         return None
     quiet = QUIET * sum(rates) / len(rates)
