@@ -319,36 +319,64 @@ def test_the_profiles_typical_rates_are_known_once_every_hour_has_half_an_hour()
 def test_prevention_goes_at_the_end_of_a_quiet_night_not_at_its_start() -> None:
     assert PLAN is not None and PLAN.at < 6 * HOUR  # due from the cooldown's 6 h
     # 02:00 in the window, 8 h of uptime, nights idle: the run's decline costs nothing until
-    # 07:00, and a restart then starts the day fresher. It waits for the last quiet moment.
-    held = verdict(WINDOWED, 8.0, at(2), traffic=QUIET_NIGHTS, request_rate=0.0)
-    assert (held.action, held.cause) == ("hold", PREVENTION)
-    assert held.reason == (
-        "prevention waits for the end of this host's quiet hours, 2025-03-04T06:50:00Z"
-    )
-    # It goes there, outside the window: waiting for the next would cost far more.
-    late = verdict(WINDOWED, 12.9, at(6.9), traffic=QUIET_NIGHTS, request_rate=0.0)
+    # 07:00, and a restart then starts the day fresher. It waits for the last quiet moments,
+    # whatever the rate now (clients come early or late; the usual hours decide).
+    for rate in (0.0, 4.0, None):
+        held = verdict(WINDOWED, 8.0, at(2), traffic=QUIET_NIGHTS, request_rate=rate)
+        assert (held.action, held.cause) == ("hold", PREVENTION)
+        assert held.reason == (
+            "prevention waits for the end of this host's quiet hours (2025-03-04T07:00:00Z), "
+            "to restart in their last 10 minutes"
+        )
+    assert verdict(WINDOWED, 12.7, at(6.8), traffic=QUIET_NIGHTS).action == "hold"
+    # In them it goes, outside the window: waiting for the next would cost far more.
+    late = verdict(WINDOWED, 12.9, at(6.9), traffic=QUIET_NIGHTS)
     assert (late.action, late.cause) == ("restart", PREVENTION)
     assert late.reason == "restart: outside window, at the end of this host's quiet hours"
     # A run younger than the plan's uptime goes there too (at least the cooldown old): it
-    # would reach that uptime in the busy hours.
-    young = verdict(WINDOWED, 6.2, at(6.9), traffic=QUIET_NIGHTS, request_rate=0.0)
+    # would reach that uptime in the busy hours. Younger than the cooldown: not yet.
+    young = verdict(WINDOWED, 6.2, at(6.9), traffic=QUIET_NIGHTS)
     assert (young.action, young.cause) == ("restart", PREVENTION)
-    # Younger than the cooldown: nothing yet.
-    assert verdict(WINDOWED, 5.5, at(6.9), traffic=QUIET_NIGHTS, request_rate=0.0).action == (
-        "none"
-    )
-    # A busy night, a busy hour, no day of traffic known yet, or outside_windows = "never"
-    # (the quiet stretch may end outside them): the plan's uptime and the windows decide.
-    busy = verdict(WINDOWED, 8.0, at(2), traffic=QUIET_NIGHTS, request_rate=4.0)
-    assert (busy.action, busy.reason) == ("restart", "restart: in window")
-    assert verdict(WINDOWED, 6.1, at(12), traffic=QUIET_NIGHTS, request_rate=4.0).action == (
-        "restart"
-    )
+    assert verdict(WINDOWED, 5.5, at(6.9), traffic=QUIET_NIGHTS).action == "none"
+    # In a busy hour, the plan's uptime decides, as without a profile.
+    busy = verdict(WINDOWED, 6.1, at(12), traffic=QUIET_NIGHTS)
+    assert (busy.action, busy.cause) == ("restart", PREVENTION)
+    # No day of traffic known yet, or outside_windows = "never" (the quiet hours may end
+    # outside the windows): this window, as before.
     unknown = traffic({h: 0.0 if h < 7 else 4.0 for h in range(20)})
     never = PolicySettings(mode="enforce", windows=WINDOWED.windows, outside_windows="never")
     for settings, profile in ((WINDOWED, unknown), (never, QUIET_NIGHTS)):
-        inside = verdict(settings, 8.0, at(2), traffic=profile, request_rate=0.0)
+        inside = verdict(settings, 8.0, at(2), traffic=profile)
         assert (inside.action, inside.reason) == ("restart", "restart: in window")
+    # No windows at all: emergencies only, quiet hours or not.
+    none = PolicySettings(mode="enforce", windows=())
+    for hour in (2.0, 6.9):
+        held = verdict(none, 12.9, at(hour), traffic=QUIET_NIGHTS)
+        assert (held.action, held.reason) == ("hold", "outside window (none set)")
+
+
+def test_quiet_hours_are_the_hosts_local_ones_across_a_daylight_saving_change() -> None:
+    # Berlin, 30 March 2025: clocks go from 02:00 to 03:00. The quiet hours (local 00-07)
+    # end at 07:00 CEST, 05:00 UTC, 5 h after 00:00 UTC (01:00 CET), not 6.
+    berlin = PolicySettings(mode="enforce", timezone="Europe/Berlin", windows=WINDOWED.windows)
+    night = datetime(2025, 3, 30, 0, tzinfo=timezone.utc)
+    held = verdict(berlin, 8.0, night, traffic=QUIET_NIGHTS)
+    assert held.action == "hold" and "(2025-03-30T05:00:00Z)" in held.reason
+    assert verdict(berlin, 13.0, night + timedelta(hours=4.9), traffic=QUIET_NIGHTS).action == (
+        "restart"
+    )
+
+
+def test_what_holds_every_restart_still_shows_over_a_quiet_hours_wait() -> None:
+    # Two restarts that did not help, or a pause, say so, not that prevention waits.
+    failed = tuple(
+        RestartRecord(NOW - h * HOUR, "kv_pressure", recovered=False) for h in (30.0, 20.0)
+    )
+    escalated = verdict(WINDOWED, 8.0, at(2), traffic=QUIET_NIGHTS, history=failed)
+    assert escalated.action == "hold" and escalated.reason.startswith("escalated")
+    paused = Controls(paused_until=at(10).timestamp())
+    stopped = verdict(WINDOWED, 8.0, at(2), traffic=QUIET_NIGHTS, controls=paused)
+    assert stopped.reason.startswith("paused until")
 
 
 def test_a_slow_plan_does_not_restart_at_every_quiet_nights_end() -> None:
@@ -356,7 +384,7 @@ def test_a_slow_plan_does_not_restart_at_every_quiet_nights_end() -> None:
     # would not reach the plan's uptime before the next night's end. It waits.
     onset, rate = 40 * HOUR, 0.02 / HOUR
     slow = Plan(math.sqrt(onset**2 + 2 * 200.0 / rate), onset, rate, 200.0, 1)
-    kw = dict(traffic=QUIET_NIGHTS, request_rate=0.0, plan=slow)
+    kw = dict(traffic=QUIET_NIGHTS, plan=slow)
     assert verdict(WINDOWED, 7.0, at(6.9), **kw).action == "none"
     # 17 h into it, it would: the restart goes now, not in tomorrow's busy hours.
     assert verdict(WINDOWED, 17.0, at(6.9), **kw).action == "restart"

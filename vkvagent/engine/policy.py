@@ -445,24 +445,21 @@ def evaluate(
 
     due = settings.max_uptime > 0 and uptime is not None and uptime >= settings.max_uptime
     calm = not wanted and cause not in (*VETOED, "engine_down")
-    prevention = ""
+    prevention, held = "", ""
     if calm:
-        prevention = _prevention(
-            settings, plan, uptime, is_open, upcoming, now, history, controls, traffic,
-            request_rate,
-        )  # fmt: skip
+        prevention, held = _prevention(
+            settings, plan, uptime, is_open, upcoming, now, history, controls, traffic
+        )
     if flags_due and cause is None:  # not over a veto: the new run would be judged under it
         cause, wanted = FLAGS, True
     elif prevention in (DUE, QUIET_END):
         cause, wanted = PREVENTION, True
     elif due and calm:
         cause, wanted = SCHEDULED, True
-    elif prevention:
-        cause = PREVENTION
+    elif prevention == HELD:
+        cause, wanted = PREVENTION, True
     if settings.mode == "off":
         return verdict("none", "mode off")
-    if prevention and cause == PREVENTION and not wanted:
-        return verdict("hold", prevention)
     if not wanted:
         return verdict("none", "nothing a restart would fix")
 
@@ -490,6 +487,8 @@ def evaluate(
             f"retry back-off: {aborted} restart attempt(s) in a row aborted, the last "
             f"{_ago(since_aborted)} ago; next try in {_ago(wait - since_aborted)}",
         )
+    if cause == PREVENTION and prevention == HELD:
+        return verdict("hold", held)
     past = sorted(r.age(at, mono) for r in history if not r.aborted)  # ages, youngest first
     if past and past[0] < settings.min_interval:
         return verdict(
@@ -556,14 +555,13 @@ def _slowdown_uncured(history: Sequence[RestartRecord], controls: Controls) -> b
     return bool(judged) and max(judged, key=lambda r: r.time).recovered is False
 
 
-DUE = "due"  # what ``_prevention`` says of a preventive restart due now
-QUIET_END = "quiet end"  # ... due now, at the end of a quiet stretch: it costs next to nothing
-# Prevention by this host's traffic: an hour whose median request rate is at most QUIET of
-# the day's mean (of the hours' medians) is quiet; the hours ahead are looked at every
-# PREVENT_STEP, up to PREVENT_HORIZON (long enough to see a quiet night to its end).
+# What ``_prevention`` says of a preventive restart: due now; due now at the end of a quiet
+# stretch (where it costs next to nothing, window or not); or held for that end ("": none).
+DUE, QUIET_END, HELD = "due", "quiet end", "held"
+# An hour whose median request rate is at most QUIET of the day's mean (of the hours' medians)
+# is quiet; a restart held for the end of a quiet stretch goes in its last QUIET_LAST seconds.
 QUIET = 0.1
-PREVENT_STEP = 600.0
-PREVENT_HORIZON = 12 * 3600.0
+QUIET_LAST = 600.0
 
 
 def _prevention(
@@ -576,62 +574,63 @@ def _prevention(
     history: Sequence[RestartRecord],
     controls: Controls,
     traffic: TrafficProfile | None,
-    request_rate: float | None,
-) -> str:
-    """DUE when a preventive restart is due now (QUIET_END: at the end of a quiet stretch),
-    why it waits when it is held for that end, else "". Due from the plan's uptime on, or in
-    a window when restarting now costs less per hour of the run than at the next window;
-    never sooner than the cooldown and the daily budget let restarts recur (spread evenly,
-    not four in a row and a long wait); never after a restart for the slowdown did not cure
-    it.
+) -> tuple[str, str]:
+    """Whether a preventive restart is due (DUE, QUIET_END, HELD or ""), and why it is held.
+    Due from the plan's uptime on, or in a window when restarting now costs less per hour of
+    the run than at the next window; never sooner than the cooldown and the daily budget let
+    restarts recur (spread evenly, not four in a row and a long wait); never after a restart
+    for the slowdown did not cure it.
 
-    In this host's quiet hours (a day of its traffic known, ``TrafficProfile.typical``, and
-    the rate now quiet too), the run's decline costs next to nothing, and so would the restart:
-    it waits for the last PREVENT_STEP of the quiet stretch, and goes there if the run would
-    reach the plan's uptime before the same moment a day later, in a window or not: it costs
-    next to nothing. The next run then starts the busy hours fresh, not aged by the quiet
-    ones. Only where restarts may go outside the windows (``when_cheaper``)."""
+    In this host's quiet hours (``TrafficProfile.typical``, once a day of its traffic is
+    known), the run's decline costs next to nothing, and so would the restart: it is held
+    for the stretch's last QUIET_LAST seconds, and goes there if the run would reach the
+    plan's uptime before the same moment a day later. The next run then starts the busy
+    hours fresh, not aged by the quiet ones. Only where restarts may go outside the windows
+    (``when_cheaper``, with windows set): the stretch may end outside them."""
     if not settings.prevent or plan is None or uptime is None:
-        return ""
+        return "", ""
     if _slowdown_uncured(history, controls):
-        return ""
+        return "", ""
     floor = max(settings.cooldown, DAY / settings.max_per_day)
     at = max(plan.at, floor)
-    if settings.outside_windows == "when_cheaper" and uptime >= floor:
-        quiet = _quiet_for(traffic, now, settings.zone, request_rate)
-        if quiet is not None and quiet > 0:
-            if uptime < at:
-                return ""
-            end = utc_text(now.timestamp() + quiet)
-            return f"prevention waits for the end of this host's quiet hours, {end}"
-        if quiet == 0:  # the stretch's last moment
-            return QUIET_END if uptime + DAY >= at else ""
+    end = None
+    if settings.outside_windows == "when_cheaper" and settings.parsed and uptime >= floor:
+        end = _quiet_end(traffic, now, settings.zone)
+    if end is not None and (end - now).total_seconds() > QUIET_LAST:
+        if uptime < at:
+            return "", ""
+        ends = utc_text(end.timestamp())
+        return HELD, (
+            f"prevention waits for the end of this host's quiet hours ({ends}), to restart in "
+            f"their last {QUIET_LAST / 60:.0f} minutes"
+        )
+    if end is not None:
+        return (QUIET_END, "") if uptime + DAY >= at else ("", "")
     if uptime >= at:
-        return DUE
+        return DUE, ""
     if not is_open or uptime < settings.cooldown or upcoming is None:
-        return ""
+        return "", ""
     later = uptime + (upcoming - now).total_seconds()
-    return DUE if later >= at and plan.cost_rate(uptime) <= plan.cost_rate(later) else ""
+    if later >= at and plan.cost_rate(uptime) <= plan.cost_rate(later):
+        return DUE, ""
+    return "", ""
 
 
-def _quiet_for(
-    traffic: TrafficProfile | None, now: datetime, zone: ZoneInfo, request_rate: float | None
-) -> float | None:
-    """How long the quiet stretch ``now`` is in goes on (0: this is its last PREVENT_STEP), by
-    this host's request rates by local hour and the rate now; None when ``now`` is not quiet,
-    or this host's traffic is not known for every hour of the day (or is none at all)."""
+def _quiet_end(traffic: TrafficProfile | None, now: datetime, zone: ZoneInfo) -> datetime | None:
+    """When the quiet stretch of this host's traffic ``now`` falls in ends (the start of its
+    next hour that is not quiet, in UTC), by each local hour's median rate; None when ``now``
+    is not in one, or the rate of some hour is not known yet (or of none: an idle host)."""
     rates = traffic.typical if traffic is not None else None
-    if rates is None or request_rate is None or not sum(rates) > 0:
+    if rates is None or not sum(rates) > 0:
         return None
     quiet = QUIET * sum(rates) / len(rates)
     local = now.astimezone(zone)
-    hour = local.hour + local.minute / 60 + local.second / 3600
-    if request_rate > quiet or rates[local.hour] > quiet:
+    if rates[local.hour] > quiet:
         return None
-    for step in range(1, int(PREVENT_HORIZON // PREVENT_STEP) + 1):
-        if rates[int(hour + step * PREVENT_STEP / 3600) % 24] > quiet:
-            return (step - 1) * PREVENT_STEP
-    return PREVENT_HORIZON
+    top = local.replace(minute=0, second=0, microsecond=0)
+    # Some hour is above a tenth of the mean: this ends within the day.
+    ahead = next(h for h in range(1, 25) if rates[(local.hour + h) % 24] > quiet)
+    return (top + timedelta(hours=ahead)).astimezone(timezone.utc)
 
 
 # A foretold harm (``harm_in``) waits for the next window only if that opens within this share
