@@ -429,15 +429,16 @@ def evaluate(
 ) -> Verdict:
     """The verdict for a diagnosed ``cause``; ``wanted`` says a restart would fix it. With no
     such cause, a flag change (``flags_due`` says which) is proposed, else a preventive
-    restart once ``plan`` (this server's past runs) says so: from its uptime T*, or in the
-    last window before it; else a scheduled restart once the uptime passes ``max_uptime``;
-    all wait for a window like any cause. ``loss``: the share of speed a diagnosed
-    ``uptime_decline`` or flags due for a rollback cost, weighed against a restart outside
-    the windows. ``harm_in``: the seconds until the harm a cause foretells (a leak reaching
-    MemoryMax); its restart waits for the last window that opens well before it.
-    ``traffic``: this host's rates by local hour, for the percentile gate. ``mono``: the
-    monotonic time of ``now``, which the intervals, cooldown, budget and back-off are measured
-    on for every restart that has one (``RestartRecord.age``)."""
+    restart once ``plan`` (this server's past runs) says so: from its uptime T*, in the last
+    window before it, or at the end of this host's quiet hours (``_prevention``); else a
+    scheduled restart once the uptime passes ``max_uptime``; all wait for a window like any
+    cause. ``loss``: the share of speed a diagnosed ``uptime_decline`` or flags due for a
+    rollback cost, weighed against a restart outside the windows. ``harm_in``: the seconds
+    until the harm a cause foretells (a leak reaching MemoryMax); its restart waits for the
+    last window that opens well before it. ``traffic``: this host's rates by local hour, for
+    the percentile gate and the quiet hours. ``mono``: the monotonic time of ``now``, which
+    the intervals, cooldown, budget and back-off are measured on for every restart that has
+    one (``RestartRecord.age``)."""
     is_open, upcoming = window_state(settings, now)
 
     def verdict(action: str, reason: str, drain: int | None = None) -> Verdict:
