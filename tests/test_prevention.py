@@ -12,7 +12,7 @@ import pytest
 
 from vkvagent.engine.policy import (
     PREVENTION,
-    RATES_MIN_VALUES,
+    TYPICAL_MIN_VALUES,
     Controls,
     PolicySettings,
     RestartRecord,
@@ -294,7 +294,7 @@ def test_no_windows_vetoes_and_an_uncured_slowdown_keep_prevention_back() -> Non
     assert verdict(WINDOWED, 20.0, at(12), history=uncured).action == "none"
 
 
-def traffic(rate_at: dict[int, float], values: float = RATES_MIN_VALUES) -> TrafficProfile:
+def traffic(rate_at: dict[int, float], values: float = TYPICAL_MIN_VALUES) -> TrafficProfile:
     """A profile with ``values`` minutes at each hour's rate (requests/s)."""
     return TrafficProfile({h: {rate_bin(r): values} for h, r in rate_at.items()})
 
@@ -306,7 +306,7 @@ def test_the_profiles_typical_rates_are_known_once_every_hour_has_half_an_hour()
     rates = QUIET_NIGHTS.typical
     assert rates is not None and rates[:7] == (0.0,) * 7  # idle counts as no traffic
     assert all(r == pytest.approx(4.0, rel=0.1) for r in rates[7:])  # a bin's middle rate
-    short = TrafficProfile({**QUIET_NIGHTS.hours, 13: {rate_bin(4.0): RATES_MIN_VALUES - 1}})
+    short = TrafficProfile({**QUIET_NIGHTS.hours, 13: {rate_bin(4.0): TYPICAL_MIN_VALUES - 1}})
     assert short.typical is None
     assert traffic({h: 4.0 for h in range(23)}).typical is None
     # The median: one busy night among two quiet ones leaves the hour quiet.

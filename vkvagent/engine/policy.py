@@ -188,7 +188,7 @@ PROFILE_BINS_PER_OCTAVE = 4
 PROFILE_FLOOR = 1 / 64  # requests/s; slower counts as idle (bin -1)
 # Values each hour of the day needs before its median rate tells prevention's quiet hours: half
 # an hour's (a restart's outage leaves its hour short of a full one).
-RATES_MIN_VALUES = 30
+TYPICAL_MIN_VALUES = 30
 
 
 def rate_bin(rate: float) -> int:
@@ -230,9 +230,9 @@ class TrafficProfile:
     @cached_property
     def typical(self) -> tuple[float, ...] | None:
         """Each local hour's median rate (its bin's middle, the idle bin's 0), once every hour
-        holds RATES_MIN_VALUES values, else None; worked out once per profile (a minute)."""
+        holds TYPICAL_MIN_VALUES values, else None; worked out once per profile (a minute)."""
         known = [
-            c for c in map(self.hours.get, range(24)) if c and sum(c.values()) >= RATES_MIN_VALUES
+            c for c in map(self.hours.get, range(24)) if c and sum(c.values()) >= TYPICAL_MIN_VALUES
         ]
         typical = tuple(_bin_middle(_percentile(c, 50)) for c in known)
         return typical if len(typical) == 24 else None
