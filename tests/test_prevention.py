@@ -353,6 +353,13 @@ def test_prevention_goes_at_the_end_of_a_quiet_night_not_at_its_start() -> None:
     for hour in (2.0, 6.9):
         held = verdict(none, 12.9, at(hour), traffic=QUIET_NIGHTS)
         assert (held.action, held.reason) == ("hold", "outside window (none set)")
+    # A traffic gate picks the quiet moment by the operator's measure: the window, gated.
+    known = traffic({h: 0.0 if h < 7 else 4.0 for h in range(24)}, values=60)
+    for gated in (
+        PolicySettings(mode="enforce", windows=WINDOWED.windows, max_request_rate=0.2),
+        PolicySettings(mode="enforce", windows=WINDOWED.windows, max_request_rate_percentile=90),
+    ):
+        assert verdict(gated, 8.0, at(2), traffic=known, request_rate=0.0).action == "restart"
 
 
 def test_quiet_hours_are_the_hosts_local_ones_across_a_daylight_saving_change() -> None:
@@ -377,6 +384,11 @@ def test_what_holds_every_restart_still_shows_over_a_quiet_hours_wait() -> None:
     paused = Controls(paused_until=at(10).timestamp())
     stopped = verdict(WINDOWED, 8.0, at(2), traffic=QUIET_NIGHTS, controls=paused)
     assert stopped.reason.startswith("paused until")
+    # So do the minimum interval and the daily budget.
+    apart = PolicySettings(mode="enforce", windows=WINDOWED.windows, min_interval=8 * HOUR)
+    recent = (RestartRecord(at(2).timestamp() - 7 * HOUR, "stall"),)
+    spaced = verdict(apart, 8.0, at(2), traffic=QUIET_NIGHTS, history=recent)
+    assert spaced.reason.startswith("min interval")
 
 
 def test_a_slow_plan_does_not_restart_at_every_quiet_nights_end() -> None:

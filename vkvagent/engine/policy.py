@@ -488,8 +488,6 @@ def evaluate(
             f"retry back-off: {aborted} restart attempt(s) in a row aborted, the last "
             f"{_ago(since_aborted)} ago; next try in {_ago(wait - since_aborted)}",
         )
-    if cause == PREVENTION and prevention == HELD:
-        return verdict("hold", held)
     past = sorted(r.age(at, mono) for r in history if not r.aborted)  # ages, youngest first
     if past and past[0] < settings.min_interval:
         return verdict(
@@ -510,6 +508,8 @@ def evaluate(
                 "hold",
                 f"cooldown: last restart {_ago(past[0])} ago (cooldown {_ago(settings.cooldown)})",
             )
+        if cause == PREVENTION and prevention == HELD:
+            return verdict("hold", held)
         if not is_open and prevention == QUIET_END and cause == PREVENTION:
             cheaper = "outside window, at the end of this host's quiet hours"
         elif not is_open:
@@ -586,8 +586,7 @@ def _prevention(
     known), the run's decline costs next to nothing, and so would the restart: it is held
     for the stretch's last QUIET_LAST seconds, and goes there if the run would reach the
     plan's uptime before the same moment a day later. The next run then starts the busy
-    hours fresh, not aged by the quiet ones. Only where restarts may go outside the windows
-    (``when_cheaper``, with windows set): the stretch may end outside them."""
+    hours fresh, not aged by the quiet ones (``_quiet_hours_apply``)."""
     if not settings.prevent or plan is None or uptime is None:
         return "", ""
     if _slowdown_uncured(history, controls):
@@ -595,7 +594,7 @@ def _prevention(
     floor = max(settings.cooldown, DAY / settings.max_per_day)
     at = max(plan.at, floor)
     end = None
-    if settings.outside_windows == "when_cheaper" and settings.parsed and uptime >= floor:
+    if _quiet_hours_apply(settings) and uptime >= floor:
         end = _quiet_end(traffic, now, settings.zone)
     if end is not None and (end - now).total_seconds() > QUIET_LAST:
         if uptime < at:
@@ -615,6 +614,19 @@ def _prevention(
     if later >= at and plan.cost_rate(uptime) <= plan.cost_rate(later):
         return DUE, ""
     return "", ""
+
+
+def _quiet_hours_apply(settings: PolicySettings) -> bool:
+    """Whether prevention keeps to this host's quiet hours: only where restarts may go outside
+    the windows (``when_cheaper``, with windows set: the stretch may end outside them), and
+    without traffic gates, which pick the quiet moment by the operator's own measure (the
+    stretch's last minutes, just before the busy hours, are the likeliest to be gated)."""
+    return (
+        settings.outside_windows == "when_cheaper"
+        and bool(settings.parsed)
+        and settings.max_request_rate <= 0
+        and settings.max_request_rate_percentile <= 0
+    )
 
 
 def _quiet_end(traffic: TrafficProfile | None, now: datetime, zone: ZoneInfo) -> datetime | None:
