@@ -231,11 +231,9 @@ class TrafficProfile:
     def typical(self) -> tuple[float, ...] | None:
         """Each local hour's median rate (its bin's middle, the idle bin's 0), once every hour
         holds TYPICAL_MIN_VALUES values, else None; worked out once per profile (a minute)."""
-        known = [
-            c for c in map(self.hours.get, range(24)) if c and sum(c.values()) >= TYPICAL_MIN_VALUES
-        ]
-        typical = tuple(_bin_middle(_percentile(c, 50)) for c in known)
-        return typical if len(typical) == 24 else None
+        if any(self.count(hour) < TYPICAL_MIN_VALUES for hour in range(24)):
+            return None
+        return tuple(_bin_middle(_percentile(self.hours[hour], 50)) for hour in range(24))
 
     def record(self, rate: float, now: datetime, zone: ZoneInfo) -> TrafficProfile:
         """The profile with ``rate`` (requests/s) at ``now``, at most one value a minute."""
@@ -258,10 +256,9 @@ class TrafficProfile:
     def percentile_bin(self, hour: int, percent: float) -> int | None:
         """The bin holding the ``percent``-th percentile of the hour's rates; None until the
         hour holds PROFILE_MIN_VALUES values."""
-        counts = self.hours.get(hour, {})
-        if sum(counts.values()) < PROFILE_MIN_VALUES:
+        if self.count(hour) < PROFILE_MIN_VALUES:
             return None
-        return _percentile(counts, percent)
+        return _percentile(self.hours[hour], percent)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -634,9 +631,9 @@ def _quiet_end(traffic: TrafficProfile | None, now: datetime, zone: ZoneInfo) ->
     next hour that is not quiet, in UTC), by each local hour's median rate; None when ``now``
     is not in one, or the rate of some hour is not known yet (or of none: an idle host)."""
     rates = traffic.typical if traffic is not None else None
-    if rates is None or not sum(rates) > 0:
+    quiet = QUIET * sum(rates) / len(rates) if rates is not None else 0.0
+    if rates is None or not quiet > 0:
         return None
-    quiet = QUIET * sum(rates) / len(rates)
     local = now.astimezone(zone)
     if rates[local.hour] > quiet:
         return None
