@@ -465,6 +465,10 @@ class Row:
     # What the requests in flight cost its restarts and OOM kills (cut off: their wasted
     # tokens; drained: the demand refused meanwhile), a share of the week's demand.
     in_flight: float = 0.0
+    # How far its reward trails the oracle's, a share of the week's demand: by the end of the
+    # first day (a learning policy's first run), and over the week.
+    short_day_one: float = 0.0
+    short_week: float = 0.0
     of_windowed: float = 0.0  # score over the windowed oracle's
     detected_min: float | None = None  # vkvagent: median minutes to its first fixable cause
     detected: int = 0  # vkvagent: degraded runs in which it named a fixable cause
@@ -520,6 +524,8 @@ def score_world(
     assert abs(top_windowed - windowed.score(model)) < 1e-9
     assert window[list(windowed.restarts)].all() and top_windowed <= top + 1e-12
     rows = []
+    demand = model.total_demand()
+    day_end = min(DAY_STEPS, model.steps) - 1
     for name in POLICIES:
         path = paths[name]
         found = episodes(model, path)
@@ -537,7 +543,9 @@ def score_world(
             delay_min=_median(done),
             missed=len(found) - len(done),
             cut_off=path.cut_off,
-            in_flight=path.in_flight_lost / model.total_demand(),
+            in_flight=path.in_flight_lost / demand,
+            short_day_one=(paths["oracle"].cumulative[day_end] - path.cumulative[day_end]) / demand,
+            short_week=top - path.score(),
             of_windowed=path.score() / top_windowed,
         )
         if name == "vkvagent":
@@ -561,17 +569,23 @@ def _share(value: float) -> str:
     return f"{value * 100:.3f} %" if value else "0"
 
 
+def _shortfall(value: float) -> str:
+    """A shortfall against the oracle, in percent of the week's demand (negative: ahead)."""
+    return "0" if abs(value) < 5e-6 else f"{value * 100:.3f} %"
+
+
 def table(rows: Sequence[Row]) -> str:
     lines = [
         "| scenario | policy | goodput | of oracle | restarts | outside window | wrong "
-        "| OOM kills | requests cut off | in-flight cost | degraded -> restart (median) "
-        "| still degraded at end |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| OOM kills | requests cut off | in-flight cost | short of oracle: day 1 / week "
+        "| degraded -> restart (median) | still degraded at end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.world} | {r.policy} | {r.score:.4f} | {r.of_oracle:.3f} | {r.restarts} | "
             f"{r.outside} | {r.wrong} | {r.kills} | {r.cut_off:.0f} | {_share(r.in_flight)} "
+            f"| {_shortfall(r.short_day_one)} / {_shortfall(r.short_week)} "
             f"| {_minutes(r.delay_min)} | {r.missed} |"
         )
     return "\n".join(lines)

@@ -571,6 +571,7 @@ class Path:
         self.rollbacks: list[int] = []  # the restarts that put the old flags back
         self.slow = False  # the slow flags are in effect
         self.served = np.zeros(model.steps)
+        self.cumulative = np.zeros(model.steps)  # per step: the reward up to its end
         self.uptime = np.zeros(model.steps, dtype=np.int64)
         self.slowed = np.zeros(model.steps, dtype=bool)  # per step: the slow flags in effect
         self.cut_off = 0.0  # requests in flight that restarts and kills cut off
@@ -604,6 +605,7 @@ class Path:
         if u == 0:
             values = self.model.evaluate(k, u, self.slow)
         self.reward += float(values.reward) * STEP
+        self.cumulative[k] = self.reward
         self.served[k] = float(values.served)
         self.uptime[k] = u
         self.slowed[k] = self.slow

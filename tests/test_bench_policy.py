@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -24,6 +25,7 @@ from bench.policy import (
     process_started,
     run_vkvagent,
     summary,
+    table,
     vkvagent_settings,
 )
 from bench.policy_model import (
@@ -189,6 +191,22 @@ def test_a_score_is_the_reward_of_its_restart_times_over_the_demand() -> None:
     assert walk(hot, []).score() == pytest.approx((0.6 + 5) / 6)
     lost, _ = hot.restart_cost(hot.evaluate(0, COLD_STEPS), False)
     assert walk(hot, [0]).score() == pytest.approx(3 / 6 - float(lost) / hot.total_demand())
+
+
+def test_a_path_keeps_its_reward_by_step_for_the_first_days_shortfall() -> None:
+    model = Model(World("steady", ""), steps=6)
+    never, path = walk(model, []), walk(model, [2])
+    assert never.cumulative[-1] == pytest.approx(never.reward)
+    assert path.cumulative[-1] == pytest.approx(path.reward)
+    assert path.cumulative[1] == pytest.approx(never.cumulative[1])  # before the restart
+    # From the restart on, it trails by the cold start and what the restart cut off.
+    lost, _ = model.restart_cost(model.evaluate(2, COLD_STEPS + 2), False)
+    per_step = never.cumulative[0]
+    assert never.cumulative[4] - path.cumulative[4] == pytest.approx(3 * per_step + float(lost))
+    row = Row("w", "p", 0.99, 0.997, 1, 0, 0, 0, None, 0, short_day_one=0.00114,
+              short_week=0.003)  # fmt: skip
+    assert "| 0.114 % / 0.300 % |" in table([row])
+    assert "| 0 / -0.005 % |" in table([replace(row, short_day_one=0, short_week=-5e-5)])
 
 
 def test_a_restart_pays_for_its_requests_in_flight_cut_off_or_drained() -> None:
