@@ -10,7 +10,9 @@ A case says:
 - ``baseline``: this run's fresh baseline, as one dict of medians per load regime (the
   regime follows from ``generation_tokens_per_s``), each counted as ``min_values`` windows;
 - ``columns`` and ``rows``: each row is what one sampling interval saw, as per-second rates
-  and gauges (turned into cumulative counters and histograms here). A row may be an object:
+  and gauges (turned into cumulative counters and histograms here). Optional columns
+  ``prefix_q`` and ``prefix_hit``: the prompt tokens per second looked up in the prefix
+  cache, and found there. A row may be an object:
   ``{"repeat": N, "row": [...], "gpu": {...}, "probe": "ok"}``, ``{"repeat": N, "down":
   "why"}`` (refused) or ``{"repeat": N, "silent": "why"}`` (connected, no answer: hung);
   ``gpu`` sets ``reasons``, ``clock``, ``max``, ``xid`` and ``ecc`` on every GPU; ``probe``
@@ -120,6 +122,8 @@ class _Counters:
     itl_sum: float = 0.0
     ttft: list[float] = dataclasses.field(default_factory=lambda: [0.0] * len(TTFT_BOUNDS))
     ttft_sum: float = 0.0
+    prefix_q: float = 0.0
+    prefix_hit: float = 0.0
 
 
 def _rows(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -195,6 +199,10 @@ def _advance(c: _Counters, v: dict[str, float], dt: float, started: float) -> Vl
     c.prompt += v["prompt_tps"] * dt
     c.req += v["req_ps"] * dt
     c.pre += v["pre_ps"] * dt
+    prefix = "prefix_q" in v
+    if prefix:
+        c.prefix_q += v["prefix_q"] * dt
+        c.prefix_hit += v["prefix_hit"] * dt
     if generated > 0:
         c.steps += dt / v["itl"]
         _observe(c.itl, ITL_BOUNDS, v["itl"], generated)
@@ -214,9 +222,9 @@ def _advance(c: _Counters, v: dict[str, float], dt: float, started: float) -> Vl
         generation_tokens_total=c.gen,
         prompt_tokens_total=c.prompt,
         request_success_total=c.req,
-        prefix_cache_queries_total=None,
-        prefix_cache_hits_total=None,
-        prefix_cache_unit=None,
+        prefix_cache_queries_total=c.prefix_q if prefix else None,
+        prefix_cache_hits_total=c.prefix_hit if prefix else None,
+        prefix_cache_unit="tokens" if prefix else None,
         prefix_cache_hit_rate=None,
         engine_steps_total=c.steps,
         process_start_time=started,
