@@ -143,13 +143,36 @@ def test_one_dip_before_a_quiet_night_and_one_after_are_not_a_held_symptom() -> 
     assert not h.active and h.pending_since == 8400.0
 
 
+def test_a_lighter_window_is_no_evidence_against_a_pending_symptom() -> None:
+    # Bursty traffic: slow at 5.7 requests/s, fine at 2.9, slow again 10 minutes on.
+    h = Hysteresis().step(True, False, 0.0, hold=900.0, load=5.7)
+    h = h.step(True, False, 300.0, hold=900.0, load=4.2)  # a window across both: the lightest
+    assert h.load == 4.2
+    light = h.step(False, True, 420.0, hold=900.0, load=2.9)  # back to 0.95, at half the load
+    assert light == h  # not shown gone: it was never seen that light
+    assert light.step(True, False, 960.0, hold=900.0, load=5.7).active  # held the 15 min
+    # A window as heavy as the lightest it was seen at (less its noise) shows it gone.
+    assert h.step(False, True, 420.0, hold=900.0, load=3.8) == Hysteresis()
+    # Not seen again within the hold, it is forgotten as any other.
+    assert light.step(False, True, 1300.0, hold=900.0, load=2.9) == Hysteresis()
+    # Crossed again after that, its load starts over.
+    stale = light.step(None, None, 1300.0, hold=900.0).step(True, False, 1400.0, 900.0, load=6.0)
+    assert stale.pending_since == 1400.0 and stale.load == 6.0
+    # Active, it is cleared at any load: the run stays due for its cause (Due) instead.
+    active = light.step(True, False, 960.0, hold=900.0, load=5.7)
+    assert active.step(False, True, 1000.0, hold=900.0, load=2.9) == Hysteresis()
+
+
 def test_hysteresis_state_round_trips_through_json() -> None:
     state = DiagnosisState(
-        speed=Hysteresis(True, 10.0, 910.0), kv=Hysteresis(False, 5.0, None),
+        speed=Hysteresis(True, 10.0, 910.0), kv=Hysteresis(False, 5.0, None, 5.0, 3.9),
         progress=Progress(123.0), throttled_at=1.0, throttle_note="GPU 0 hot",
         fault_at=2.0, fault_note="GPU 0 XID 79",
     )  # fmt: skip
     assert DiagnosisState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    saved = state.to_json()
+    del saved["kv"]["load"]  # a state saved before the load was kept
+    assert DiagnosisState.from_json(saved).kv == Hysteresis(False, 5.0, None, 5.0)
 
 
 # -- the stall clock ---------------------------------------------------------------------------

@@ -111,6 +111,11 @@ class DiagnosisSettings:
 # -- state carried between calls ---------------------------------------------------------------
 
 
+# A window at this share of the lightest load a symptom was seen at, or more, can show it gone:
+# the same load, give or take its minute-to-minute noise.
+COMPARABLE_LOAD = 0.9
+
+
 @dataclass(frozen=True)
 class Hysteresis:
     """A symptom that must hold for ``hold`` seconds to become active, and stays active until
@@ -120,17 +125,29 @@ class Hysteresis:
     pending_since: float | None = None
     active_since: float | None = None
     last_entering: float | None = None  # when the entering threshold was last crossed
+    load: float | None = None  # the lightest load (requests/s) it was crossed at
 
     def step(
-        self, entering: bool | None, leaving: bool | None, now: float, hold: float
+        self,
+        entering: bool | None,
+        leaving: bool | None,
+        now: float,
+        hold: float,
+        load: float | None = None,
     ) -> Hysteresis:
         """``entering``: the symptom's threshold is crossed now; ``leaving``: it is clearly
         gone. In between (or None: no evidence, e.g. no baseline at this load) nothing
         changes, so noise around the entering threshold neither resets the clock nor fires:
         the symptom becomes active when it is crossed again ``hold`` after it first was. A
         symptom not crossed again within ``hold`` is forgotten, so one dip before a quiet night
-        and one after it are not a held symptom."""
-        if leaving:
+        and one after it are not a held symptom. With ``load`` (the window's), a lighter window
+        (under COMPARABLE_LOAD of the lightest load it was crossed at) does not show a pending
+        symptom gone: bursty traffic's light minutes are no evidence against a slowdown seen
+        at its heavy ones. An active one is cleared as before: the run stays due for its cause
+        (``Due``), which recovers only under comparable load."""
+        seen_at = None if self.active else self.load
+        lighter = seen_at is not None and load is not None and load < seen_at * COMPARABLE_LOAD
+        if leaving and not lighter:
             return Hysteresis()
         if self.active:
             return self
@@ -140,9 +157,11 @@ class Hysteresis:
             return self
         stale = self.last_entering is not None and now - self.last_entering > hold
         since = self.pending_since if self.pending_since is not None and not stale else now
+        loads = [x for x in (None if stale else self.load, load) if x is not None]
+        lightest = min(loads) if loads else None
         if now - since >= hold:
-            return Hysteresis(True, since, now, now)
-        return Hysteresis(False, since, None, now)
+            return Hysteresis(True, since, now, now, lightest)
+        return Hysteresis(False, since, None, now, lightest)
 
     def held_for(self, now: float) -> float:
         return 0.0 if self.pending_since is None else now - self.pending_since
@@ -153,6 +172,7 @@ class Hysteresis:
             "pending_since": self.pending_since,
             "active_since": self.active_since,
             "last_entering": self.last_entering,
+            "load": self.load,
         }
 
     @classmethod
@@ -162,6 +182,7 @@ class Hysteresis:
             optional_float(data["pending_since"]),
             optional_float(data["active_since"]),
             optional_float(data.get("last_entering")),
+            optional_float(data.get("load")),  # absent in state saved before it
         )
 
 
@@ -771,11 +792,13 @@ def _step_symptoms(
     slow, back = s.enter_ratio, s.leave_ratio
     if declining:
         slow, back = max(slow, 1 - s.trend_loss), max(back, 1 - s.trend_loss / 2)
+    load = None if stats is None else _asked(stats)
     speed = state.speed.step(
         None if ratio is None else ratio < slow,
         None if ratio is None else ratio > back,
         now,
         s.hold,
+        load,
     )
     kv = None if stats is None else _kv_signature(s, stats)
     kv_gone = None if stats is None else _kv_clear(s, stats)
@@ -794,9 +817,9 @@ def _step_symptoms(
         heaviest=heaviest,
         speed=speed,
         leak=state.leak.step(leaking, sealed, now, s.hold),
-        kv=state.kv.step(kv, kv_gone, now, s.hold),
+        kv=state.kv.step(kv, kv_gone, now, s.hold, load),
         stranded=state.stranded.step(
-            stranded, None if stranded is None else not stranded, now, s.hold
+            stranded, None if stranded is None else not stranded, now, s.hold, load
         ),
     )
 
