@@ -149,7 +149,7 @@ def test_a_lighter_window_is_no_evidence_against_a_pending_symptom() -> None:
     h = h.step(True, False, 300.0, hold=900.0, load=4.2)  # a window across both: the lightest
     assert h.load == 4.2
     light = h.step(False, True, 420.0, hold=900.0, load=2.9)  # back to 0.95, at half the load
-    assert light == h  # not shown gone: it was never seen that light
+    assert (light.pending_since, light.load) == (0.0, 4.2)  # never seen that light: kept
     assert light.step(True, False, 960.0, hold=900.0, load=5.7).active  # held the 15 min
     # A window as heavy as the lightest it was seen at (less its noise) shows it gone.
     assert h.step(False, True, 420.0, hold=900.0, load=3.8) == Hysteresis()
@@ -163,15 +163,37 @@ def test_a_lighter_window_is_no_evidence_against_a_pending_symptom() -> None:
     assert active.step(False, True, 1000.0, hold=900.0, load=2.9) == Hysteresis()
 
 
+def test_a_window_without_a_known_rate_is_not_lighter() -> None:
+    slow = situation(window(**SLOW))
+    _, state = run([slow, situation()])
+    assert state.speed == Hysteresis()  # fine at the same load: gone
+    unrated = situation(window(requests_per_s=None, arrivals_per_s=None))  # counters reset
+    _, state = run([slow, unrated])
+    assert state.speed == Hysteresis()  # no rate is not a light load
+
+
+def test_a_symptom_crossed_at_a_load_it_was_seen_gone_at_starts_over() -> None:
+    # Slow once at 6 requests/s, then fine for 14 minutes as the evening's load falls to 4,
+    # then slow once at 4: the fine windows at 4 show that one alone, not a held symptom.
+    h = Hysteresis().step(True, False, 0.0, hold=900.0, load=6.0)
+    for t in range(30, 900, 30):
+        h = h.step(False, True, float(t), hold=900.0, load=max(4.0, 5.3 - 0.05 * (t // 30 - 1)))
+    assert h.pending_since == 0.0 and h.cleared == pytest.approx(5.3)
+    again = h.step(True, False, 900.0, hold=900.0, load=4.0)
+    assert not again.active and again.pending_since == 900.0 and again.cleared is None
+    # Crossed at a load heavier than any it was seen gone at, the clock runs on.
+    assert h.step(True, False, 900.0, hold=900.0, load=6.0).active
+
+
 def test_hysteresis_state_round_trips_through_json() -> None:
     state = DiagnosisState(
-        speed=Hysteresis(True, 10.0, 910.0), kv=Hysteresis(False, 5.0, None, 5.0, 3.9),
+        speed=Hysteresis(True, 10.0, 910.0), kv=Hysteresis(False, 5.0, None, 5.0, 3.9, 2.9),
         progress=Progress(123.0), throttled_at=1.0, throttle_note="GPU 0 hot",
         fault_at=2.0, fault_note="GPU 0 XID 79",
     )  # fmt: skip
     assert DiagnosisState.from_json(json.loads(json.dumps(state.to_json()))) == state
     saved = state.to_json()
-    del saved["kv"]["load"]  # a state saved before the load was kept
+    del saved["kv"]["load"], saved["kv"]["cleared"]  # a state saved before they were kept
     assert DiagnosisState.from_json(saved).kv == Hysteresis(False, 5.0, None, 5.0)
 
 

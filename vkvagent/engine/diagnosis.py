@@ -126,6 +126,9 @@ class Hysteresis:
     active_since: float | None = None
     last_entering: float | None = None  # when the entering threshold was last crossed
     load: float | None = None  # the lightest load (requests/s) it was crossed at
+    # The heaviest of the lighter loads it was seen gone at: evidence once it is crossed at a
+    # load as light.
+    cleared: float | None = None
 
     def step(
         self,
@@ -143,8 +146,9 @@ class Hysteresis:
         and one after it are not a held symptom. With ``load`` (the window's), a lighter window
         (under COMPARABLE_LOAD of the lightest load it was crossed at) does not show a pending
         symptom gone: bursty traffic's light minutes are no evidence against a slowdown seen
-        at its heavy ones. An active one is cleared as before: the run stays due for its cause
-        (``Due``), which recovers only under comparable load."""
+        at its heavy ones, until it is crossed at a load that light (then it starts over). An
+        active one is cleared as before: the run stays due for its cause (``Due``), which
+        recovers only under comparable load."""
         seen_at = None if self.active else self.load
         lighter = seen_at is not None and load is not None and load < seen_at * COMPARABLE_LOAD
         if leaving and not lighter:
@@ -154,14 +158,20 @@ class Hysteresis:
         if not entering:
             if self.last_entering is not None and now - self.last_entering > hold:
                 return Hysteresis()
+            if leaving and load is not None:  # gone at a lighter load: kept for later
+                return replace(self, cleared=max(self.cleared or 0.0, load))
             return self
         stale = self.last_entering is not None and now - self.last_entering > hold
+        # Crossed at a load it was seen gone at since: it starts over from this crossing.
+        stale = stale or (
+            load is not None and self.cleared is not None and self.cleared >= load * COMPARABLE_LOAD
+        )
         since = self.pending_since if self.pending_since is not None and not stale else now
         loads = [x for x in (None if stale else self.load, load) if x is not None]
         lightest = min(loads) if loads else None
         if now - since >= hold:
             return Hysteresis(True, since, now, now, lightest)
-        return Hysteresis(False, since, None, now, lightest)
+        return Hysteresis(False, since, None, now, lightest, None if stale else self.cleared)
 
     def held_for(self, now: float) -> float:
         return 0.0 if self.pending_since is None else now - self.pending_since
@@ -173,6 +183,7 @@ class Hysteresis:
             "active_since": self.active_since,
             "last_entering": self.last_entering,
             "load": self.load,
+            "cleared": self.cleared,
         }
 
     @classmethod
@@ -182,7 +193,8 @@ class Hysteresis:
             optional_float(data["pending_since"]),
             optional_float(data["active_since"]),
             optional_float(data.get("last_entering")),
-            optional_float(data.get("load")),  # absent in state saved before it
+            optional_float(data.get("load")),  # these two absent in state saved before them
+            optional_float(data.get("cleared")),
         )
 
 
@@ -792,7 +804,10 @@ def _step_symptoms(
     slow, back = s.enter_ratio, s.leave_ratio
     if declining:
         slow, back = max(slow, 1 - s.trend_loss), max(back, 1 - s.trend_loss / 2)
-    load = None if stats is None else _asked(stats)
+    # The load asked, where a rate is known (a counter reset in the window leaves none).
+    load = None
+    if stats is not None and (stats.arrivals_per_s is not None or stats.requests_per_s is not None):
+        load = _asked(stats)
     speed = state.speed.step(
         None if ratio is None else ratio < slow,
         None if ratio is None else ratio > back,
