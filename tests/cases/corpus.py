@@ -16,7 +16,9 @@ A case says:
   ``{"repeat": N, "row": [...], "gpu": {...}, "probe": "ok"}``, ``{"repeat": N, "down":
   "why"}`` (refused) or ``{"repeat": N, "silent": "why"}`` (connected, no answer: hung);
   ``gpu`` sets ``reasons``, ``clock``, ``max``, ``xid`` and ``ecc`` on every GPU; ``probe``
-  is the outcome of an active probe sent at that sample (``ok``, ``timeout``);
+  is the outcome of an active probe sent at that sample (``ok``, ``timeout``); ``"reset":
+  true`` starts every counter again from zero at the entry's first sample, the process start
+  unchanged;
 - optional ``memory``: ``{"start": bytes, "per_request": bytes, "max": bytes}``, the
   unit's memory and its MemoryMax (optional);
 - optional ``restarts``: ``[{"at": ISO, "cause": ..., "recovered": ...}]``;
@@ -131,8 +133,8 @@ def _rows(data: dict[str, Any]) -> Iterator[dict[str, Any]]:
         if isinstance(entry, list):
             yield {"row": entry}
             continue
-        for _ in range(entry.get("repeat", 1)):
-            yield entry
+        for i in range(entry.get("repeat", 1)):
+            yield entry if i == 0 else {k: v for k, v in entry.items() if k != "reset"}
 
 
 def _ticks(
@@ -152,6 +154,8 @@ def _ticks(
     probe = ProbeFacts()
     for entry in _rows(data):
         wall += interval
+        if entry.get("reset"):  # the counters start again from zero, the process start kept
+            counters = _Counters(gen=0.0, prompt=0.0, req=0.0, steps=0.0)
         mono = wall - started + 1000.0
         down = entry.get("down") or entry.get("silent") or ""
         if down:
