@@ -525,7 +525,11 @@ def score_world(
     assert window[list(windowed.restarts)].all() and top_windowed <= top + 1e-12
     rows = []
     demand = model.total_demand()
-    day_end = min(DAY_STEPS, model.steps) - 1
+
+    def behind(path: Path, step: int) -> float:
+        """How far ``path``'s reward trails the oracle's by the end of ``step``."""
+        return float(paths["oracle"].cumulative[step] - path.cumulative[step]) / demand
+
     for name in POLICIES:
         path = paths[name]
         found = episodes(model, path)
@@ -544,8 +548,8 @@ def score_world(
             missed=len(found) - len(done),
             cut_off=path.cut_off,
             in_flight=path.in_flight_lost / demand,
-            short_day_one=(paths["oracle"].cumulative[day_end] - path.cumulative[day_end]) / demand,
-            short_week=top - path.score(),
+            short_day_one=behind(path, min(DAY_STEPS, model.steps) - 1),
+            short_week=behind(path, model.steps - 1),
             of_windowed=path.score() / top_windowed,
         )
         if name == "vkvagent":
@@ -565,12 +569,7 @@ def _minutes(value: float | None) -> str:
 
 
 def _share(value: float) -> str:
-    """A share of the week's demand, in percent."""
-    return f"{value * 100:.3f} %" if value else "0"
-
-
-def _shortfall(value: float) -> str:
-    """A shortfall against the oracle, in percent of the week's demand (negative: ahead)."""
+    """A share of the week's demand, in percent ("0" below what three decimals show)."""
     return "0" if abs(value) < 5e-6 else f"{value * 100:.3f} %"
 
 
@@ -585,7 +584,7 @@ def table(rows: Sequence[Row]) -> str:
         lines.append(
             f"| {r.world} | {r.policy} | {r.score:.4f} | {r.of_oracle:.3f} | {r.restarts} | "
             f"{r.outside} | {r.wrong} | {r.kills} | {r.cut_off:.0f} | {_share(r.in_flight)} "
-            f"| {_shortfall(r.short_day_one)} / {_shortfall(r.short_week)} "
+            f"| {_share(r.short_day_one)} / {_share(r.short_week)} "
             f"| {_minutes(r.delay_min)} | {r.missed} |"
         )
     return "\n".join(lines)

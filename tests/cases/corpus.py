@@ -18,7 +18,7 @@ A case says:
   ``gpu`` sets ``reasons``, ``clock``, ``max``, ``xid`` and ``ecc`` on every GPU; ``probe``
   is the outcome of an active probe sent at that sample (``ok``, ``timeout``); ``"reset":
   true`` starts every counter again from zero at the entry's first sample, the process start
-  unchanged;
+  unchanged (not with ``memory``, which counts the requests served from the first row);
 - optional ``memory``: ``{"start": bytes, "per_request": bytes, "max": bytes}``, the
   unit's memory and its MemoryMax (optional);
 - optional ``restarts``: ``[{"at": ISO, "cause": ..., "recovered": ...}]``;

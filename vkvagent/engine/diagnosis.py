@@ -113,7 +113,7 @@ class DiagnosisSettings:
 
 # A window at this share of the lightest load a symptom was seen at, or more, can show it gone:
 # the same load, give or take its minute-to-minute noise.
-COMPARABLE_LOAD = 0.9
+SAME_LOAD_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -144,13 +144,13 @@ class Hysteresis:
         the symptom becomes active when it is crossed again ``hold`` after it first was. A
         symptom not crossed again within ``hold`` is forgotten, so one dip before a quiet night
         and one after it are not a held symptom. With ``load`` (the window's), a lighter window
-        (under COMPARABLE_LOAD of the lightest load it was crossed at) does not show a pending
+        (under SAME_LOAD_SHARE of the lightest load it was crossed at) does not show a pending
         symptom gone: bursty traffic's light minutes are no evidence against a slowdown seen
-        at its heavy ones, until it is crossed at a load that light (then it starts over). An
-        active one is cleared as before: the run stays due for its cause (``Due``), which
-        recovers only under comparable load."""
+        at its heavy ones. They count once it is crossed at a load that light: if one showed
+        it gone there, it starts over. An active one is cleared as before: the run stays due
+        for its cause (``Due``), which recovers only under comparable load."""
         seen_at = None if self.active else self.load
-        lighter = seen_at is not None and load is not None and load < seen_at * COMPARABLE_LOAD
+        lighter = seen_at is not None and load is not None and load < seen_at * SAME_LOAD_SHARE
         if leaving and not lighter:
             return Hysteresis()
         if self.active:
@@ -158,20 +158,21 @@ class Hysteresis:
         if not entering:
             if self.last_entering is not None and now - self.last_entering > hold:
                 return Hysteresis()
-            if leaving and load is not None:  # gone at a lighter load: kept for later
+            if leaving and load is not None:  # (lighter, so load is known) kept for later
                 return replace(self, cleared=max(self.cleared or 0.0, load))
             return self
-        stale = self.last_entering is not None and now - self.last_entering > hold
-        # Crossed at a load it was seen gone at since: it starts over from this crossing.
-        stale = stale or (
-            load is not None and self.cleared is not None and self.cleared >= load * COMPARABLE_LOAD
+        # Not crossed within the hold, or crossed at a load it was seen gone at since: it
+        # starts over from this crossing.
+        starts_over = (self.last_entering is not None and now - self.last_entering > hold) or (
+            load is not None and self.cleared is not None and self.cleared >= load * SAME_LOAD_SHARE
         )
-        since = self.pending_since if self.pending_since is not None and not stale else now
-        loads = [x for x in (None if stale else self.load, load) if x is not None]
+        since = self.pending_since if self.pending_since is not None and not starts_over else now
+        loads = [x for x in (None if starts_over else self.load, load) if x is not None]
         lightest = min(loads) if loads else None
         if now - since >= hold:
             return Hysteresis(True, since, now, now, lightest)
-        return Hysteresis(False, since, None, now, lightest, None if stale else self.cleared)
+        cleared = None if starts_over else self.cleared
+        return Hysteresis(False, since, None, now, lightest, cleared)
 
     def held_for(self, now: float) -> float:
         return 0.0 if self.pending_since is None else now - self.pending_since
