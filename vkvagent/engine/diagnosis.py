@@ -619,15 +619,17 @@ def _recovered(s: DiagnosisSettings, state: DiagnosisState, situation: Situation
         h.pending_since is not None for h in (state.speed, state.kv, state.stranded, state.leak)
     ):
         return False
-    return due.cause not in LOAD_BOUND or due.demand is None or _asked(stats) >= due.demand
+    asked = _asked(stats) or 0.0
+    return due.cause not in LOAD_BOUND or due.demand is None or asked >= due.demand
 
 
-def _asked(stats: WindowStats) -> float:
+def _asked(stats: WindowStats) -> float | None:
     """Requests/s arriving: after a storm the server completes its backlog faster than
-    requests arrive, which is not more demand (``_demand`` takes the larger, for vetoes)."""
+    requests arrive, which is not more demand (``_demand`` takes the larger, for vetoes).
+    None where neither rate is known (a counter reset in the window)."""
     if stats.arrivals_per_s is not None:
         return stats.arrivals_per_s
-    return stats.requests_per_s or 0.0
+    return stats.requests_per_s
 
 
 def _span(seconds: float) -> str:
@@ -805,10 +807,7 @@ def _step_symptoms(
     slow, back = s.enter_ratio, s.leave_ratio
     if declining:
         slow, back = max(slow, 1 - s.trend_loss), max(back, 1 - s.trend_loss / 2)
-    # The load asked, where a rate is known (a counter reset in the window leaves none).
-    load = None
-    if stats is not None and (stats.arrivals_per_s is not None or stats.requests_per_s is not None):
-        load = _asked(stats)
+    load = None if stats is None else _asked(stats)
     speed = state.speed.step(
         None if ratio is None else ratio < slow,
         None if ratio is None else ratio > back,
