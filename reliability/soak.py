@@ -52,6 +52,9 @@ from vkvagent.history import History
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DAY = 86400.0
 RSS_GROWTH_MIB = 2.0
+# Simulated seconds between copies to the archive: a sample is pruned before it is copied
+# only if one tick comes more than (retention - ARCHIVE_EVERY) late.
+ARCHIVE_EVERY = 3600.0
 
 
 @dataclass
@@ -187,20 +190,24 @@ def loop(
     soak: Soak, daemon: Daemon, kept: History, decisions: io.TextIOBase, url: str, state: Path
 ) -> None:
     period = soak.interval / soak.scale
-    per_hour = max(1, round(3600 / soak.interval))
     every = max(1, round(6 * 3600 / soak.interval))
     began = next_at = time.monotonic()
     first = last_archived = -math.inf
-    end = math.inf
+    end = archive_at = math.inf
     while True:
         decision = daemon.tick()
         at = decision.time.timestamp()
         if soak.ticks == 0:
             first, end = at, at + soak.days * DAY
+            archive_at = at + ARCHIVE_EVERY
         soak.ticks += 1
         action, cause, head, run = decision.key()
         decisions.write(json.dumps([at, action, cause, head, run, decision.ratio]) + "\n")
-        if soak.ticks % per_hour == 0:
+        # By simulated time, not by ticks: a late tick spans more than `interval`, so an
+        # hour's worth of late ticks can outlast the retention, and the daemon's pruning
+        # would delete samples before they were copied.
+        if at >= archive_at:
+            archive_at = at + ARCHIVE_EVERY
             last_archived, copied = archive(daemon, kept, last_archived)
             soak.archived += copied
             with urllib.request.urlopen(url, timeout=5) as answer:  # the endpoint, scraped
