@@ -16,7 +16,7 @@ descriptors and threads come back to the same count, and the history stays withi
 retention (rows and bytes stop growing once pruning has begun).
 
 Nothing lost: every tick's sample reached the history. The samples are copied out to an
-archive (another ``History``) every simulated hour, before retention could prune them, and
+archive (another ``History``) after every tick, before retention could prune them, and
 each tick's decision is written to a file. At the end ``replay.replay`` runs the engine over
 the archived samples; its decision at every timestamp (action, cause, the reason's head, the
 vLLM run, the speed ratio) must equal the daemon's: the daemon's decisions are a deterministic
@@ -52,9 +52,7 @@ from vkvagent.history import History
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DAY = 86400.0
 RSS_GROWTH_MIB = 2.0
-# Simulated seconds between copies to the archive: a sample is pruned before it is copied
-# only if one tick comes more than (retention - ARCHIVE_EVERY) late.
-ARCHIVE_EVERY = 3600.0
+SCRAPE_EVERY = 3600.0  # simulated seconds between scrapes of the daemon's own /metrics
 
 
 @dataclass
@@ -193,23 +191,24 @@ def loop(
     every = max(1, round(6 * 3600 / soak.interval))
     began = next_at = time.monotonic()
     first = last_archived = -math.inf
-    end = archive_at = math.inf
+    end = scrape_at = math.inf
     while True:
         decision = daemon.tick()
         at = decision.time.timestamp()
         if soak.ticks == 0:
             first, end = at, at + soak.days * DAY
-            archive_at = at + ARCHIVE_EVERY
+            scrape_at = at + SCRAPE_EVERY
         soak.ticks += 1
         action, cause, head, run = decision.key()
         decisions.write(json.dumps([at, action, cause, head, run, decision.ratio]) + "\n")
-        # By simulated time, not by ticks: a late tick spans more than `interval`, so an
-        # hour's worth of late ticks can outlast the retention, and the daemon's pruning
-        # would delete samples before they were copied.
-        if at >= archive_at:
-            archive_at = at + ARCHIVE_EVERY
-            last_archived, copied = archive(daemon, kept, last_archived)
-            soak.archived += copied
+        # Every tick, so the daemon's pruning never reaches a sample not yet copied: on a busy
+        # host one late tick can span more simulated time than the retention (2 s of real time
+        # here is 1.3 simulated hours), and copies made every so many ticks, or every hour,
+        # then lost samples.
+        last_archived, copied = archive(daemon, kept, last_archived)
+        soak.archived += copied
+        if at >= scrape_at:
+            scrape_at = at + SCRAPE_EVERY
             with urllib.request.urlopen(url, timeout=5) as answer:  # the endpoint, scraped
                 answer.read()
             soak.scrapes += 1
@@ -224,8 +223,6 @@ def loop(
         else:
             soak.late += 1
             next_at = now
-    last_archived, copied = archive(daemon, kept, last_archived)
-    soak.archived += copied
     measure(soak, state, first, at)
     soak.elapsed = time.monotonic() - began
     soak.simulated = at - first
