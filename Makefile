@@ -1,5 +1,6 @@
 # vkvagent developer entry points. `make dev` once, then `make test`.
 PYTHON ?= python3
+comma := ,
 VENV ?= .venv
 BIN := $(VENV)/bin
 PY39 ?= $(shell pyenv prefix 3.9.18 2>/dev/null)/bin/python3
@@ -16,7 +17,7 @@ $(BIN)/python:
 dev: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+	$(call timed,venv$(comma) Python $(PYVERSION)) $(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
 # The README's first command: a simulated vLLM degrades and the agent loop diagnoses it (~30 s).
@@ -103,16 +104,26 @@ $(VKVAGENT_VLLM_HOME)/model/.made: tests/vllm_model.py $(VKVAGENT_VLLM_HOME)/ven
 	$(VLLM_PYTHON) tests/vllm_model.py $(VKVAGENT_VLLM_HOME)/model
 	touch $@
 
+# `$(call timed,PHASE) COMMAND`: COMMAND, and where VKVAGENT_PHASES names a file (.ci/run sets
+# it) its seconds added there, for the table of phase times .ci/run ends with.
+timed = tools/timed '$(1)'
+# The venv's Python version, read when a recipe runs (the venv exists by then).
+PYVERSION = $(shell $(BIN)/python -c 'import platform; print(platform.python_version())')
+
 lint:
-	$(BIN)/ruff check vkvagent tests bench reliability tools
-	$(BIN)/ruff format --check vkvagent tests bench reliability tools
+	$(call timed,ruff check) $(BIN)/ruff check vkvagent tests bench reliability tools
+	$(call timed,ruff format) $(BIN)/ruff format --check vkvagent tests bench reliability tools
 
 typecheck:
-	$(BIN)/mypy
+	$(call timed,mypy) $(BIN)/mypy
 
+# pytest-xdist workers: the tests mostly wait (on systemd, vLLM, fast clocks), so twice the
+# cores. tests/conftest.py keeps a module's tests on one worker and the real vLLM's on one.
+JOBS ?= $(shell echo $$(( $$(nproc) * 2 )))
 PYTEST_ARGS ?=
 unit:
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(call timed,pytest$(comma) Python $(PYVERSION)) $(BIN)/pytest -q -n $(JOBS) --dist loadscope \
+		$(if $(VKVAGENT_PHASES),--junit-xml=$(VKVAGENT_PHASES)-$(PYVERSION).xml) $(PYTEST_ARGS)
 
 # The oldest and newest supported Pythons (RHEL 9's 3.9, and 3.13), each in its own venv,
 # installed by pyenv when missing. The real-vLLM tests ran once, in `make test`: the agent

@@ -3,8 +3,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from vkvagent.engine.baseline import WindowStats
 from vkvagent.engine.samples import VllmMetrics
@@ -28,6 +30,55 @@ def counter(name: str, value: float, labels: str = 'model_name="m"') -> str:
 
 def gauge(name: str, value: float, labels: str = 'model_name="m"') -> str:
     return f"# HELP {name} help\n# TYPE {name} gauge\n{name}{{{labels}}} {value}\n"
+
+
+# No time limit on an example: on 2 cores shared by several test workers and a vLLM, a fast
+# example can take over Hypothesis's 200 ms now and then, and fail a test at random. Speed is
+# the benchmarks' to measure (bench/), not the property tests'.
+settings.register_profile("vkvagent", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("vkvagent")
+
+# The modules with tests marked `vllm` (the real vLLM). pytest-xdist's scheduler sees test ids,
+# not marks, so they are named here; a `vllm` test elsewhere stops the run.
+REAL_VLLM_MODULES = frozenset({
+    "tests/test_flag_facts.py", "tests/test_vllm_drain.py", "tests/test_vllm_hangs.py",
+    "tests/test_vllm_real.py",
+})  # fmt: skip
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real vLLM's modules first: under pytest-xdist (`make unit`) one worker runs them
+    from the start, while the others share the rest. Together they are the run's longest
+    chain."""
+    stray = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("vllm") and _module(item.nodeid) not in REAL_VLLM_MODULES
+    ]
+    if stray:
+        raise pytest.UsageError(f"add their modules to REAL_VLLM_MODULES (conftest.py): {stray}")
+    items.sort(key=lambda item: _module(item.nodeid) not in REAL_VLLM_MODULES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist: a module's tests on one worker, as in a serial run (its module
+    fixtures, such as a built package or a booted sandbox, are made once), and the real
+    vLLM's modules on one, one vLLM at a time (each takes 3 GB and a core)."""
+    if config.getvalue("dist") == "each":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no type hints
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return "the real vLLM" if module in REAL_VLLM_MODULES else module
+
+    return ByModule(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -56,10 +56,10 @@ COMMAND_TIMEOUT = 2 * START_TIMEOUT + 60  # an apply that fails, then rolls back
 # The unit's command line without the flags vkvagent manages.
 UNMANAGED = (
     str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
-    "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", "8000",
+    "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", "8000", "--enforce-eager",
 )  # fmt: skip
 FLAGS: dict[str, object] = {
-    "gpu-memory-utilization": 0.25,
+    "gpu-memory-utilization": 0.15,
     "block-size": 64,
     "enable-prefix-caching": False,
     "max-num-seqs": 4,
@@ -67,7 +67,7 @@ FLAGS: dict[str, object] = {
 }
 # As vkvagent writes them: after the last option, in its catalogue's order.
 RENDERED = (
-    "--gpu-memory-utilization", "0.25", "--block-size", "64", "--no-enable-prefix-caching",
+    "--gpu-memory-utilization", "0.15", "--block-size", "64", "--no-enable-prefix-caching",
     "--max-num-seqs", "4", "--max-model-len", "1024",
 )  # fmt: skip
 
@@ -102,7 +102,7 @@ def test_the_real_vllm_serves_as_vllm_service(vllm_box: Sandbox) -> None:
         SERVED,
     )
     assert metrics["generation_tokens_total"] >= 8
-    assert metrics["cache_config"]["gpu_memory_utilization"] == "0.2"
+    assert metrics["cache_config"]["gpu_memory_utilization"] == "0.1"
 
 
 # -- 1. flags applied and proven ---------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_apply_puts_the_flags_into_the_real_vllm_and_proves_them(vllm_box: Sandb
     assert running_argv(vllm_box) == (*UNMANAGED, *RENDERED)
     # What vLLM itself says it runs with.
     shown = cache_config(vllm_box)
-    assert shown["gpu_memory_utilization"] == "0.25"
+    assert shown["gpu_memory_utilization"] == "0.15"
     assert (shown["block_size"], shown["user_specified_block_size"]) == ("64", "True")
     assert shown["enable_prefix_caching"] == "False"
     assert models(vllm_box)["max_model_len"] == 1024
@@ -320,7 +320,7 @@ def test_plan_reads_the_real_units_command_line(vllm_box: Sandbox) -> None:
     running = running_argv(vllm_box)
     assert f"before: {shlex.join(running)}\n" in planned.stdout
     changed = (
-        "--gpu-memory-utilization", "0.25", "--block-size", "64", "--enable-prefix-caching",
+        "--gpu-memory-utilization", "0.15", "--block-size", "64", "--enable-prefix-caching",
         "--max-num-seqs", "2", "--max-model-len", "1024",
     )  # fmt: skip
     assert f"after:  {shlex.join((*UNMANAGED, *changed))}\n" in planned.stdout
@@ -328,15 +328,15 @@ def test_plan_reads_the_real_units_command_line(vllm_box: Sandbox) -> None:
 
     # A suggestion, as the daemon's status.json would carry it, reviewed against this vLLM:
     # its version (GET /version: 0.32) leaves out --swap-space, gone since 0.11.
-    sandbox_status(vllm_box, {"gpu-memory-utilization": 0.28, "swap-space": 4,
+    sandbox_status(vllm_box, {"gpu-memory-utilization": 0.18, "swap-space": 4,
                               "enable-prefix-caching": True})  # fmt: skip
     shown = vkvagent(vllm_box, "plan", "--suggested")
     assert shown.returncode == 0, output(shown)
     assert "\nleft out: --swap-space: not settable on vLLM 0.32" in shown.stdout
     assert "\nalready in [vllm.flags]: --enable-prefix-caching\n" in shown.stdout
-    assert "\n-gpu-memory-utilization = 0.25\n+gpu-memory-utilization = 0.28\n" in shown.stdout
+    assert "\n-gpu-memory-utilization = 0.15\n+gpu-memory-utilization = 0.18\n" in shown.stdout
     assert f"before: {shlex.join(running)}\n" in shown.stdout
-    suggested = (*changed[:1], "0.28", *changed[2:])
+    suggested = (*changed[:1], "0.18", *changed[2:])
     assert f"after:  {shlex.join((*UNMANAGED, *suggested))}\n" in shown.stdout
     assert unit(vllm_box).invocation_id == invocation
 
