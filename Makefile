@@ -8,7 +8,7 @@ PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
 # pyenv prefix printing nothing would leave /bin/python3: refuse rather than test another Python.
 check-python = $(if $(filter /bin/python3,$(1)),$(error $(2) not found: install it with pyenv))
 
-.PHONY: dev deps vllm-real vllm-flag-facts demo test lint typecheck unit test-pythons test-pythons-run bench bench-policy bench-restart reliability config-example package clean
+.PHONY: dev deps vllm-real vllm-flag-facts demo test lint typecheck unit unit-vllm unit-rest test-pythons test-pythons-run bench bench-policy bench-restart reliability config-example package clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -117,13 +117,24 @@ lint:
 typecheck:
 	$(call timed,mypy) $(BIN)/mypy
 
-# pytest-xdist workers: the tests mostly wait (on systemd, vLLM, fast clocks), so twice the
-# cores. tests/conftest.py keeps a module's tests on one worker and the real vLLM's on one.
+# The tests in two runs. First the real vLLM's, alone, in one process: each holds a vLLM
+# that takes a core and 3 GB, and their waits are timed against its start-up; beside other
+# workers on 2 cores its starts doubled and tests that time a start or a simulator failed.
+# Then the rest on pytest-xdist workers (JOBS, twice the cores: they mostly wait on systemd
+# and fast clocks); tests/conftest.py keeps a module's tests on one worker.
 JOBS ?= $(shell echo $$(( $$(nproc) * 2 )))
+MARKS ?= not vllm
 PYTEST_ARGS ?=
-unit:
-	$(call timed,pytest$(comma) Python $(PYVERSION)) $(BIN)/pytest -q -n $(JOBS) --dist loadscope \
-		$(if $(VKVAGENT_PHASES),--junit-xml=$(VKVAGENT_PHASES)-$(PYVERSION).xml) $(PYTEST_ARGS)
+junit = $(if $(VKVAGENT_PHASES),--junit-xml=$(VKVAGENT_PHASES)-$(PYVERSION)$(1).xml)
+unit: unit-vllm unit-rest
+
+unit-vllm:
+	$(call timed,pytest -m vllm$(comma) Python $(PYVERSION)) $(BIN)/pytest -q -m vllm \
+		$(call junit,-vllm) $(PYTEST_ARGS)
+
+unit-rest:
+	$(call timed,pytest -m "$(MARKS)" -n $(JOBS)$(comma) Python $(PYVERSION)) \
+		$(BIN)/pytest -q -m '$(MARKS)' -n $(JOBS) --dist loadscope $(call junit) $(PYTEST_ARGS)
 
 # The oldest and newest supported Pythons (RHEL 9's 3.9, and 3.13), each in its own venv,
 # installed by pyenv when missing. The real-vLLM tests ran once, in `make test`: the agent
@@ -138,8 +149,8 @@ test-pythons: deps
 test-pythons-run:
 	$(call check-python,$(PY39),Python 3.9.18)
 	$(call check-python,$(PY313),Python 3.13.0)
-	$(PY39) --version && $(MAKE) VENV=.venv-3.9 PYTHON=$(PY39) dev unit PYTEST_ARGS='-m "not vllm and not package"'
-	$(PY313) --version && $(MAKE) VENV=.venv-3.13 PYTHON=$(PY313) dev unit PYTEST_ARGS='-m "not vllm and not package"'
+	$(PY39) --version && $(MAKE) VENV=.venv-3.9 PYTHON=$(PY39) dev unit-rest MARKS='not vllm and not package'
+	$(PY313) --version && $(MAKE) VENV=.venv-3.13 PYTHON=$(PY313) dev unit-rest MARKS='not vllm and not package'
 
 bench: dev
 	$(BIN)/python bench/scrape.py

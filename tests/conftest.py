@@ -38,8 +38,10 @@ def gauge(name: str, value: float, labels: str = 'model_name="m"') -> str:
 settings.register_profile("vkvagent", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("vkvagent")
 
-# The modules with tests marked `vllm` (the real vLLM). pytest-xdist's scheduler sees test ids,
-# not marks, so they are named here; a `vllm` test elsewhere stops the run.
+# The modules with tests marked `vllm` (the real vLLM). `make unit` runs those tests alone,
+# first; a `pytest -n N` over all of them still runs one vLLM at a time (each takes a core and
+# 3 GB): pytest-xdist's scheduler sees test ids, not marks, so the modules are named here, and
+# a `vllm` test elsewhere stops the run.
 REAL_VLLM_MODULES = frozenset({
     "tests/test_flag_facts.py", "tests/test_vllm_drain.py", "tests/test_vllm_hangs.py",
     "tests/test_vllm_real.py",
@@ -51,9 +53,9 @@ def _module(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The real vLLM's modules first: under pytest-xdist (`make unit`) one worker runs them
-    from the start, while the others share the rest. Together they are the run's longest
-    chain."""
+    """The modules that boot a systemd first: they are the long ones (a minute or more each),
+    so under pytest-xdist the short ones fill in around them instead of one of them ending
+    the run alone."""
     stray = [
         item.nodeid
         for item in items
@@ -61,14 +63,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ]
     if stray:
         raise pytest.UsageError(f"add their modules to REAL_VLLM_MODULES (conftest.py): {stray}")
-    items.sort(key=lambda item: _module(item.nodeid) not in REAL_VLLM_MODULES)
+    booting = {_module(item.nodeid) for item in items if item.get_closest_marker("systemd")}
+    items.sort(key=lambda item: _module(item.nodeid) not in booting)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist: a module's tests on one worker, as in a serial run (its module
     fixtures, such as a built package or a booted sandbox, are made once), and the real
-    vLLM's modules on one, one vLLM at a time (each takes 3 GB and a core)."""
+    vLLM's modules together on one."""
     if config.getvalue("dist") == "each":
         return None
     from xdist.scheduler import LoadScopeScheduling

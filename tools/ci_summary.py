@@ -23,12 +23,12 @@ def phases(file: Path) -> list[tuple[float, str, int]]:
     return rows
 
 
-def slowest(reports: list[Path], count: int) -> list[tuple[float, str, str]]:
-    """The ``count`` slowest tests over every report: (seconds with set-up and tear-down, run,
-    test id)."""
+def slowest(phases_file: Path, count: int) -> list[tuple[float, str, str]]:
+    """The ``count`` slowest tests over every report beside ``phases_file``: (seconds with
+    set-up and tear-down, run, test id)."""
     tests = []
-    for report in reports:
-        run = report.stem.rsplit("-", 1)[-1]
+    for report in sorted(phases_file.parent.glob(f"{phases_file.name}-*.xml")):
+        run = report.name[len(phases_file.name) + 1 : -len(".xml")]  # 3.9.18, 3.11.7-vllm
         for case in ET.parse(report).iter("testcase"):
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
             tests.append((float(case.get("time") or 0.0), run, name))
@@ -43,11 +43,11 @@ def main(argv: list[str]) -> int:
     for seconds, phase, status in rows:
         print(f"{seconds:8.1f}  {phase}{'' if status == 0 else f'  (exit {status})'}")
     print(f"{sum(seconds for seconds, _, _ in rows):8.1f}  in all")
-    reports = sorted(file.parent.glob(f"{file.name}-*.xml"))
-    if reports:
+    tests = slowest(file, count)
+    if tests:
         print(f"\nThe {count} slowest tests (seconds, set-up and tear-down included):")
-        for seconds, run, name in slowest(reports, count):
-            print(f"{seconds:8.1f}  {run:10} {name}")
+        for seconds, run, name in tests:
+            print(f"{seconds:8.1f}  {run:12} {name}")
     return 0
 
 
