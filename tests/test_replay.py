@@ -552,41 +552,43 @@ def with_entry(entry: Any) -> str:
     return json.dumps(response)
 
 
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ("<html>502</html>", "not JSON: Expecting value: line 1 column 1 (char 0)"),
-        ("[1, 2]", "not a Prometheus query_range response (expected a JSON object)"),
-        (valid(status="error", errorType="bad_data", error="parse error"),
-         "Prometheus error: bad_data: parse error"),
-        (valid(status="pending"), '"status" is "pending", not "success"'),
-        (valid(data=None), 'no "data" object'),
-        (valid(data={"resultType": "vector", "result": []}),
-         'resultType is "vector", not "matrix" (save /api/v1/query_range responses, not '
-         "/api/v1/query)"),
-        (valid(data={"resultType": "matrix"}), '"data.result" is not a list'),
-        (with_entry({"metric": {"job": "x"}, "values": []}),
-         "has no __name__: query raw series (a selector), not an expression"),
-        (with_entry({"metric": {"__name__": "vllm:x", "a": 1}, "values": []}),
-         '"metric" is not an object of string labels'),
-        (with_entry({"metric": {"__name__": "vllm:x"}, "values": [[1, 2]]}),
-         '(vllm:x): values[0] is not [time, "value"]: [1, 2]'),
-        (with_entry({"metric": {"__name__": "vllm:x"}, "values": [["1", "2"]]}),
-         '(vllm:x): values[0] is not [time, "value"]: ["1", "2"]'),
-        (with_entry({"metric": {"__name__": "vllm:x"}, "values": [[1, "two"]]}),
-         '(vllm:x): values[0] is not [time, "value"]: [1, "two"]'),
-        (json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
-            {"metric": {"__name__": "up"}, "values": [[1, "1"]]}]}}),
-         "no vLLM series (vllm:*) in the input (found: up)"),
-        (json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
-            {"metric": {"__name__": "vllm:num_requests_running"}, "values": []}]}}),
-         "the vLLM series hold no points in the range: nothing to replay"),
-        (json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
-            {"metric": {"__name__": "vllm:num_requests_running"},
-             "values": [[1, "1"], [301, "1"]]}]}}),
-         "step 300 s is too coarse for the 300 s baseline window: use at most 150 s"),
-    ],
-)  # fmt: skip
+BAD_FILES = [
+    ("<html>502</html>", "not JSON: Expecting value: line 1 column 1 (char 0)"),
+    ("[1, 2]", "not a Prometheus query_range response (expected a JSON object)"),
+    (valid(status="error", errorType="bad_data", error="parse error"),
+     "Prometheus error: bad_data: parse error"),
+    (valid(status="pending"), '"status" is "pending", not "success"'),
+    (valid(data=None), 'no "data" object'),
+    (valid(data={"resultType": "vector", "result": []}),
+     'resultType is "vector", not "matrix" (save /api/v1/query_range responses, not '
+     "/api/v1/query)"),
+    (valid(data={"resultType": "matrix"}), '"data.result" is not a list'),
+    (with_entry({"metric": {"job": "x"}, "values": []}),
+     "has no __name__: query raw series (a selector), not an expression"),
+    (with_entry({"metric": {"__name__": "vllm:x", "a": 1}, "values": []}),
+     '"metric" is not an object of string labels'),
+    (with_entry({"metric": {"__name__": "vllm:x"}, "values": [[1, 2]]}),
+     '(vllm:x): values[0] is not [time, "value"]: [1, 2]'),
+    (with_entry({"metric": {"__name__": "vllm:x"}, "values": [["1", "2"]]}),
+     '(vllm:x): values[0] is not [time, "value"]: ["1", "2"]'),
+    (with_entry({"metric": {"__name__": "vllm:x"}, "values": [[1, "two"]]}),
+     '(vllm:x): values[0] is not [time, "value"]: [1, "two"]'),
+    (json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
+        {"metric": {"__name__": "up"}, "values": [[1, "1"]]}]}}),
+     "no vLLM series (vllm:*) in the input (found: up)"),
+    (json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
+        {"metric": {"__name__": "vllm:num_requests_running"}, "values": []}]}}),
+     "the vLLM series hold no points in the range: nothing to replay"),
+    (json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
+        {"metric": {"__name__": "vllm:num_requests_running"},
+         "values": [[1, "1"], [301, "1"]]}]}}),
+     "step 300 s is too coarse for the 300 s baseline window: use at most 150 s"),
+]  # fmt: skip
+
+
+# Named by the message: the texts hold the simulator's series in an order that varies from one
+# process to another, and pytest-xdist's workers must all collect the same test names.
+@pytest.mark.parametrize(("text", "message"), BAD_FILES, ids=[m for _, m in BAD_FILES])
 def test_bad_files_fail_in_one_line(tmp_path: Path, text: str, message: str) -> None:
     path = write(tmp_path / "bad.json", text)
     code, out, err = run_cli(str(path), "--config", str(write(tmp_path / "c.toml", "")))
