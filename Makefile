@@ -118,8 +118,8 @@ typecheck:
 	$(call timed,mypy) $(BIN)/mypy
 
 # The tests in two runs. First the real vLLM's, alone, in one process: each holds a vLLM
-# that takes a core and 3 GB, and their waits are timed against its start-up; beside other
-# workers on 2 cores its starts doubled and tests that time a start or a simulator failed.
+# that takes a core and 3 GB, and their waits are timed against its start-up (beside other
+# workers on 2 cores, they took 20 minutes instead of 15, and tests with bounded waits failed).
 # Then the rest on pytest-xdist workers (JOBS, twice the cores: they mostly wait on systemd
 # and fast clocks); tests/conftest.py keeps a module's tests on one worker.
 JOBS ?= $(shell echo $$(( $$(nproc) * 2 )))
