@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import metrics
 from tests.sandbox import (
     Sandbox,
     exec_line,
@@ -678,6 +679,55 @@ def test_a_drained_restart_gives_vllm_its_shutdown_timeout_then_lets_it_drain(
     said = "\n".join(sandbox.messages(VLLM))
     assert "[shutdown] EngineCore: draining in-flight requests count=" in said
     assert "[shutdown] EngineCore: request processing complete" in said
+
+
+class _Watched:
+    """What a stop's watch needs of the actuator: /metrics pages in turn (None: refused) and
+    a clock that moves one second a look."""
+
+    def __init__(self, *in_flight: float | None) -> None:
+        self.pages = [None if n is None else metrics(num_requests_running=n) for n in in_flight]
+        self.now = 100.0
+
+    def _scrape(self) -> object:
+        return self.pages.pop(0)
+
+    def _clock(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def _wall(self) -> float:
+        return 1e9
+
+    def _progress(self, line: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("pages", "aborted"),
+    [
+        ((9, 9, 4, None), 0.0),  # gone between two looks, 3 s in: it drained and exited
+        ((9, 9, 4, 0, None), 0.0),  # seen with none left
+        ((9, 9, 9, 9, 9, 9, None), 9.0),  # gone at its 5 s timeout: it aborted what was left
+    ],
+)
+def test_a_vllm_that_exits_before_its_shutdown_timeout_aborted_nothing(
+    pages: tuple[float | None, ...], aborted: float
+) -> None:
+    """vLLM exits early only once its drain is over; it aborts requests only at its
+    --shutdown-timeout. A vLLM gone between two looks that saw requests in flight cut none."""
+    from vkvagent.actuator import _Stop
+
+    before = UnitState(
+        "vllm.service", "loaded", "active", "running", "success", 42, "ab" * 16, 0, 0, None,
+        (), "/etc/systemd/system/vllm.service", (), 5, 10_000_000,
+    )  # fmt: skip
+    watched = _Watched(*pages)
+    stop = _Stop(watched, before, "vllm", None, shutdown=5)  # type: ignore[arg-type]
+    while watched.pages:
+        stop.tick()
+    costs = stop.costs(ready_at=watched.now + 10)
+    assert (costs.in_flight, costs.aborted) == (9.0, aborted)
 
 
 def test_no_drain_kills_a_vllm_that_would_drain_and_counts_what_it_cut_off(

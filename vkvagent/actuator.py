@@ -1017,7 +1017,7 @@ class _Stop:
     ) -> None:
         self.actuator, self.drain, self.waited, self.shutdown = actuator, drain, waited, shutdown
         metrics = actuator._scrape()
-        self.in_flight = self.last = _in_flight(metrics)  # last: at vLLM's last answer since
+        self.in_flight = _in_flight(metrics)
         self.busy = self.in_flight or 0.0  # the last non-zero count seen
         self.rate: float | None = None  # the run's mean requests/s until the stop
         start = before.exec_main_start_timestamp / 1e6
@@ -1039,11 +1039,11 @@ class _Stop:
         if metrics is None:
             self.gone_at = now
             return
-        self.last = _in_flight(metrics) or 0.0
-        if self.last:
-            self.busy = self.last
+        left = _in_flight(metrics) or 0.0
+        if left:
+            self.busy = left
             a._progress(
-                f"stopping: vLLM finishing {self.last:.0f} requests in flight "
+                f"stopping: vLLM finishing {left:.0f} requests in flight "
                 f"({now - self.requested:.0f} s of at most {self.shutdown} s)"
             )
         elif self.drained_at is None:
@@ -1053,18 +1053,14 @@ class _Stop:
         drained: float | None = self.waited
         aborted: float | None = self.in_flight  # stopped without a drain: all of them
         if self.drain == "vllm":
-            # None left in flight; vLLM went away with some; or it was gone before a first
-            # look (vLLM exits once its drain is over).
-            end, left = (
-                (self.drained_at, 0.0)
-                if self.drained_at is not None
-                else (self.gone_at, self.last)
-                if self.gone_at is not None
-                else (self.stopped_at, 0.0)
-            )
+            # None left in flight; vLLM went away (it exits once its drain is over, so it may
+            # go between two looks that saw requests in flight); or it was gone before a
+            # first look.
+            ends = (self.drained_at, self.gone_at, self.stopped_at)
+            end = next((t for t in ends if t is not None), None)
             drained = None if end is None else end - self.requested
-            # Past its --shutdown-timeout, vLLM aborts what is left.
-            aborted = self.busy if drained is not None and drained >= self.shutdown else left
+            # vLLM aborts what is left only at its --shutdown-timeout.
+            aborted = self.busy if drained is not None and drained >= self.shutdown else 0.0
         down = None if ready_at is None else ready_at - self.requested
         missed = None if self.rate is None or down is None else self.rate * down
         return Costs(self.drain, self.in_flight, aborted, drained, down, missed)
