@@ -102,7 +102,7 @@ def test_the_values_are_immutable(etc: Path) -> None:
         ),
         ("[gpu]\nenabled = 1\n", 2, "gpu.enabled: expected true or false, got integer 1"),
         ("[vllm]\nunit = '../../tmp/x.service'\n", 2, "vllm.unit: '../../tmp/x.service' is not"),
-        ("[vllm]\nunit = 'vllm'\n", 2, "vllm.unit: 'vllm' is not a service unit name"),
+        ("[vllm]\nunit = 'vllm.socket'\n", 2, "vllm.unit: 'vllm.socket' is not a service unit"),
         ("[gpu]\ndevices = 0\n", 2, "gpu.devices: expected a list of integers, got integer 0"),
         ("[gpu]\ndevices = [0, -1]\n", 2, "gpu.devices: list item integer -1: -1 is out of range"),
         ("[vllm]\nread_timeout = nan\n", 2, "vllm.read_timeout: must be finite"),
@@ -248,6 +248,44 @@ def test_restart_hooks_must_be_programs_that_can_run(etc: Path, tmp_path: Path) 
     assert loaded.restart.post_ready == () and loaded.restart.when_busy == "proceed"
 
 
+@pytest.mark.parametrize(
+    ("written", "read"),
+    [("vllm", "vllm.service"), ("vllm@a", "vllm@a.service"), ("vllm-0.10", "vllm-0.10.service"),
+     ("vllm.service", "vllm.service"), ("vllm@a.service", "vllm@a.service")],
+)  # fmt: skip
+def test_a_unit_name_without_a_suffix_is_a_service_as_systemctl_reads_it(
+    etc: Path, written: str, read: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main_file = write(etc / "config.toml", f"[vllm]\nunit = '{written}'\n", mode=0o600)
+    notes: list[str] = []
+    assert config.load(etc, as_root=False, notes=notes).vllm.unit == read
+    said = [f'{main_file}:2: vllm.unit: "{written}" read as "{read}"'] if written != read else []
+    assert notes == said
+    assert main(["config", "check", str(etc)]) == 0
+    out = capsys.readouterr().out
+    assert f'\nunit = "{read}"\n' in out
+    assert all(f"# {note}\n" in out for note in said)
+
+
+def test_a_conf_d_file_not_named_toml_is_reported_and_editor_leftovers_are_not(
+    etc: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write(etc / "config.toml", "[vllm]\nmodel = 'm'\n", mode=0o600)
+    typo = write(etc / "conf.d" / "60-win.tom", "[policy]\nmode = 'enforce'\n", mode=0o600)
+    for leftover in ("60-win.toml~", ".60-win.toml.swp", "60-win.toml.dpkg-old", "60.toml.bak",
+                     "60.toml.rpmsave"):  # fmt: skip
+        write(etc / "conf.d" / leftover, "[policy]\nmode = 'enforce'\n", mode=0o600)
+    (etc / "conf.d" / "old").mkdir()  # a directory is nobody's config file either
+    notes: list[str] = []
+    assert config.load(etc, as_root=False, notes=notes).policy.mode == "observe"
+    assert notes == [f"{typo}: ignored: conf.d reads only *.toml files"]
+    assert main(["config", "check", str(etc)]) == 0
+    said = capsys.readouterr()
+    assert said.out.startswith("# configuration valid, with 1 warning(s) on stderr; read: ")
+    assert f"vkvagent: warning: {typo}: ignored: conf.d reads only *.toml files\n" in said.err
+    assert "60-win.toml~" not in said.err and ".swp" not in said.err
+
+
 def test_vllm_flags_are_checked_by_the_flag_catalogue(etc: Path) -> None:
     write(
         etc / "config.toml",
@@ -372,4 +410,4 @@ def test_any_value_is_either_accepted_with_its_type_or_refused_cleanly(
         for key, value in table.items():
             got = getattr(loaded.vllm, key)
             assert type(got) is type(getattr(Config().vllm, key))
-            assert got == value
+            assert got == value or (key == "unit" and got == f"{value}.service")

@@ -15,7 +15,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Callable, TextIO
 
-from vkvagent import __version__, advice, config, controls, fleet, replay, status
+from vkvagent import __version__, advice, config, controls, fleet, hardening, replay, status
 from vkvagent.actuator import Actuator, Outcome, Plan
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.gpu_faults import describe_xid
@@ -338,13 +338,33 @@ def _config_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_check(args: argparse.Namespace, out: TextIO) -> int:
-    loaded = config.load(args.path)
+    notes: list[str] = []
+    loaded = config.load(args.path, notes=notes)
     files = config.config_files(args.path)
-    print(
-        f"# configuration OK; read: {', '.join(map(str, files)) or 'no file, defaults only'}",
-        file=out,
-    )
+    warnings = [note for note in notes if note.endswith(config.SKIPPED)]
+    sandbox = hardening.Sandbox.installed()
+    refused = hardening.refusals(loaded, sandbox) if sandbox is not None else []
+    warnings += [f"{r.key}: {r.message}" for r in refused]
+    read = ", ".join(map(str, files)) or "no file, defaults only"
+    said = f"valid, with {len(warnings)} warning(s) on stderr" if warnings else "OK"
+    print(f"# configuration {said}; read: {read}", file=out)
+    for note in notes:
+        if note not in warnings:
+            print(f"# {note}", file=out)
+    if sandbox is None:
+        print(f"# {hardening.UNIT} is not installed here: its sandbox was not checked", file=out)
     out.write(config.render(loaded))
+    out.flush()
+    for warning in warnings:
+        print(f"vkvagent: warning: {warning}", file=sys.stderr)
+    text = hardening.dropin(refused)
+    if text is not None:  # the lines to paste, as they are
+        print(
+            f"vkvagent: the hardened {hardening.UNIT} allows them with this drop-in, "
+            f"{hardening.DROPIN} (then: systemctl daemon-reload; systemctl restart vkvagent):",
+            file=sys.stderr,
+        )
+        sys.stderr.write(text)
     return ExitCode.OK
 
 

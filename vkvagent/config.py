@@ -49,10 +49,15 @@ def setting(
     choices: Sequence[str] | None = None,
     item: type | None = None,
     check: Callable[[Any], str | None] | None = None,
+    complete: Callable[[Any], Any] | None = None,
 ) -> Any:
     """A config key: its default (whose type is the key's type), its doc and its limits.
-    ``check(value)`` (of each item, for a list) says what else is wrong with it, or None."""
-    meta = {"doc": doc, "min": min, "max": max, "choices": choices, "item": item, "check": check}
+    ``check(value)`` (of each item, for a list) says what else is wrong with it, or None.
+    ``complete(value)`` is the value meant by a shorthand (checked after completion)."""
+    meta = {
+        "doc": doc, "min": min, "max": max, "choices": choices, "item": item, "check": check,
+        "complete": complete,
+    }  # fmt: skip
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -103,11 +108,23 @@ class MetricsConfig:
     textfile: str = setting(
         "",
         "Also write the metrics to this file for node_exporter's textfile collector (e.g. "
-        "/var/lib/node_exporter/textfile_collector/vkvagent.prom); empty: no file.",
+        "/var/lib/node_exporter/textfile_collector/vkvagent.prom; the hardened unit needs a "
+        "drop-in to write there, which `vkvagent config check` prints); empty: no file.",
     )
 
 
 _UNIT_NAME = re.compile(r"[A-Za-z0-9:_.\\@-]{1,250}\.service")
+# systemd's unit types: a name ending in none of them is a service's (systemctl's reading).
+_UNIT_TYPES = ("service", "socket", "device", "mount", "automount", "swap", "target", "path",
+               "timer", "slice", "scope")  # fmt: skip
+
+
+def _service_name(name: str) -> str:
+    """``vllm`` means ``vllm.service``, as ``systemctl restart vllm`` reads it."""
+    _stem, dot, kind = name.rpartition(".")
+    if not name or (dot and kind in _UNIT_TYPES):
+        return name
+    return f"{name}.service"
 
 
 def _check_unit(name: str) -> str | None:
@@ -128,7 +145,14 @@ def _check_flag(key: str, value: Any) -> str | None:
 
 @dataclass(frozen=True)
 class VllmConfig:
-    unit: str = setting("vllm.service", "The systemd unit that runs vLLM.", check=_check_unit)
+    unit: str = setting(
+        "vllm.service",
+        "The systemd unit that runs vLLM; a name without a type suffix is a service's (vllm: "
+        "vllm.service). Another than vllm.service needs a drop-in for the hardened unit, "
+        "which `vkvagent config check` prints.",
+        check=_check_unit,
+        complete=_service_name,
+    )
     url: str = setting(
         "http://127.0.0.1:8000",
         "Base URL of vLLM's OpenAI server; /metrics and /version are read below it.",
@@ -713,6 +737,31 @@ def config_files(path: Path | None = None) -> list[Path]:
     return files
 
 
+# Left behind by editors and package managers, and skipped without a word: nobody meant them
+# to be read. Any other file in conf.d not named *.toml (60-win.tom) is a mistake to report.
+_LEFTOVERS = re.compile(
+    r"^\.|~$|\.(bak|orig|old|disabled|swp|rpmnew|rpmsave|rpmorig)$|\.(dpkg|ucf)-"
+)
+
+
+SKIPPED = "ignored: conf.d reads only *.toml files"
+
+
+def skipped_files(path: Path | None = None) -> list[Path]:
+    """The files in conf.d that are not read because they are not ``*.toml``, leftovers of
+    editors and package managers (``*~``, ``.*.swp``, ``*.dpkg-old``, ``*.bak``) left out."""
+    if path is not None and not path.is_dir():
+        return []
+    dropins = (path if path is not None else DEFAULT_DIR) / DROPIN_DIR
+    if not dropins.is_dir():
+        return []
+    return sorted(
+        p
+        for p in dropins.iterdir()
+        if p.suffix != ".toml" and p.is_file() and not _LEFTOVERS.search(p.name)
+    )
+
+
 def insecure_reason(path: Path) -> str | None:
     """Why a root daemon must not trust ``path``: it controls a root service's command line."""
     st = path.stat()
@@ -723,11 +772,15 @@ def insecure_reason(path: Path) -> str | None:
     return None
 
 
-def load(path: Path | None = None, *, as_root: bool | None = None) -> Config:
+def load(
+    path: Path | None = None, *, as_root: bool | None = None, notes: list[str] | None = None
+) -> Config:
     """Read, merge and check the configuration. Raises ConfigError listing every problem.
 
     ``as_root`` (default: whether this process is root) refuses files and directories that
-    someone other than root could have written."""
+    someone other than root could have written. ``notes``, when given, receives a line for
+    each thing read otherwise than written (a completed unit name, a conf.d file skipped)."""
+    notes = [] if notes is None else notes
     if as_root is None:
         as_root = os.geteuid() == 0
     if path is not None and not path.exists():
@@ -741,8 +794,9 @@ def load(path: Path | None = None, *, as_root: bool | None = None) -> Config:
                 problems.append(f"{checked}: refused: {reason}; it controls a root service")
     merged: dict[str, Any] = {}
     origins: dict[tuple[str, ...], str] = {}
+    notes += [f"{p}: {SKIPPED}" for p in skipped_files(path)]
     for file in files:
-        problems += _merge_file(file, merged, origins)
+        problems += _merge_file(file, merged, origins, notes)
     built: Config = _build(Config, merged)  # of the valid keys: contradictions show too
     problems += _engine_problems(built, origins)
     if problems:
@@ -795,7 +849,7 @@ def _with_parents(files: Sequence[Path]) -> Iterator[Path]:
 
 
 def _merge_file(
-    file: Path, merged: dict[str, Any], origins: dict[tuple[str, ...], str]
+    file: Path, merged: dict[str, Any], origins: dict[tuple[str, ...], str], notes: list[str]
 ) -> list[str]:
     try:
         text = file.read_text(encoding="utf-8")
@@ -807,7 +861,11 @@ def _merge_file(
         return [_syntax_problem(file, str(exc))]
     locate = _Locator(text)
     problems: list[str] = []
-    _merge_table(Config, data, merged, (), lambda key: f"{file}:{locate(key)}", problems, origins)
+
+    def where(key: tuple[str, ...]) -> str:
+        return f"{file}:{locate(key)}"
+
+    _merge_table(Config, data, merged, (), where, problems, origins, notes)
     return problems
 
 
@@ -825,6 +883,7 @@ def _merge_table(
     where: Any,
     problems: list[str],
     origins: dict[tuple[str, ...], str],
+    notes: list[str],
 ) -> None:
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key, value in data.items():
@@ -854,7 +913,9 @@ def _merge_table(
                 problems.append(f"{where(path)}: {dotted}: expected a table [{dotted}]")
                 continue
             sub = merged.setdefault(key, {})
-            _merge_table(spec.metadata["section"], value, sub, path, where, problems, origins)
+            _merge_table(
+                spec.metadata["section"], value, sub, path, where, problems, origins, notes
+            )
         else:
             problem = _check_value(value, spec)
             if problem:
@@ -862,6 +923,11 @@ def _merge_table(
             else:
                 merged[key] = _coerce(value, spec)
                 origins[path] = where(path)
+                if spec.metadata["complete"] is not None and merged[key] != value:
+                    notes.append(
+                        f"{where(path)}: {dotted}: {json.dumps(value)} read as "
+                        f"{json.dumps(merged[key])}"
+                    )
 
 
 def _key_text(key: str) -> str:
@@ -926,11 +992,15 @@ def _check_scalar(value: Any, default: Any, spec: dataclasses.Field[Any]) -> str
     ):
         return f"{value} is out of range (allowed: {_allowed(spec)})"
     if meta["check"] is not None:
+        if meta["complete"] is not None:
+            value = meta["complete"](value)
         return meta["check"](value)  # type: ignore[no-any-return]
     return None
 
 
 def _coerce(value: Any, spec: dataclasses.Field[Any]) -> Any:
+    if spec.metadata["complete"] is not None:
+        return spec.metadata["complete"](value)
     if isinstance(spec.default, tuple):
         return tuple(value)
     if isinstance(spec.default, float):
