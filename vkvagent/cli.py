@@ -47,12 +47,34 @@ class UsageError(CommandError):
     """The command line is wrong in a way argparse cannot tell (exit 2)."""
 
 
+# Exit status after the reader of stdout went away (`vkvagent replay ... | head -3`): the
+# shell's for a writer SIGPIPE ended, as other programs in a pipeline report it.
+BROKEN_PIPE = 128 + 13
+
+
 def main(
     argv: Sequence[str] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
     out, err = stdout or sys.stdout, stderr or sys.stderr
+    try:
+        code = _dispatch(argv, out, err)
+        for stream in {id(out): out, id(sys.stdout): sys.stdout}.values():
+            stream.flush()  # a reader gone shows here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:
+        # Quietly, as a program SIGPIPE ends. Python's advice (the signal module's docs):
+        # point stdout at /dev/null, so that the flush at exit does not fail again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (tests)
+            pass
+        return BROKEN_PIPE
+
+
+def _dispatch(argv: Sequence[str] | None, out: TextIO, err: TextIO) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["sim", "serve"]:
         # vLLM's flags follow: they are parsed as vllm serve parses them, not by this parser.
@@ -73,6 +95,8 @@ def main(
         return ExitCode.USAGE if isinstance(exc, UsageError) else ExitCode.FAILURE
     except KeyboardInterrupt:
         return ExitCode.FAILURE
+    except BrokenPipeError:  # the reader went away: not a bug (main() ends quietly)
+        raise
     except Exception as exc:  # a bug: say so in one line unless asked for the traceback
         if os.environ.get("VKVAGENT_DEBUG"):
             raise
@@ -163,7 +187,9 @@ def _parser() -> argparse.ArgumentParser:
     rollback = commands.add_parser(
         "rollback", help="put back the drop-in vkvagent replaced last, and restart"
     )
-    rollback.add_argument("--reason", default="manual rollback")
+    rollback.add_argument(
+        "--reason", default="manual rollback", help="recorded in the ledger and events"
+    )
     _fleet_option(rollback)
     _config_option(rollback)
     rollback.set_defaults(command=_rollback)
@@ -251,7 +277,9 @@ def _parser() -> argparse.ArgumentParser:
     status_cmd.set_defaults(command=_status)
 
     pause = commands.add_parser(
-        "pause", help="no restarts by the daemon until a time (emergencies included)"
+        "pause",
+        help="the daemon makes no restart until a time, not even an emergency's (a stall, a "
+        "hung engine); `vkvagent restart` and `apply` still act",
     )
     until = pause.add_mutually_exclusive_group(required=True)
     until.add_argument("--until", metavar="TIME", help="ISO 8601 or Unix seconds")
@@ -271,7 +299,13 @@ def _parser() -> argparse.ArgumentParser:
         help="a simulated vLLM degrading and the real agent loop diagnosing it, on a fast "
         "clock (about a minute; no root, GPU or systemd)",
     )
-    demo.add_argument("--time-scale", type=float, default=400.0, metavar="X")
+    demo.add_argument(
+        "--time-scale",
+        type=float,
+        default=400.0,
+        metavar="X",
+        help="simulated seconds per real second (default: 400)",
+    )
     demo.set_defaults(command=_demo)
 
     config_cmd = commands.add_parser("config", help="configuration")
@@ -436,6 +470,8 @@ def _resume(args: argparse.Namespace, out: TextIO) -> int:
 def _demo(args: argparse.Namespace, out: TextIO) -> int:
     from vkvagent import demo  # noqa: PLC0415 - the agent never loads the simulator's driver
 
+    if not (0 < args.time_scale < float("inf")):
+        raise UsageError(f"demo: --time-scale must be a number above 0, not {args.time_scale:g}")
     try:
         return demo.run(out, scale=args.time_scale)
     except demo.DemoError as exc:
@@ -566,9 +602,13 @@ def _gpu(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         json.dump({"gpus": [r.to_json() for r in readings], "error": problem}, out, indent=2)
         out.write("\n")
-    else:
-        out.write(describe_gpus(readings, problem))
-    return ExitCode.FAILURE if problem and not readings else ExitCode.OK
+    elif readings:
+        out.write(describe_gpus(readings))
+    if problem is None:
+        return ExitCode.OK
+    # Some GPUs read: what is missing is a warning. None: the command failed.
+    print(f"vkvagent: {'warning: ' if readings else ''}{problem}", file=sys.stderr)
+    return ExitCode.OK if readings else ExitCode.FAILURE
 
 
 def _actuator(settings: config.Config, err: TextIO) -> Actuator:
@@ -900,7 +940,7 @@ def describe_metrics(m: VllmMetrics) -> str:
     return "\n".join(lines) + "\n"
 
 
-def describe_gpus(readings: Sequence[GpuReading], problem: str | None) -> str:
+def describe_gpus(readings: Sequence[GpuReading]) -> str:
     lines = []
     for r in readings:
 
@@ -925,6 +965,4 @@ def describe_gpus(readings: Sequence[GpuReading], problem: str | None) -> str:
                 else ""
             )
         )
-    if problem:
-        lines.append(problem)
     return "\n".join(lines) + "\n"
