@@ -168,12 +168,8 @@ def test_config_check_warns_and_prints_the_drop_in_instead_of_configuration_ok(
         "/etc/systemd/system/vkvagent.service.d/50-paths.conf (then: systemctl daemon-reload; "
         "systemctl restart vkvagent):"
     )
-    assert (
-        err[5:]
-        == hardening.dropin(
-            hardening.refusals(load(tmp_path, TRAPPED), Sandbox.parse([SHIPPED]))
-        ).splitlines()
-    )  # type: ignore[union-attr]
+    text = hardening.dropin(hardening.refusals(load(tmp_path, TRAPPED), Sandbox.parse([SHIPPED])))
+    assert text is not None and err[5:] == text.splitlines()
     (tmp_path / "config.toml").write_text("", encoding="utf-8")
     assert main(["config", "check", str(tmp_path / "config.toml")]) == 0
     said = capsys.readouterr()
