@@ -75,6 +75,11 @@ EOF
 PYTHONPATH=. "$PYTHON" -c 'import sys; from pathlib import Path; from vkvagent import config
 sys.exit(config.load(Path(sys.argv[1]), as_root=False) != config.Config())' "$stage/config.toml"
 
+# Shell completion, generated from the command's own parser so it names every option.
+mkdir -p "$stage/completion"
+"$PYTHON" tools/completion.py bash >"$stage/completion/vkvagent"
+"$PYTHON" tools/completion.py zsh >"$stage/completion/_vkvagent"
+
 gzip -9n <packaging/vkvagent.8 >"$stage/vkvagent.8.gz"
 gzip -9n <CHANGELOG.md >"$stage/changelog.gz"
 # The packages' own changelog, which nfpm writes as changelog.Debian.gz and as the rpm's

@@ -64,6 +64,7 @@ COMMON_FILES = (
     "/usr/share/vkvagent/prometheus/vkvagent-rules.yml",
     "/usr/share/vkvagent/grafana/vkvagent.json",
     "/usr/share/vkvagent/siem/rsyslog-vkvagent.conf",
+    "/usr/share/bash-completion/completions/vkvagent",
     "/usr/lib/vkvagent/vkvagent/cli.py",
     "/usr/lib/vkvagent/jeepney/__init__.py",
     "/usr/lib/vkvagent/prometheus_client/__init__.py",
@@ -197,7 +198,8 @@ def test_the_deb_holds_the_program_unit_config_docs_and_rules(packages: tuple[Pa
     files = deb_files(deb)
     for path in (*COMMON_FILES, "/lib/systemd/system/vkvagent.service",
                  "/usr/share/doc/vkvagent/copyright", "/usr/share/doc/vkvagent/changelog.Debian.gz",
-                 "/etc/vkvagent/conf.d"):  # fmt: skip
+                 "/etc/vkvagent/conf.d",
+                 "/usr/share/zsh/vendor-completions/_vkvagent"):  # fmt: skip
         assert path in files, path
     assert files["/usr/bin/vkvagent"] == "-rwxr-xr-x"
     assert not any(p.startswith("/usr/lib/systemd/") for p in files)
@@ -224,7 +226,8 @@ def test_the_rpm_lists_the_expected_files_and_conffiles(
     _deb, rpm = packages
     files = set(run("rpm", "-qpl", rpm, env=rpm_home).stdout.split())
     rpm_only = ("/usr/lib/systemd/system/vkvagent.service", "/var/lib/vkvagent",
-                "/usr/share/licenses/vkvagent/LICENSE", "/etc/vkvagent/conf.d")  # fmt: skip
+                "/usr/share/licenses/vkvagent/LICENSE", "/etc/vkvagent/conf.d",
+                "/usr/share/zsh/site-functions/_vkvagent")  # fmt: skip
     for path in (*COMMON_FILES, *OWN_DIRS, *rpm_only):
         assert path in files, path
     assert not any(p.startswith("/lib/") for p in files)
@@ -416,6 +419,8 @@ SHARED = {
     "/", "/etc", "/lib", "/lib/systemd", "/lib/systemd/system", "/usr", "/usr/bin", "/usr/lib",
     "/usr/lib/systemd", "/usr/lib/systemd/system", "/usr/share", "/usr/share/doc",
     "/usr/share/man", "/usr/share/man/man8", "/usr/share/licenses", "/var", "/var/lib",
+    "/usr/share/bash-completion", "/usr/share/bash-completion/completions", "/usr/share/zsh",
+    "/usr/share/zsh/vendor-completions", "/usr/share/zsh/site-functions",
 }  # fmt: skip
 
 
@@ -475,7 +480,9 @@ def test_the_rpm_installs_and_erases(packages: tuple[Path, Path]) -> None:
     _deb, package = packages
     conffile, state = Path("/etc/vkvagent/config.toml"), Path("/var/lib/vkvagent")
     # Parents rpm creates that Debian lacks (/usr/share/licenses): removed again at the end.
-    parents = [Path(p) for p in ("/usr/share/licenses",) if not Path(p).exists()]
+    parents = [Path(p) for p in ("/usr/share/licenses", "/usr/share/zsh/site-functions",
+               "/usr/share/zsh", "/usr/share/bash-completion/completions",
+               "/usr/share/bash-completion") if not Path(p).exists()]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="vkvagent-rpmdb-") as dbpath:
         rpm = ("rpm", "--dbpath", dbpath)
         try:
