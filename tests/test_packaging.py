@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from tests.sandbox import Sandbox, SandboxError, require, sandbox_fixture  # noqa: F401 - the `sandbox` fixture
-from vkvagent import __version__, config
+from vkvagent import __version__, config, hardening
 from vkvagent.cli import main
 from vkvagent.history import History
 
@@ -683,6 +683,16 @@ def test_the_units_sandbox_grants_what_the_agent_needs_and_nothing_more(
         "NoNewPrivs": "1",
         "Seccomp": "2",
     }
+    # `config check`'s reading of the installed unit (hardening.py) agrees with what systemd
+    # enforced, path by path.
+    model = hardening.Sandbox.installed(sandbox.root)
+    assert model is not None
+    for name, path in (("write drop-in dir", "/etc/systemd/system/vllm.service.d"),
+                       ("write state", "/var/lib/vkvagent"),
+                       ("write /etc/vkvagent", "/etc/vkvagent"),
+                       ("write other drop-in", "/etc/systemd/system"),
+                       ("write /usr", "/usr/lib/vkvagent")):  # fmt: skip
+        assert (model.access(path) == hardening.WRITE) == (found[name] == "ok"), name
 
 
 @pytest.mark.systemd
