@@ -37,6 +37,9 @@ class ExitCode(IntEnum):
     OK = 0
     FAILURE = 1  # what was asked could not be done: unreadable vLLM, bad page, bad config
     USAGE = 2  # the command line itself is wrong
+    # The reader of stdout went away (`vkvagent replay ... | head -3`): stopped quietly, with
+    # the status a shell gives a writer SIGPIPE ended (128 + 13), as in any other pipeline.
+    BROKEN_PIPE = 141
 
 
 class CommandError(VkvagentError):
@@ -45,11 +48,6 @@ class CommandError(VkvagentError):
 
 class UsageError(CommandError):
     """The command line is wrong in a way argparse cannot tell (exit 2)."""
-
-
-# Exit status after the reader of stdout went away (`vkvagent replay ... | head -3`): the
-# shell's for a writer SIGPIPE ended, as other programs in a pipeline report it.
-BROKEN_PIPE = 128 + 13
 
 
 def main(
@@ -71,7 +69,7 @@ def main(
             os.dup2(devnull, sys.stdout.fileno())
         except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (tests)
             pass
-        return BROKEN_PIPE
+        return ExitCode.BROKEN_PIPE
 
 
 def _dispatch(argv: Sequence[str] | None, out: TextIO, err: TextIO) -> int:
