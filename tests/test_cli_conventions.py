@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES
-from vkvagent.cli import BROKEN_PIPE, _parser, main
+from vkvagent.cli import ExitCode, _parser, main
 from vkvagent.engine.policy import Controls, PolicySettings, evaluate
 
 RECORDING = FIXTURES / "gpu" / "h100x2-throttled.json"
@@ -58,7 +58,7 @@ def test_a_reader_that_went_away_ends_the_command_quietly(
 ) -> None:
     path = config(tmp_path, "")
     Path(path).chmod(0o600)
-    assert main(["config", "check", path], ClosedPipe()) == BROKEN_PIPE
+    assert main(["config", "check", path], ClosedPipe()) == ExitCode.BROKEN_PIPE
     assert capsys.readouterr().err == ""
     # An error is still said, on stderr, whatever became of stdout.
     assert main(["config", "check", str(tmp_path / "absent.toml")], ClosedPipe()) == 1
@@ -76,7 +76,7 @@ def test_vkvagent_piped_into_a_closed_reader_exits_141_without_a_word(tmp_path: 
     assert child.stdout is not None and child.stderr is not None
     child.stdout.close()  # no reader is left: the first write fails with EPIPE
     err = child.stderr.read().decode()
-    assert child.wait(timeout=60) == BROKEN_PIPE
+    assert child.wait(timeout=60) == ExitCode.BROKEN_PIPE
     assert err == ""
 
 
