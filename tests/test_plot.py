@@ -43,6 +43,30 @@ def test_the_trace_keeps_every_evaluation_for_the_picture() -> None:
     assert replay.run(settings, store).trace is None  # kept only when asked for
 
 
+def test_observe_mode_draws_and_titles_the_restarts_it_held_back() -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib import dates
+
+    store = replay.Store()
+    store.add(json.loads(history("uptime-decline", 3.75, onset=1800.0, step=30.0)), "range")
+    settings = Settings(policy=PolicySettings(windows=("daily 03:15-06:00",)))  # observe
+    result = replay.run(settings, store, trace=True)
+    assert result.trace is not None and result.trace.restarts == []
+    assert result.trace.held_back == [d.time.timestamp() for d in result.held_back] != []
+    figure = plot.picture(result)
+    title = figure.get_suptitle()
+    assert title.endswith(": 1 restart held back by observe mode (0 in a window, 1 outside)")
+    assert "(mode observe)" in title
+    held = dates.date2num(result.held_back[0].time)
+    for axes in figure.axes:  # a dashed line across each panel, where the restart was held
+        dashed = [
+            list(line.get_xdata()) for line in axes.get_lines() if line.get_linestyle() == "--"
+        ]
+        assert [x for x in dashed if x] == [[held, held]]  # (and the legend's empty one)
+    labels = figure.axes[0].get_legend_handles_labels()[1]
+    assert "held back (observe mode)" in labels and "restart" not in labels
+
+
 def test_spans_of_consecutive_flags() -> None:
     flags = [False, True, True, False, True]
     assert plot._spans([0.0, 10.0, 20.0, 30.0, 40.0], flags, 10.0) == [(10.0, 30.0), (40.0, 50.0)]

@@ -195,7 +195,7 @@ def head(reason: str) -> str:
 
 def check_structure(data: dict[str, Any]) -> None:
     """What --json promises: every decision's fields and types, one at every change of action
-    or cause, and a summary that agrees with them."""
+    or cause and at every restart made or held back, and a summary that agrees with them."""
     assert set(data) == {"decisions", "summary"}
     decisions = data["decisions"]
     assert decisions
@@ -213,11 +213,17 @@ def check_structure(data: dict[str, Any]) -> None:
         change = (a["action"], a["cause"], head(a["reason"]), a["evidence"]["run"]) != (
             b["action"], b["cause"], head(b["reason"]), b["evidence"]["run"]
         )  # fmt: skip
-        assert change or b["action"] == "restart", (a, b)
+        assert change or b["action"] == "restart" or b["time"] in data["summary"]["held_back_at"]
     summary = data["summary"]
     restarts = [d for d in decisions if d["action"] == "restart"]
     assert summary["restarts"] == len(restarts)
     assert summary["restarts_outside_window"] == sum(not d["window_open"] for d in restarts)
+    held = [d for d in decisions if d["time"] in summary["held_back_at"]]
+    assert len(held) == summary["held_back"] == len(set(summary["held_back_at"]))
+    assert all(d["action"] == "hold" and d["reason"].startswith("observe mode: ") for d in held)
+    assert summary["held_back_in_window"] == sum(d["window_open"] for d in held)
+    assert summary["held_back_outside_window"] == sum(not d["window_open"] for d in held)
+    assert not (held and restarts)  # observe mode holds back every restart, enforce none
     assert set(summary["causes"]) == {d["cause"] for d in decisions if d["cause"]}
     assert all(isinstance(m, (int, float)) and m > 0 for m in summary["causes"].values())
     assert summary["from"] == decisions[0]["time"] and summary["to"] == decisions[-1]["time"]
@@ -435,17 +441,59 @@ def test_the_instance_option_picks_one_server_of_several(tmp_path: Path) -> None
 
 def test_observe_mode_is_the_default_and_never_restarts(tmp_path: Path) -> None:
     window = '[policy]\nwindows = ["daily 03:15-06:00"]\n'
-    data = replay_json(
-        tmp_path, history("uptime-decline", 3.75, onset=1800.0, step=30.0), config=window
-    )
+    declining = history("uptime-decline", 3.75, onset=1800.0, step=30.0)
+    data = replay_json(tmp_path, declining, config=window)
     assert data["summary"]["mode"] == "observe" and data["summary"]["restarts"] == 0
     would = [d for d in data["decisions"] if d["reason"].startswith("observe mode: would restart")]
     # At once: a decline costs more before 03:15 than a restart does (outside_windows).
     assert would and would[0]["time"] < at(3, 15) and would[0]["action"] == "hold"
     assert "cheaper now" in would[0]["reason"]
-    declining = history("uptime-decline", 3.75, onset=1800.0, step=30.0)
     forced = replay_json(tmp_path, declining, config=window, extra=("--mode", "enforce"))
     assert forced["summary"]["restarts"] == 1
+
+
+# Windows and spacing that make a slow run due three times in the 3.75 h history: first in the
+# window, then twice outside it, when waiting for tomorrow's costs more.
+SHORT = '[policy]\nwindows = ["daily 03:00-03:20"]\nmin_interval = 600.0\ncooldown = 1200.0\n'
+
+
+@pytest.mark.parametrize(
+    ("config", "held", "inside"),
+    [
+        ('[policy]\nwindows = ["daily 03:15-06:00"]\n', [at(2, 51)], 0),
+        ('[policy]\nwindows = ["daily 03:15-06:00"]\noutside_windows = "never"\n', [at(3, 15)], 1),
+        (SHORT, [at(3), at(3, 20), at(3, 40)], 1),
+    ],
+    ids=["outside-a-window", "in-a-window", "spaced-by-the-budgets"],
+)
+def test_observe_mode_counts_the_restarts_it_holds_back_as_enforce_would_make_them(
+    tmp_path: Path, config: str, held: list[str], inside: int
+) -> None:
+    """Never cured, the slow run is "would restart now" tick after tick: counted once each
+    time enforce mode would have restarted."""
+    declining = history("uptime-decline", 3.75, onset=1800.0, step=30.0)
+    data = replay_json(tmp_path, declining, config=config)
+    summary = data["summary"]
+    assert (summary["mode"], summary["restarts"]) == ("observe", 0)
+    assert summary["held_back_at"] == held and summary["held_back"] == len(held)
+    assert summary["held_back_in_window"] == inside
+    assert summary["held_back_outside_window"] == len(held) - inside
+    forced = replay_json(tmp_path, declining, config=config, extra=("--mode", "enforce"))
+    made = [d for d in forced["decisions"] if d["action"] == "restart"]
+    assert [d["time"] for d in made] == held
+    assert forced["summary"]["restarts_outside_window"] == len(held) - inside
+    assert forced["summary"]["held_back"] == 0
+    # The text says it in the summary, and marks each one in the timeline.
+    path = write(tmp_path / "range.json", declining)
+    code, out, _err = run_cli(str(path), "--config", str(write(tmp_path / "c.toml", config)))
+    assert code == 0
+    plural = "s" if len(held) != 1 else ""
+    assert out.splitlines()[-1].startswith(
+        f"summary: {len(held)} restart{plural} held back by observe mode ({inside} in a window, "
+        f"{len(held) - inside} outside); causes: uptime_decline "
+    )
+    marked = [line for line in out.splitlines() if "counted as a restart observe mode held" in line]
+    assert [line[:20] for line in marked] == [t.replace("T", " ")[:19] + "Z" for t in held]
 
 
 # -- the DCGM mapping and the pieces -----------------------------------------------------------

@@ -3,9 +3,9 @@
 Three panels on one time axis: the speed against this run's fresh baseline (the ratio the
 engine acts on, with the throughput ratio and the enter/leave thresholds), the generated
 tokens/s, and the cause named at each moment. Restart windows are shaded and restarts drawn as
-red lines across all three. Needs matplotlib (the ``plot`` extra), which the agent itself never
-imports: this module loads it only when asked to draw, and ``require`` says in one line when
-it is missing.
+red lines across all three; in observe mode, the restarts it held back as dashed ones. Needs
+matplotlib (the ``plot`` extra), which the agent itself never imports: this module loads it
+only when asked to draw, and ``require`` says in one line when it is missing.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Callable
 
 from vkvagent.engine.diagnosis import FIXABLE, VETOED
 from vkvagent.errors import VkvagentError
+from vkvagent.replay import restarts_words
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
     from vkvagent.replay import Result, Trace
 
@@ -42,6 +44,15 @@ def require() -> None:
 def draw(result: Result, path: Path) -> None:
     """Write the replay's picture to ``path`` (PNG, or any format matplotlib knows by the
     file's suffix). ``result`` must come from a replay run with ``trace=True``."""
+    figure = picture(result)
+    try:
+        figure.savefig(path, dpi=100)
+    except (OSError, ValueError) as exc:
+        raise PlotError(f"--plot {path}: {exc}") from None
+
+
+def picture(result: Result) -> Figure:
+    """The replay's figure, drawn and not yet written."""
     require()
     from matplotlib.figure import Figure  # noqa: PLC0415 - optional, loaded only to draw
 
@@ -74,22 +85,23 @@ def draw(result: Result, path: Path) -> None:
             axes.axvspan(_utc(begin), _utc(end), color="tab:green", alpha=0.10, linewidth=0)
         for at in trace.restarts:
             axes.axvline(_utc(at), color="tab:red", linewidth=1.2)
-    speed.plot([], [], color="tab:red", linewidth=1.2, label="restart")
+        for at in trace.held_back:
+            axes.axvline(_utc(at), color="tab:red", linewidth=1.2, linestyle="--")
+    if trace.restarts or not trace.held_back:
+        speed.plot([], [], color="tab:red", linewidth=1.2, label="restart")
+    if trace.held_back:
+        speed.plot([], [], color="tab:red", linewidth=1.2, linestyle="--",
+                   label="held back (observe mode)")  # fmt: skip
     speed.fill_between([], [], color="tab:green", alpha=0.10, label="restart window")
     speed.legend(loc="lower left", fontsize="small", ncols=3)
     summary = result.summary()
-    restarts = summary["restarts"]
     figure.suptitle(
         f"vkvagent replay {summary['from']} to {summary['to']} (mode {summary['mode']}): "
-        f"{restarts} restart{'' if restarts == 1 else 's'}, "
-        f"{summary['restarts_outside_window']} outside a window",
+        f"{restarts_words(summary)}",
         fontsize="medium",
     )
     causes.set_xlabel("UTC")
-    try:
-        figure.savefig(path, dpi=100)
-    except (OSError, ValueError) as exc:
-        raise PlotError(f"--plot {path}: {exc}") from None
+    return figure
 
 
 def _utc(at: float) -> float:

@@ -21,7 +21,8 @@ Then ``engine.decide`` runs once per timestamp with ``now`` at that timestamp. A
 decides is virtual: windows, budgets and cooldowns count it, the data is not altered, and it
 is never judged (no new run follows it), so escalation cannot trigger. A real restart in the
 data (a counter reset, a new ``process_start_time_seconds``) is a new run with a new baseline,
-as in the daemon.
+as in the daemon. In observe mode the restarts it holds back are counted as enforce mode would
+have made them (``replay``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
-from vkvagent.engine.policy import RestartRecord
+from vkvagent.engine.policy import WOULD_RESTART, RestartRecord
 from vkvagent.engine.samples import GpuReading, Sample, VllmMetrics, utc_text
 from vkvagent.errors import VkvagentError
 from vkvagent.gpu import decode_clock_event_reasons
@@ -614,7 +615,8 @@ def _gpus(series: Sequence[Series]) -> list[_Gpu]:
 class Trace:
     """Every evaluation's numbers, for ``vkvagent replay --plot``: time (Unix seconds), the
     speed and throughput ratios against this run's fresh baseline and the generated tokens/s
-    (NaN when unknown), whether a window was open, the cause; and the restarts' times."""
+    (NaN when unknown), whether a window was open, the cause; the restarts' times, and those
+    of the restarts observe mode held back."""
 
     times: list[float] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)
@@ -623,8 +625,9 @@ class Trace:
     window_open: list[bool] = field(default_factory=list)
     causes: list[str | None] = field(default_factory=list)
     restarts: list[float] = field(default_factory=list)
+    held_back: list[float] = field(default_factory=list)
 
-    def add(self, decision: Decision) -> None:
+    def add(self, decision: Decision, *, held_back: bool = False) -> None:
         def number(value: object) -> float:
             return float(value) if isinstance(value, (int, float)) else math.nan
 
@@ -637,6 +640,8 @@ class Trace:
         self.causes.append(decision.cause)
         if decision.action == "restart":
             self.restarts.append(at)
+        if held_back:
+            self.held_back.append(at)
 
 
 @dataclass
@@ -652,6 +657,9 @@ class Result:
     runs: list[str] = field(default_factory=list)
     restarts: int = 0
     restarts_outside_window: int = 0
+    # The restarts observe mode held back, as enforce mode would have made them (its
+    # decisions, also in ``decisions``).
+    held_back: list[Decision] = field(default_factory=list)
     cause_seconds: dict[str, float] = field(default_factory=dict)
     # Time during which the live daemon would have sent its probe (no counter moved for
     # probe_after): replay has none, so there it cannot tell idle from a hung engine.
@@ -671,6 +679,10 @@ class Result:
             "runs": len(self.runs),
             "restarts": self.restarts,
             "restarts_outside_window": self.restarts_outside_window,
+            "held_back": len(self.held_back),
+            "held_back_in_window": sum(d.window_open for d in self.held_back),
+            "held_back_outside_window": sum(not d.window_open for d in self.held_back),
+            "held_back_at": [utc_text(d.time.timestamp()) for d in self.held_back],
             "causes": {
                 cause: round(seconds / 60, 1)
                 for cause, seconds in sorted(self.cause_seconds.items())
@@ -704,6 +716,16 @@ def replay(
     flags = _FlagChanges(settings, margin)
     recent = Recent(settings.baseline, margin=2 * line.step)
     restarts: list[RestartRecord] = []
+    # Observe mode holds every restart back, so the run is never cured and the same "would
+    # restart now" comes back every tick while its cause lasts: counted per tick, one slow
+    # night would be hundreds of restarts. Each is counted where enforce mode, with the ones
+    # counted before it as its restart history, would have restarted (that history's min
+    # interval, daily budget and cooldown are what keep the daemon from restarting twice for
+    # one episode). The engine's state depends on neither the mode nor that history, and a
+    # history only ever holds a restart back, so this is exactly what `--mode enforce` makes
+    # of the same data, for one more decision on those ticks alone.
+    enforced = replace(settings, policy=replace(settings.policy, mode="enforce"))
+    held: list[RestartRecord] = []
     state = EngineState()
     previous: Decision | None = None
     previous_key: tuple[Any, ...] | None = None
@@ -714,11 +736,18 @@ def replay(
             samples=tuple(recent.samples), memory=recent.memory, restarts=tuple(restarts)
         )
         decision = decide(settings, state, observed, now)
+        counted = False
+        if decision.action == "hold" and decision.reason.startswith(WOULD_RESTART):
+            enforcing = replace(observed, restarts=tuple(held))
+            counted = decide(enforced, state, enforcing, now).action == "restart"
+            if counted:
+                held.append(RestartRecord(sample.time, decision.cause or "?"))
+                result.held_back.append(_slim(decision))
         state = decision.state
         flags.observe(sample, decision)
         result.evaluations += 1
         if result.trace is not None:
-            result.trace.add(decision)
+            result.trace.add(decision, held_back=counted)
         result.first = result.first or now
         result.last = now
         run = state.run.key
@@ -734,7 +763,7 @@ def replay(
             restarts.append(RestartRecord(sample.time, decision.cause or "?"))
             result.restarts += 1
             result.restarts_outside_window += not decision.window_open
-        if key != previous_key or decision.action == "restart":
+        if key != previous_key or decision.action == "restart" or counted:
             result.decisions.append(_slim(decision))
         previous, previous_key = decision, key
     if previous is not None and result.decisions[-1].time != previous.time:
@@ -812,19 +841,18 @@ def describe(result: Result) -> str:
         f"replay {s['from']} to {s['to']}: {s['evaluations']} evaluations every "
         f"{result.step:g} s, {runs}, policy mode {s['mode']}"
     ]
+    held = {d.time for d in result.held_back}
     for d in result.decisions:
         ratio = "-" if d.ratio is None else f"{d.ratio:.2f}"
         window = "open  " if d.window_open else "closed"
         probe = "; the live daemon would probe here (replay has no probe)" if d.probe_wanted else ""
+        counted = "; counted as a restart observe mode held back" if d.time in held else ""
         lines.append(
             f"{d.time:%Y-%m-%d %H:%M:%S}Z  {d.action:7} {d.cause or '-':18} ratio {ratio:5} "
-            f"window {window}  {d.reason}{probe}"
+            f"window {window}  {d.reason}{counted}{probe}"
         )
     causes = ", ".join(f"{c} {m:g} min" for c, m in s["causes"].items()) or "none"
-    lines.append(
-        f"summary: {s['restarts']} restart{'s' if s['restarts'] != 1 else ''} "
-        f"({s['restarts_outside_window']} outside a window); causes: {causes}"
-    )
+    lines.append(f"summary: {restarts_words(s)}; causes: {causes}")
     for change in result.flag_changes:
         shown = ", ".join(f"{k} {v}" for k, v in change.flags.items())
         speed = "" if change.ratio is None else f", {change.ratio:.2f} of the fresh speed before"
@@ -837,6 +865,24 @@ def describe(result: Result) -> str:
             "there"
         )
     return "\n".join(lines) + "\n"
+
+
+def restarts_words(summary: Mapping[str, Any]) -> str:
+    """The restarts of a replay's summary in words, for the text and the plot's title: in
+    observe mode (which makes none), those it held back and where they fell against the
+    windows."""
+    if summary["mode"] == "observe":
+        held = summary["held_back"]
+        return (
+            f"{held} restart{'s' if held != 1 else ''} held back by observe mode "
+            f"({summary['held_back_in_window']} in a window, "
+            f"{summary['held_back_outside_window']} outside)"
+        )
+    made = summary["restarts"]
+    return (
+        f"{made} restart{'s' if made != 1 else ''} "
+        f"({summary['restarts_outside_window']} outside a window)"
+    )
 
 
 def run(

@@ -31,6 +31,8 @@ from vkvagent.engine.prevention import DEFAULT_OUTAGE, Plan
 from vkvagent.engine.samples import utc_text
 
 MODES = ("off", "observe", "enforce")
+# How a verdict held back only by observe mode begins: replay counts those restarts.
+WOULD_RESTART = "observe mode: would restart now"
 OUTSIDE_WINDOWS = ("never", "when_cheaper")
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 SCHEDULED = "scheduled"  # the cause of a restart for reaching the maximum uptime
@@ -534,7 +536,7 @@ def evaluate(
     drain = None if emergency else settings.drain_max_in_flight
     where = "emergency, any time" if emergency else cheaper or "in window"
     if settings.mode == "observe":
-        return verdict("hold", f"observe mode: would restart now ({where})", drain)
+        return verdict("hold", f"{WOULD_RESTART} ({where})", drain)
     return verdict("restart", f"restart: {where}", drain)
 
 
