@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,9 @@ from vkvagent.status import (
     LoadNow,
     PolicyStatus,
     ProbeStatus,
+    RecentEvent,
     SlotHolder,
+    SourceFailure,
     StatusCode,
     StatusError,
     StatusReport,
@@ -116,7 +119,7 @@ def test_a_stale_status_headlines_unknown_with_the_last_verdict_beneath() -> Non
         head == "vkvagent 0.1.0: UNKNOWN (stale: last update 60 min ago; daemon running but silent)"
     )
     assert beneath == f"  last state  HEALTHY at {_iso(NOW)}"
-    assert render(silent, NOW + 5).splitlines()[0] == "vkvagent 0.1.0: HEALTHY"
+    assert render(silent, NOW + 5).splitlines()[0].startswith("vkvagent 0.1.0: HEALTHY | ")
 
 
 def test_a_status_whose_daemon_is_gone_is_unknown_at_once() -> None:
@@ -149,6 +152,147 @@ def test_status_json_always_has_every_key() -> None:
     assert blank["unit_name"] == "vllm-7b.service"
     assert blank["updated"] is None and blank["policy"]["mode"] is None
     assert blank["now"]["tokens_per_s"] is None and blank["last_restart"] is None
+
+
+def test_a_stale_status_json_says_unknown_and_keeps_the_last_state_apart() -> None:
+    """`jq .verdict.state` must not say healthy for a dead daemon."""
+    stopped = status.shown_json(report("healthy", pid=GONE), NOW + 5, "vllm.service")
+    assert (stopped["stale"], stopped["exit_code"]) == (True, 3)
+    assert stopped["verdict"]["state"] == "unknown"
+    assert stopped["last_state"] == "healthy"
+    assert stopped["verdict"]["reason"] == (
+        "stale: last update 5 s ago; daemon not running; last verdict: healthy: ..."
+    )
+    current = status.shown_json(report("degraded"), NOW + 5, "vllm.service")
+    assert current["verdict"]["state"] == current["last_state"] == "degraded"
+    assert status.shown_json(None, NOW, "vllm.service")["last_state"] is None
+
+
+def failing(source: str, for_seconds: float) -> dict[str, Any]:
+    return {"source": source, "error": "bus unavailable", "since": NOW - for_seconds}
+
+
+@pytest.mark.parametrize(
+    ("action", "cause", "reason", "state"),
+    [
+        ("none", None, "healthy: speed 1.00", "impaired"),
+        ("hold", "uptime_decline", "outside window", "impaired"),
+        ("restart", "stall", "restart: emergency", "impaired"),  # it would fail: say so
+        ("none", "engine_down", "/metrics unreachable", "critical"),  # worse words win
+        ("hold", "kv_pressure", "escalated: the last 2 restarts", "escalated"),
+    ],
+)
+def test_an_agent_that_cannot_act_is_impaired_unless_worse(
+    action: str, cause: str | None, reason: str, state: str
+) -> None:
+    word = verdict_state(action=action, cause=cause, reason=reason, has_data=True, cannot_act=True)
+    assert word == state
+
+
+def test_a_source_failing_for_three_intervals_is_named_and_exits_1() -> None:
+    # A blip (two 10 s intervals) is not yet a failure the agent cannot act through.
+    blip = report("healthy", failing=[failing("systemd", 20.0)])
+    assert status.failed_sources(blip.failing, NOW, blip.interval) == []
+    held = report("impaired", failing=[failing("systemd", 30.0), failing("gpu", 5.0)])
+    assert [f.source for f in status.failed_sources(held.failing, NOW, 10.0)] == ["systemd"]
+    assert exit_code(held, NOW + 5) == StatusCode.DEGRADED
+    shown = render(held, NOW + 5).splitlines()
+    assert shown[0].startswith("vkvagent 0.1.0: IMPAIRED (systemd failing) | ")
+    assert "  failing     systemd for 30 s: bus unavailable (no restart can happen)" in shown
+    assert "  failing     gpu for 5 s: bus unavailable (no GPU-fault veto)" in shown
+
+
+def test_render_ends_with_the_last_events_and_their_time() -> None:
+    events = [
+        {"time": NOW - 90, "event": "source.failed", "message": "systemd: bus unavailable"},
+        {"time": NOW - 30, "event": "decision.changed", "message": "none: healthy"},
+    ]
+    shown = render(report("healthy", events=events), NOW).splitlines()
+    assert shown[-3:] == [
+        "",
+        f"{_iso(NOW - 90)} source.failed: systemd: bus unavailable",
+        f"{_iso(NOW - 30)} decision.changed: none: healthy",
+    ]
+
+
+# -- the monitoring-plugin check ---------------------------------------------------------------
+
+# The plugin guidelines' performance data: 'label'=value[UOM];[warn];[crit];[min];[max], with
+# U for a value not known, ranges as [@]start:end, trailing empty fields left out.
+NUMBER = r"-?[0-9]+(?:\.[0-9]+)?"
+RANGE = rf"@?(?:~|{NUMBER})?:?(?:{NUMBER})?"
+PERF = rf"(?:'[^'=]+'|[^ '=]+)=(?:{NUMBER}(?:%|s|ms|us|B|KB|MB|TB|c)?|U)(?:;(?:{RANGE})?){{0,4}}"
+FIRST_LINE = re.compile(rf"^[^|\n]+ \| {PERF}(?: {PERF})*$")
+
+
+def test_the_first_line_carries_performance_data_in_the_guidelines_grammar() -> None:
+    current = report("healthy", now={"tokens_per_s": 5000.0, "kv_usage": 0.423})
+    warning, critical = status.Range.parse("0.8:"), status.Range.parse("0.6:")
+    head = render(current, NOW + 5, warning=warning, critical=critical).splitlines()[0]
+    assert FIRST_LINE.match(head), head
+    assert head.split(" | ")[1] == (
+        "speed_ratio=0.980;0.8:;0.6:;0 kv_usage=42.3%;;;0;100 throughput=5000.0;;;0 "
+        "restarts_left=3;;;0"
+    )
+    unknown = report("healthy", verdict={**document("healthy")["verdict"], "ratio": None})
+    head = render(unknown, NOW + 5).splitlines()[0]
+    assert FIRST_LINE.match(head) and "speed_ratio=U;;;0 kv_usage=U;" in head
+    # No figures for a stale status, or none: they would be graphed as current.
+    assert "|" not in render(current, NOW + 3600).splitlines()[0]
+    assert render(None, NOW) == (
+        "vkvagent 0.1.0: UNKNOWN - no status yet: the daemon has not run (or cannot write its "
+        "state)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "alerts", "passes"),
+    [
+        ("0.8:", [0.79, 0.0], [0.8, 1.2]),  # below 0.8
+        ("~:0.5", [0.51], [0.5, -1.0]),  # above 0.5
+        ("0.5:1.5", [0.4, 1.6], [0.5, 1.0, 1.5]),  # outside
+        ("@0.5:0.7", [0.5, 0.6, 0.7], [0.49, 0.71]),  # inside
+        (":0.9", [0.95, -0.1], [0.0, 0.9]),  # an empty start is 0
+    ],
+)
+def test_thresholds_read_the_plugin_guidelines_ranges(
+    text: str, alerts: list[float], passes: list[float]
+) -> None:
+    limit = status.Range.parse(text)
+    assert [limit.alerts(v) for v in alerts] == [True] * len(alerts)
+    assert [limit.alerts(v) for v in passes] == [False] * len(passes)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("0.8", "a bare number is the range 0..0.8 (an alert above it); for an alert below it"),
+        ("fast:", "expected [@]start:end"),
+        ("0.9:0.1", "its start is above its end"),
+    ],
+)
+def test_a_threshold_that_cannot_mean_a_speed_limit_is_refused(text: str, problem: str) -> None:
+    with pytest.raises(StatusError, match=re.escape(problem)):
+        status.Range.parse(text)
+
+
+def test_thresholds_on_the_speed_ratio_raise_the_exit_code_never_lower_it() -> None:
+    w, c = status.Range.parse("0.8:"), status.Range.parse("0.6:")
+    slow = report("healthy", verdict={**document("healthy")["verdict"], "ratio": 0.7})
+    assert status.checked(slow, NOW + 5) == (StatusCode.HEALTHY, "")
+    assert status.checked(slow, NOW + 5, w, c) == (
+        StatusCode.DEGRADED, "speed ratio 0.70 outside the warning range 0.8:",
+    )  # fmt: skip
+    head = render(slow, NOW + 5, warning=w, critical=c).splitlines()[0]
+    assert head.startswith(
+        "vkvagent 0.1.0: WARNING - speed ratio 0.70 outside the warning range 0.8:; verdict "
+        "HEALTHY | speed_ratio=0.700;0.8:;0.6:;0 "
+    )
+    assert status.checked(slow, NOW + 5, w, status.Range.parse("0.75:"))[0] == 2
+    # A worse verdict stays; a stale one stays unknown, its old ratio judged by nobody.
+    critical = report("critical", verdict={**document("critical")["verdict"], "ratio": 0.99})
+    assert status.checked(critical, NOW + 5, w, c) == (StatusCode.CRITICAL, "")
+    assert status.checked(slow, NOW + 3600, w, c) == (StatusCode.UNKNOWN, "")
 
 
 def test_render_shows_a_suggestion_as_flags_and_where_to_review_it() -> None:
@@ -318,6 +462,8 @@ def full_report() -> StatusReport:
             holders=(holder,),
             listed=NOW - 5,
         ),
+        failing=(SourceFailure("gpu", "NVML: driver not loaded", NOW - 60),),
+        events=(RecentEvent(NOW - 60, "source.failed", "gpu: NVML: driver not loaded"),),
         stale_after=900.0,
         progress="draining: 3 requests in flight",
     )
@@ -329,7 +475,7 @@ def test_a_full_report_survives_its_own_document() -> None:
     assert list(document) == [
         "version", "updated", "agent_version", "interval", "unit_name", "verdict", "policy",
         "pid", "pid_namespace", "unit", "unit_error", "vllm", "now", "gpus", "last_restart",
-        "probe", "flags", "trend", "fleet", "stale_after", "progress",
+        "probe", "flags", "trend", "fleet", "failing", "events", "stale_after", "progress",
     ]  # fmt: skip
     assert document["trend"] == [[NOW - 300, 5100.0, 0.75], [NOW, 5000.0, None]]
     assert document["fleet"]["holders"][0]["lease"] == "7587"

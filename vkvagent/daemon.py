@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -190,6 +191,20 @@ class Parts:
                 self.systemd.close()
 
 
+class RememberedEvents:
+    """The daemon's events, emitted as ever, the last few kept for the status: `vkvagent
+    status` shows them as `systemctl status` shows a unit's last journal lines."""
+
+    def __init__(self, events: Events, now: Callable[[], float]) -> None:
+        self.events, self._now = events, now
+        self.recent: deque[status.RecentEvent] = deque(maxlen=status.EVENTS_KEPT)
+
+    def emit(self, name: str, message: str, **fields: Any) -> None:
+        self.events.emit(name, message, **fields)
+        if name != "decision.unchanged":  # a reminder says nothing new
+            self.recent.append(status.RecentEvent(round(self._now(), 1), name, message[:300]))
+
+
 class Daemon:
     def __init__(
         self,
@@ -201,7 +216,7 @@ class Daemon:
         use_systemd: bool = True,
     ) -> None:
         self.config_path, self.clock, self.use_systemd = config_path, clock, use_systemd
-        self.events = events or Events.for_environment(now=clock.wall)
+        self.events = RememberedEvents(events or Events.for_environment(now=clock.wall), clock.wall)
         self.notify = notify or sdnotify.SystemdNotifier().notify
         self.metrics = AgentMetrics()
         cfg = config.load(config_path)  # ConfigError: `vkvagent run` exits 78 with the problems
@@ -222,6 +237,7 @@ class Daemon:
         self._logged: tuple[Any, ...] | None = None
         self._logged_at = -math.inf
         self._failing: dict[str, str] = {}  # source or "state" -> its last error
+        self._failing_since: dict[str, float] = {}  # source -> its first failed sample (UTC)
         self._pruned = -math.inf
         self._saved_at = -math.inf
         self.last: Decision | None = None
@@ -466,11 +482,14 @@ class Daemon:
             ("systemd", sample.unit_error),
         ):
             before = self._failing.get(source)
-            if error is not None and before is None:
+            if error is not None:
                 self._failing[source] = error
+                self._failing_since.setdefault(source, sample.time)
+            if error is not None and before is None:
                 self.events.emit("source.failed", f"{source}: {error}", source=source, error=error)
             elif error is None and before is not None:
                 del self._failing[source]
+                del self._failing_since[source]
                 self.events.emit(
                     "source.recovered", f"{source} answers again", source=source, error=before
                 )
@@ -1073,6 +1092,12 @@ class Daemon:
         wanting = decision.action == "restart" and p.actuator is not None
         group = None if p.fleet is None else p.fleet.report(wanting=wanting)
         m = sample.vllm
+        failing = tuple(
+            status.SourceFailure(source, self._failing[source], since)
+            for source, since in self._failing_since.items()
+        )
+        interval = p.config.agent.sample_interval
+        failed = bool(status.failed_sources(failing, sample.time, interval))
         return status.StatusReport(
             updated=sample.time,
             pid=os.getpid(),
@@ -1091,13 +1116,15 @@ class Daemon:
             ),
             now=_load_now(sample, rates),
             gpus=tuple(_gpu_status(g) for g in sample.gpus),
-            verdict=_verdict(sample, decision),
+            verdict=_verdict(sample, decision, failed),
             policy=self._policy_status(sample, decision, restarts),
             last_restart=self._last_restart(),
             probe=self._probe_status(sample, decision),
             flags=self._flags_status(plan, due, decision),
             trend=self.trend,
             fleet=group,
+            failing=failing,
+            events=tuple(self.events.recent),
             stale_after=stale_after,
         )
 
@@ -1197,12 +1224,13 @@ def _gpu_status(g: GpuReading) -> status.GpuStatus:
     )
 
 
-def _verdict(sample: Sample, decision: Decision) -> status.Verdict:
+def _verdict(sample: Sample, decision: Decision, cannot_act: bool) -> status.Verdict:
     state = status.verdict_state(
         action=decision.action,
         cause=decision.cause,
         reason=decision.reason,
         has_data=sample.vllm is not None or sample.unit is not None,
+        cannot_act=cannot_act,
     )
     return status.Verdict(
         state=state,

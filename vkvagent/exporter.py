@@ -20,12 +20,15 @@ from prometheus_client.registry import Collector
 
 from vkvagent import __version__
 from vkvagent.status import (
+    FAILING_FOR,
     FLEET_STATES,
     PROBE_OUTCOMES,
+    SOURCES,
     STATES,
     FleetStatus,
     GpuStatus,
     StatusReport,
+    failed_sources,
 )
 
 
@@ -144,6 +147,17 @@ def _gauges(status: StatusReport) -> Iterator[Metric]:
         "Speed now over this run's fresh baseline at the same load (absent when unknown).",
         verdict.ratio,
     )
+    failed = {f.source for f in failed_sources(status.failing, status.updated, status.interval)}
+    sources = GaugeMetricFamily(
+        "vkvagent_source_failed",
+        f"1 while a source the agent needs to act has failed for {FAILING_FOR} sample intervals "
+        "or more (vllm: /metrics, gpu: NVML, systemd: the unit over D-Bus), 0 otherwise; "
+        "`vkvagent status` says why.",
+        labels=["source"],
+    )
+    for source in SOURCES:
+        sources.add_metric([source], 1 if source in failed else 0)
+    yield sources
     yield from _gauge("vkvagent_window_open", "1 inside a restart window.", policy.window_open)
     yield from _gauge(
         "vkvagent_restart_budget_remaining",

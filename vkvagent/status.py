@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,13 @@ from vkvagent.flags import shown
 
 FILE_NAME = "status.json"
 VERSION = 1
-STATES = ("healthy", "degraded", "acting", "escalated", "critical", "unknown")
+STATES = ("healthy", "degraded", "impaired", "acting", "escalated", "critical", "unknown")
+# What the agent reads to act: vLLM's /metrics, the GPUs (the fault veto), the unit over D-Bus
+# (restarts). One failing for FAILING_FOR intervals, not a blip, makes the status "impaired":
+# never healthy while no restart, or no safe one, can happen.
+SOURCES = ("vllm", "gpu", "systemd")
+FAILING_FOR = 3  # sample intervals
+EVENTS_KEPT = 5  # the daemon's last events in the status, as `systemctl status` shows a journal
 # The words the report uses for its parts, so its readers need not load the adapters.
 PROBE_OUTCOMES = ("ok", "timeout", "error", "refused", "unusable")  # probe.Prober's results
 FLEET_STATES = ("idle", "waiting", "holding", "unreachable")  # what a host does in its group
@@ -46,7 +53,7 @@ class StatusCode(IntEnum):
     """``vkvagent status``'s exit codes (README, "Exit codes")."""
 
     HEALTHY = 0
-    DEGRADED = 1  # or acting on it
+    DEGRADED = 1  # or acting on it, or the agent cannot act (impaired)
     CRITICAL = 2  # escalated, vLLM down, a GPU fault
     UNKNOWN = 3  # no daemon, no data, or its last word is too old
 
@@ -347,6 +354,25 @@ class TrendPoint(_Part):
 
 
 @dataclass(frozen=True)
+class SourceFailure(_Part):
+    """A source the agent reads to act (one of SOURCES), failing in every sample since
+    ``since``."""
+
+    source: str
+    error: str  # the last failure, one line
+    since: float  # UTC seconds, the first failed sample of this run of failures
+
+
+@dataclass(frozen=True)
+class RecentEvent(_Part):
+    """One of the daemon's last events (events.py's catalogue), for people."""
+
+    time: float  # UTC seconds
+    event: str  # its name, e.g. source.failed
+    message: str
+
+
+@dataclass(frozen=True)
 class StatusReport(_Part):
     """status.json: the daemon's view at its last evaluation."""
 
@@ -368,6 +394,8 @@ class StatusReport(_Part):
     flags: FlagsStatus | None = None  # None: no [vllm.flags] and no flag change seen
     trend: tuple[TrendPoint, ...] = ()
     fleet: FleetStatus | None = None  # None: no [fleet]
+    failing: tuple[SourceFailure, ...] = ()  # every source failing now, however briefly
+    events: tuple[RecentEvent, ...] = ()  # the last EVENTS_KEPT, oldest first
     stale_after: float | None = None  # while restarting: the longest the restart may take
     progress: str | None = None  # while restarting: the actuator's last word
 
@@ -417,12 +445,18 @@ def _kind(value: object) -> str:
 # -- reading it -------------------------------------------------------------------------------
 
 
-def verdict_state(*, action: str, cause: str | None, reason: str, has_data: bool) -> str:
-    """One word for a decision: what the exit code and the ``vkvagent_verdict`` metric say."""
+def verdict_state(
+    *, action: str, cause: str | None, reason: str, has_data: bool, cannot_act: bool = False
+) -> str:
+    """One word for a decision: what the exit code and the ``vkvagent_verdict`` metric say.
+    ``cannot_act``: a source the agent needs has failed (``failed_sources``); only a worse
+    word (escalated, critical) hides that: a restart decided now would fail as well."""
     if reason.startswith("escalated"):
         return "escalated"
     if cause in CRITICAL_CAUSES:
         return "critical"
+    if cannot_act:
+        return "impaired"
     if not has_data:
         return "unknown"
     if action == "restart":
@@ -438,11 +472,18 @@ def exit_code(status: StatusReport | None, now: float) -> StatusCode:
     state = status.verdict.state
     if state in ("escalated", "critical"):
         return StatusCode.CRITICAL
-    if state in ("degraded", "acting"):
+    if state in ("degraded", "impaired", "acting"):
         return StatusCode.DEGRADED
     if state == "healthy":
         return StatusCode.HEALTHY
     return StatusCode.UNKNOWN
+
+
+def failed_sources(
+    failing: Sequence[SourceFailure], at: float, interval: float
+) -> list[SourceFailure]:
+    """The sources that have failed for FAILING_FOR sample intervals or more at ``at``."""
+    return [f for f in failing if at - f.since >= FAILING_FOR * interval]
 
 
 def is_stale(status: StatusReport, now: float) -> bool:
@@ -469,21 +510,153 @@ def add_trend(
 NO_STATUS = "no status yet: the daemon has not run (or cannot write its state)"
 
 
-def shown_json(status: StatusReport | None, now: float, unit_name: str) -> dict[str, Any]:
+def stale_reason(status: StatusReport, now: float) -> str:
+    alive = {True: "running but silent", False: "not running", None: "not visible from here"}
+    age = _duration(now - float(status.updated))
+    return f"stale: last update {age} ago; daemon {alive[daemon_running(status)]}"
+
+
+def shown_json(
+    status: StatusReport | None,
+    now: float,
+    unit_name: str,
+    *,
+    code: StatusCode | None = None,
+    reason: str = NO_STATUS,
+) -> dict[str, Any]:
     """What ``vkvagent status --json`` prints: always every key of the document, plus
-    ``exit_code`` and ``stale``. With no status yet the state is "unknown", the reason says
-    why, and what only a daemon knows (when, its interval, the policy's window) is null."""
+    ``stale``, ``last_state`` (the state the daemon wrote) and ``exit_code`` (``code`` where
+    thresholds decided it). A stale status's verdict is "unknown", as its exit code says,
+    its reason saying why. With no status (``reason``: why) the state is "unknown" and what
+    only a daemon knows (when, its interval, the policy's window) is null."""
     if status is not None:
-        code = int(exit_code(status, now))
-        return {**status.to_json(), "stale": is_stale(status, now), "exit_code": code}
+        stale = is_stale(status, now)
+        document = status.to_json()
+        if stale:
+            document["verdict"].update(
+                state="unknown",
+                reason=f"{stale_reason(status, now)}; last verdict: {status.verdict.reason}",
+            )
+        return {
+            **document,
+            "stale": stale,
+            "last_state": status.verdict.state,
+            "exit_code": int(exit_code(status, now) if code is None else code),
+        }
     blank = StatusReport(
         updated=0.0, agent_version=__version__, interval=0.0, unit_name=unit_name,
-        verdict=Verdict(state="unknown", action="none", reason=NO_STATUS),
+        verdict=Verdict(state="unknown", action="none", reason=reason),
         policy=PolicyStatus(mode="", window_open=False, budget_left=0),
     ).to_json()  # fmt: skip
     blank.update(updated=None, interval=None)
     blank["policy"] = dict.fromkeys(blank["policy"])
-    return {**blank, "stale": False, "exit_code": int(StatusCode.UNKNOWN)}
+    return {**blank, "stale": False, "last_state": None, "exit_code": int(StatusCode.UNKNOWN)}
+
+
+# -- the monitoring-plugin check ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Range:
+    """A threshold in the monitoring-plugins' range syntax: ``[@]start:end``, ``~`` for no
+    start, no end for none. It alerts outside start..end (inside, with ``@``)."""
+
+    text: str
+    start: float
+    end: float
+    inside: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Range:
+        """StatusError for anything else, and for a bare number: the guidelines read ``0.8`` as
+        0..0.8, alerting on a speed ratio above 0.8, never what a speed threshold means."""
+        body = text[1:] if text.startswith("@") else text
+        if ":" not in body:
+            raise StatusError(
+                f"threshold {text!r}: a bare number is the range 0..{body} (an alert above it);"
+                f" for an alert below it, write {body}:"
+            )
+        start, _, end = body.partition(":")
+        try:
+            low = -math.inf if start == "~" else float(start or 0)
+            high = math.inf if end == "" else float(end)
+        except ValueError:
+            raise StatusError(
+                f"threshold {text!r}: expected [@]start:end (e.g. 0.8: alerts below 0.8)"
+            ) from None
+        if low > high or math.isnan(low) or math.isnan(high):
+            raise StatusError(f"threshold {text!r}: its start is above its end")
+        return cls(text, low, high, inside=text.startswith("@"))
+
+    def alerts(self, value: float) -> bool:
+        within = self.start <= value <= self.end
+        return within if self.inside else not within
+
+
+def checked(
+    status: StatusReport | None,
+    now: float,
+    warning: Range | None = None,
+    critical: Range | None = None,
+) -> tuple[StatusCode, str]:
+    """The exit code with the thresholds on the speed ratio applied, and the threshold that
+    raised it in words ("" when none did). An unknown ratio, or status, meets no threshold."""
+    code = exit_code(status, now)
+    ratio = None if status is None else status.verdict.ratio
+    if code == StatusCode.UNKNOWN or ratio is None:
+        return code, ""
+    for limit, name, level in (
+        (critical, "critical", StatusCode.CRITICAL),
+        (warning, "warning", StatusCode.DEGRADED),
+    ):
+        if limit is not None and limit.alerts(ratio) and level > code:
+            return level, f"speed ratio {ratio:.2f} outside the {name} range {limit.text}"
+    return code, ""
+
+
+def perfdata(
+    status: StatusReport, warning: Range | None = None, critical: Range | None = None
+) -> str:
+    """Performance data as the plugin guidelines write it, ``'label'=value[UOM];[warn];
+    [crit];[min];[max]`` (U: not known), for graphs: speed ratio, KV usage, throughput
+    (generated tokens/s) and restarts left today."""
+    v, m = status.verdict, status.now
+
+    def value(x: float | None, digits: int) -> str:
+        return "U" if x is None else f"{x:.{digits}f}"
+
+    limits = ";".join(r.text if r else "" for r in (warning, critical))
+    kv = "U" if m.kv_usage is None else f"{m.kv_usage * 100:.1f}%"  # U takes no unit
+    return (
+        f"speed_ratio={value(v.ratio, 3)};{limits};0 kv_usage={kv};;;0;100 "
+        f"throughput={value(m.tokens_per_s, 1)};;;0 restarts_left={status.policy.budget_left};;;0"
+    )
+
+
+def headline(
+    status: StatusReport | None,
+    now: float,
+    warning: Range | None = None,
+    critical: Range | None = None,
+    *,
+    reason: str = NO_STATUS,
+) -> str:
+    """The first line, on stdout in every state (a monitoring plugin's output): the state in
+    one word and, when the status is current, its performance data after ``|``."""
+    if status is None:
+        return f"vkvagent {__version__}: UNKNOWN - {reason}"
+    version = status.agent_version
+    if is_stale(status, now):
+        return f"vkvagent {version}: UNKNOWN ({stale_reason(status, now)})"
+    code, why = checked(status, now, warning, critical)
+    state = status.verdict.state.upper()
+    if why:
+        word = "CRITICAL" if code == StatusCode.CRITICAL else "WARNING"
+        state = f"{word} - {why}; verdict {state}"
+    failed = failed_sources(status.failing, float(status.updated), float(status.interval))
+    if failed and status.verdict.state == "impaired":
+        state += f" ({', '.join(f.source for f in failed)} failing)"
+    return f"vkvagent {version}: {state} | {perfdata(status, warning, critical)}"
 
 
 def path(state_dir: Path) -> Path:
@@ -550,27 +723,42 @@ def sparkline(values: Sequence[float | None]) -> str:
     )
 
 
-def render(status: StatusReport | None, now: float, *, explain: bool = False) -> str:
+# What each source's failure takes from the agent, in words.
+_LOST = {
+    "vllm": "nothing can be judged",
+    "gpu": "no GPU-fault veto",
+    "systemd": "no restart can happen",
+}
+
+
+def render(
+    status: StatusReport | None,
+    now: float,
+    *,
+    explain: bool = False,
+    warning: Range | None = None,
+    critical: Range | None = None,
+    reason: str = NO_STATUS,
+) -> str:
+    """``vkvagent status``: the headline (``headline``), then the figures behind it."""
+    first = headline(status, now, warning, critical, reason=reason)
     if status is None:
-        return f"vkvagent: {NO_STATUS}\n"
+        return first + "\n"
     v, u, m = status.verdict, status.unit, status.now
-    lines = []
+    lines = [first]
     if is_stale(status, now):
         # The headline says what the exit code says; the last verdict is history, beneath it.
-        alive = {True: "running but silent", False: "not running", None: "not visible from here"}[
-            daemon_running(status)
-        ]
-        age = _ago(now - float(status.updated))
-        lines.append(
-            f"vkvagent {status.agent_version}: UNKNOWN (stale: last update {age} ago; "
-            f"daemon {alive})"
-        )
         lines.append(f"  last state  {v.state.upper()} at {_iso(float(status.updated))}")
-    else:
-        lines.append(f"vkvagent {status.agent_version}: {v.state.upper()}")
     lines.append(f"  verdict     {v.action}: {v.reason}")
     if v.cause:
         lines.append(f"  cause       {v.cause}")
+    for failure in status.failing:
+        lost = _LOST.get(failure.source, "")
+        lines.append(
+            f"  failing     {failure.source} for "
+            f"{_duration(float(status.updated) - failure.since)}: {failure.error}"
+            + (f" ({lost})" if lost else "")
+        )
     unit = status.unit_name
     if u is not None:
         lines.append(
@@ -647,6 +835,9 @@ def render(status: StatusReport | None, now: float, *, explain: bool = False) ->
         lines.append("  evidence")
         for key, value in sorted(v.evidence.items()):
             lines.append(f"    {key:34} {value}")
+    if status.events:
+        lines.append("")
+        lines += [f"{_iso(e.time)} {e.event}: {e.message}" for e in status.events]
     return "\n".join(lines) + "\n"
 
 
@@ -741,10 +932,6 @@ def _iso(at: float | None) -> str:
     if at is None:
         return "-"
     return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _ago(seconds: float) -> str:
-    return _duration(seconds)
 
 
 def _duration(seconds: float | None) -> str:
