@@ -35,7 +35,7 @@ test: deps dev vllm-real lint typecheck unit
 # its libraries are installed; the package itself is downloaded outside the checkout, once,
 # and tests/test_siem.py unpacks it into the sandbox's throw-away root.
 DEBS := systemd-container prometheus etcd-server openssl lintian rpm rpmlint man-db \
-	rsyslog systemd-journal-remote \
+	rsyslog systemd-journal-remote nagios4-core \
 	libglib2.0-0 libivykis0 libjson-c5 libnet1 libpcre3 libwrap0
 ifeq ($(strip $(VKVAGENT_DEBS)),)
 VKVAGENT_DEBS := $(HOME)/.cache/vkvagent/debs

@@ -116,7 +116,7 @@ def test_a_stale_status_headlines_unknown_with_the_last_verdict_beneath() -> Non
     assert exit_code(silent, NOW + 3600) == StatusCode.UNKNOWN
     head, beneath = render(silent, NOW + 3600).splitlines()[:2]
     assert (
-        head == "vkvagent 0.1.0: UNKNOWN (stale: last update 60 min ago; daemon running but silent)"
+        head == "vkvagent 0.1.0: UNKNOWN (stale: last update 60 min ago, daemon running but silent)"
     )
     assert beneath == f"  last state  HEALTHY at {_iso(NOW)}"
     assert render(silent, NOW + 5).splitlines()[0].startswith("vkvagent 0.1.0: HEALTHY | ")
@@ -128,7 +128,7 @@ def test_a_status_whose_daemon_is_gone_is_unknown_at_once() -> None:
     assert is_stale(stopped, NOW + 5)
     assert exit_code(stopped, NOW + 5) == StatusCode.UNKNOWN
     head = render(stopped, NOW + 5).splitlines()[0]
-    assert head == "vkvagent 0.1.0: UNKNOWN (stale: last update 5 s ago; daemon not running)"
+    assert head == "vkvagent 0.1.0: UNKNOWN (stale: last update 5 s ago, daemon not running)"
     # Without a PID, or read from another PID namespace (a monitoring container), where that
     # PID means another process, it can only be judged by its age.
     for unseen in (report("healthy", pid=None), report("healthy", pid=GONE, pid_namespace=1)):
@@ -161,7 +161,7 @@ def test_a_stale_status_json_says_unknown_and_keeps_the_last_state_apart() -> No
     assert stopped["verdict"]["state"] == "unknown"
     assert stopped["last_state"] == "healthy"
     assert stopped["verdict"]["reason"] == (
-        "stale: last update 5 s ago; daemon not running; last verdict: healthy: ..."
+        "stale: last update 5 s ago, daemon not running; last verdict: healthy: ..."
     )
     current = status.shown_json(report("degraded"), NOW + 5, "vllm.service")
     assert current["verdict"]["state"] == current["last_state"] == "degraded"
@@ -285,8 +285,8 @@ def test_thresholds_on_the_speed_ratio_raise_the_exit_code_never_lower_it() -> N
     )  # fmt: skip
     head = render(slow, NOW + 5, warning=w, critical=c).splitlines()[0]
     assert head.startswith(
-        "vkvagent 0.1.0: WARNING - speed ratio 0.70 outside the warning range 0.8:; verdict "
-        "HEALTHY | speed_ratio=0.700;0.8:;0.6:;0 "
+        "vkvagent 0.1.0: WARNING - speed ratio 0.70 outside the warning range 0.8: (verdict "
+        "HEALTHY) | speed_ratio=0.700;0.8:;0.6:;0 "
     )
     assert status.checked(slow, NOW + 5, w, status.Range.parse("0.75:"))[0] == 2
     # A worse verdict stays; a stale one stays unknown, its old ratio judged by nobody.

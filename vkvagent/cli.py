@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -271,6 +272,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="show it again every SECONDS (default 2) until interrupted",
     )
+    for short, name, example in (("-w", "warning", "0.8:"), ("-c", "critical", "0.6:")):
+        status_cmd.add_argument(
+            short,
+            f"--{name}",
+            metavar="RANGE",
+            help=f"exit {1 if name == 'warning' else 2} when the speed ratio is outside RANGE "
+            f"(monitoring-plugins range syntax: {example} alerts below {example[:-1]})",
+        )
     _config_option(status_cmd)
     status_cmd.set_defaults(command=_status)
 
@@ -416,27 +425,61 @@ def _run(args: argparse.Namespace, _out: TextIO) -> int:
 
 
 def _status(args: argparse.Namespace, out: TextIO) -> int:
-    settings = config.load(args.config)
-    state_dir = Path(settings.agent.state_dir)
-    while True:
-        try:
-            report = status.read(state_dir)
-        except status.StatusError as exc:
-            print(f"vkvagent: {exc}", file=sys.stderr)
-            return status.StatusCode.UNKNOWN
-        now = time.time()
-        code = status.exit_code(report, now)
+    now = time.time()
+    try:
+        warning, critical = (
+            None if text is None else status.Range.parse(text)
+            for text in (args.warning, args.critical)
+        )
+        settings = config.load(args.config)
+    except VkvagentError as exc:
+        # A monitoring plugin's first line goes to stdout in every state, UNKNOWN included.
+        lines = str(exc).splitlines() or [type(exc).__name__]
         if args.json:
-            json.dump(status.shown_json(report, now, settings.vllm.unit), out, indent=1)
+            json.dump(status.shown_json(None, now, "", reason="; ".join(lines)), out, indent=1)
             out.write("\n")
         else:
-            if args.watch:
-                out.write("\033[H\033[2J")  # clear the terminal between views
-            out.write(status.render(report, now, explain=args.explain))
-        out.flush()
+            out.write(status.headline(None, now, reason=lines[0]) + "\n")
+            out.writelines(f"  {line}\n" for line in lines[1:])
+        return status.StatusCode.UNKNOWN
+    state_dir = Path(settings.agent.state_dir)
+    code = status.StatusCode.UNKNOWN
+    try:
+        while True:
+            now, problem = time.time(), status.NO_STATUS
+            try:
+                report = status.read(state_dir)
+            except status.StatusError as exc:
+                report, problem = None, str(exc)
+            code, _why = status.checked(report, now, warning, critical)
+            if args.json:
+                shown = status.shown_json(
+                    report, now, settings.vllm.unit, code=code, reason=problem
+                )
+                json.dump(shown, out, indent=1)
+                out.write("\n")
+            else:
+                if args.watch and out.isatty():
+                    out.write("\033[H\033[2J")  # clear the terminal between views
+                out.write(
+                    status.render(
+                        report, now, explain=args.explain, warning=warning, critical=critical,
+                        reason=problem,
+                    )
+                )  # fmt: skip
+            out.flush()
+            if not args.watch:
+                return int(code)
+            time.sleep(max(0.2, args.watch))
+    except (BrokenPipeError, KeyboardInterrupt) as exc:
         if not args.watch:
-            return int(code)
-        time.sleep(max(0.2, args.watch))
+            raise
+        # Watching ends when its reader goes (`| head -3`) or on Ctrl-C: no error, the last
+        # state's code. Left to flush, stdout would fail once more at exit: /dev/null takes it.
+        if isinstance(exc, BrokenPipeError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return int(code)
 
 
 def _pause(args: argparse.Namespace, out: TextIO) -> int:

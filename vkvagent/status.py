@@ -513,7 +513,8 @@ NO_STATUS = "no status yet: the daemon has not run (or cannot write its state)"
 def stale_reason(status: StatusReport, now: float) -> str:
     alive = {True: "running but silent", False: "not running", None: "not visible from here"}
     age = _duration(now - float(status.updated))
-    return f"stale: last update {age} ago; daemon {alive[daemon_running(status)]}"
+    # No semicolon: Nagios keeps the first line in status.dat, where it separates fields.
+    return f"stale: last update {age} ago, daemon {alive[daemon_running(status)]}"
 
 
 def shown_json(
@@ -652,7 +653,7 @@ def headline(
     state = status.verdict.state.upper()
     if why:
         word = "CRITICAL" if code == StatusCode.CRITICAL else "WARNING"
-        state = f"{word} - {why}; verdict {state}"
+        state = f"{word} - {why} (verdict {state})"
     failed = failed_sources(status.failing, float(status.updated), float(status.interval))
     if failed and status.verdict.state == "impaired":
         state += f" ({', '.join(f.source for f in failed)} failing)"
