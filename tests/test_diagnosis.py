@@ -290,6 +290,21 @@ def test_a_held_slowdown_at_unchanged_load_and_mix_is_uptime_decline() -> None:
     assert "0.68 of this run's fresh baseline" in result.summary
 
 
+def test_the_band_in_effect_is_in_the_evidence_beside_the_ratio() -> None:
+    result, _ = run([speed(0.80)])
+    assert (result.evidence["enter_ratio"], result.evidence["leave_ratio"]) == (0.75, 0.85)
+    # A run declining on its own trend is judged by 1 - trend_loss and 1 - trend_loss / 2.
+    result, _ = run([speed(0.92, decline=0.12)])
+    assert result.evidence["enter_ratio"] == pytest.approx(0.90)
+    assert result.evidence["leave_ratio"] == pytest.approx(0.95)
+    assert result.summary.startswith("healthy: speed 0.92")
+    assert run([speed(0.92, decline=0.12), speed(0.89, decline=0.12)])[0].summary.startswith(
+        "watching: speed 0.89"
+    )
+    unknown = situation(comparison=None, regime="2048-2896 generated tokens/s")
+    assert "enter_ratio" not in run([unknown])[0].evidence  # no ratio, no band
+
+
 def test_a_run_falling_steadily_with_uptime_is_degraded_before_it_is_a_quarter_slower() -> None:
     # 0.88 of the fresh speed: above enter_ratio (0.75), but this run's own speed by uptime
     # has fallen 12 % on a steady trend (prevention.decline).
@@ -399,11 +414,22 @@ def test_without_a_baseline_for_this_load_nothing_is_concluded() -> None:
     assert result.summary == "learning: warm-up: uptime 4 min, baseline from 12 min"
 
 
-def test_healthy_and_watching_summaries_carry_the_ratio() -> None:
+def speed(ratio: float, **extra: Any) -> Situation:
+    return situation(window(itl=0.0225 / ratio, per_request=48 * ratio), **extra)
+
+
+def test_healthy_and_watching_summaries_carry_the_ratio_and_follow_the_hysteresis() -> None:
     result, _ = run([situation()])
     assert result.cause is None and result.summary.startswith("healthy: speed 1.00")
-    result, _ = run([situation(window(itl=0.0225 / 0.8, per_request=48 * 0.8))])
-    assert result.summary.startswith("watching: speed 0.80")
+    # Inside the band (0.75 to 0.85) the word is what the hysteresis holds: healthy until the
+    # speed goes below 0.75, then watching until it is back above 0.85. A ratio read against
+    # 0.85 alone called the same 0.80 watching, and a 0.85 either word by its third digit.
+    assert run([situation(), speed(0.80)])[0].summary.startswith("healthy: speed 0.80")
+    assert run([situation(), speed(0.849)])[0].summary.startswith("healthy: speed 0.85")
+    dipped = [situation(), speed(0.70), speed(0.80)]
+    assert run(dipped)[0].summary.startswith("watching: speed 0.80 of baseline")
+    assert run([*dipped, speed(0.849)])[0].summary.startswith("watching: speed 0.85")
+    assert run([*dipped, speed(0.86)])[0].summary.startswith("healthy: speed 0.86")
     idle = situation(window(running=0.1), comparison=None, regime="idle")
     assert run([idle])[0].summary.startswith("idle")
     assert run([situation(stats=None, comparison=None)])[0].cause is None

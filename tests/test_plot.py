@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -65,6 +66,11 @@ def test_observe_mode_draws_and_titles_the_restarts_it_held_back() -> None:
         assert [x for x in dashed if x] == [[held, held]]  # (and the legend's empty one)
     labels = figure.axes[0].get_legend_handles_labels()[1]
     assert "held back (observe mode)" in labels and "restart" not in labels
+    # The band drawn is the one in effect: higher once the run declines on its own trend.
+    band = {line.get_label(): line.get_ydata() for line in figure.axes[0].get_lines()}
+    enter = [x for x in band["enter 0.75 (0.9 declining)"] if not math.isnan(x)]  # (NaN: no ratio)
+    leave = [x for x in band["leave 0.85 (0.95 declining)"] if not math.isnan(x)]
+    assert sorted(set(enter)) == [0.75, 0.9] and sorted(set(leave)) == [0.85, 0.95]
 
 
 def test_spans_of_consecutive_flags() -> None:

@@ -258,6 +258,38 @@ def test_uptime_decline_is_held_outside_the_window_and_restarted_when_it_opens(
     assert summary["causes"]["uptime_decline"] == pytest.approx(held.total_seconds() / 60 + 0.5)
 
 
+def test_the_word_shown_follows_the_hysteresis_and_the_band_is_shown_beside_the_ratio(
+    tmp_path: Path,
+) -> None:
+    """As the run slows, its speed wanders about 0.85 for an hour before it falls below 0.75.
+    The word read against 0.85 alone flipped at every wobble (healthy 0.85, watching 0.85,
+    14 times); the hysteresis the decision uses does not."""
+    declining = history("uptime-decline", 3.75, onset=1800.0, step=30.0)
+    data = replay_json(tmp_path, declining)
+    quiet = [d for d in data["decisions"] if d["reason"].startswith(("healthy: ", "watching: "))]
+    words: dict[float, set[str]] = {}
+    for d in quiet:
+        words.setdefault(round(d["ratio"], 2), set()).add(d["reason"].split(":")[0])
+    assert all(len(shown) == 1 for shown in words.values()), words
+    for before, after in zip(quiet, quiet[1:]):  # each a change of word
+        if after["reason"].startswith("watching: speed"):
+            assert after["ratio"] < after["enter_ratio"], after
+        elif after["reason"].startswith("healthy: "):
+            assert after["ratio"] > before["leave_ratio"], after
+    assert [d["reason"].split(":")[0] for d in quiet] == ["healthy", "watching"]
+    # The band is beside every known ratio: in --json, and in the timeline.
+    known = [d for d in data["decisions"] if d["ratio"] is not None]
+    bands = [((d["enter_ratio"], d["leave_ratio"]), "trend_loss" in d["evidence"]) for d in known]
+    # (A run declining on its own trend is judged higher: 1 - trend_loss, 1 - trend_loss / 2.)
+    assert set(bands) == {((0.75, 0.85), False), ((0.9, 0.95), True)}
+    assert all(d["enter_ratio"] is None for d in data["decisions"] if d["ratio"] is None)
+    path = write(tmp_path / "range.json", declining)
+    code, out, _err = run_cli(str(path), "--config", str(write(tmp_path / "c.toml", ENFORCE)))
+    assert code == 0
+    [watching] = [line for line in out.splitlines() if "  watching: speed" in line]
+    assert re.search(r" ratio 0\.7\d  band 0\.75-0\.85  window closed  watching: ", watching)
+
+
 def test_replay_says_where_the_live_daemon_would_have_probed(tmp_path: Path) -> None:
     """vLLM 0.32's hung engine (the simulator's `hang`): gauges 0, counters still. Without a
     probe it reads as idle, and replay says that there it cannot tell."""
@@ -285,7 +317,8 @@ def test_a_healthy_server_is_never_restarted_and_the_timeline_reads_well(tmp_pat
         "1 vLLM run, policy mode enforce"
     )
     assert lines[-1] == "summary: 0 restarts (0 outside a window); causes: none"  # no probe
-    assert re.match(r"^2025-03-03 00:00:15Z  none +- +ratio - +window closed  learning: ", lines[1])
+    assert re.match(r"^2025-03-03 00:00:15Z  none +- +ratio - +band - +window closed  learning: ",
+                    lines[1])  # fmt: skip
     healthy = [line for line in lines if "healthy: speed" in line]
     assert healthy and "2025-03-03 00:2" in healthy[0]  # known once warm-up and learning pass
     assert not any(" restart " in line or " hold " in line for line in lines)

@@ -1,11 +1,11 @@
 """``vkvagent replay --plot FILE.png``: a replay as a picture.
 
 Three panels on one time axis: the speed against this run's fresh baseline (the ratio the
-engine acts on, with the throughput ratio and the enter/leave thresholds), the generated
-tokens/s, and the cause named at each moment. Restart windows are shaded and restarts drawn as
-red lines across all three; in observe mode, the restarts it held back as dashed ones. Needs
-matplotlib (the ``plot`` extra), which the agent itself never imports: this module loads it
-only when asked to draw, and ``require`` says in one line when it is missing.
+engine acts on, with the throughput ratio and the band it is judged by: enter and leave), the
+generated tokens/s, and the cause named at each moment. Restart windows are shaded and
+restarts drawn as red lines across all three; in observe mode, the restarts it held back as
+dashed ones. Needs matplotlib (the ``plot`` extra), which the agent itself never imports: this
+module loads it only when asked to draw, and ``require`` says in one line when it is missing.
 """
 
 from __future__ import annotations
@@ -69,10 +69,14 @@ def picture(result: Result) -> Figure:
     speed.plot(times, trace.ratio, color="tab:blue", linewidth=1.0, label="speed / baseline")
     speed.plot(times, trace.throughput_ratio, color="tab:gray", linewidth=0.6, alpha=0.7,
                label="throughput / baseline")  # fmt: skip
-    speed.axhline(d.enter_ratio, color="tab:red", linestyle=":", linewidth=0.8,
-                  label=f"enter {d.enter_ratio:g}")  # fmt: skip
-    speed.axhline(d.leave_ratio, color="tab:green", linestyle=":", linewidth=0.8,
-                  label=f"leave {d.leave_ratio:g}")  # fmt: skip
+    # The band in effect, where there is a ratio to judge: a declining run's sits higher.
+    for values, color, name, setting, declining in (
+        (trace.enter, "tab:red", "enter", d.enter_ratio, 1 - d.trend_loss),
+        (trace.leave, "tab:green", "leave", d.leave_ratio, 1 - d.trend_loss / 2),
+    ):
+        label = f"{name} {setting:g} ({max(setting, declining):g} declining)"
+        speed.plot(times, values, color=color, linestyle=":", linewidth=0.8,
+                   drawstyle="steps-post", label=label)  # fmt: skip
     top = max((r for r in trace.ratio if math.isfinite(r)), default=1.2)
     speed.set_ylim(0, max(1.3, min(top * 1.05, 3.0)))
     speed.set_ylabel("against fresh baseline")

@@ -614,13 +614,16 @@ def _gpus(series: Sequence[Series]) -> list[_Gpu]:
 @dataclass
 class Trace:
     """Every evaluation's numbers, for ``vkvagent replay --plot``: time (Unix seconds), the
-    speed and throughput ratios against this run's fresh baseline and the generated tokens/s
-    (NaN when unknown), whether a window was open, the cause; the restarts' times, and those
-    of the restarts observe mode held back."""
+    speed and throughput ratios against this run's fresh baseline, the band the speed is
+    judged by (enter and leave) and the generated tokens/s (NaN when unknown), whether a
+    window was open, the cause; the restarts' times, and those of the restarts observe mode
+    held back."""
 
     times: list[float] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)
     throughput_ratio: list[float] = field(default_factory=list)
+    enter: list[float] = field(default_factory=list)
+    leave: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     window_open: list[bool] = field(default_factory=list)
     causes: list[str | None] = field(default_factory=list)
@@ -635,6 +638,9 @@ class Trace:
         self.times.append(at)
         self.ratio.append(number(decision.ratio))
         self.throughput_ratio.append(number(decision.evidence.get("throughput_ratio")))
+        band = decision.band or (math.nan, math.nan)
+        self.enter.append(band[0])
+        self.leave.append(band[1])
         self.tokens_per_s.append(number(decision.evidence.get("generation_tokens_per_s")))
         self.window_open.append(decision.window_open)
         self.causes.append(decision.cause)
@@ -844,12 +850,13 @@ def describe(result: Result) -> str:
     held = {d.time for d in result.held_back}
     for d in result.decisions:
         ratio = "-" if d.ratio is None else f"{d.ratio:.2f}"
+        band = "-" if d.band is None else f"{d.band[0]:.2f}-{d.band[1]:.2f}"
         window = "open  " if d.window_open else "closed"
         probe = "; the live daemon would probe here (replay has no probe)" if d.probe_wanted else ""
         counted = "; counted as a restart observe mode held back" if d.time in held else ""
         lines.append(
             f"{d.time:%Y-%m-%d %H:%M:%S}Z  {d.action:7} {d.cause or '-':18} ratio {ratio:5} "
-            f"window {window}  {d.reason}{counted}{probe}"
+            f"band {band:9}  window {window}  {d.reason}{counted}{probe}"
         )
     causes = ", ".join(f"{c} {m:g} min" for c, m in s["causes"].items()) or "none"
     lines.append(f"summary: {restarts_words(s)}; causes: {causes}")

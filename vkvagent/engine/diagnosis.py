@@ -675,6 +675,8 @@ def _diagnose(
         entering = _lagging(s, situation.engines, s.enter_ratio) is not None
         state = replace(state, lagging=state.lagging.step(entering, lagging is None, now, s.hold))
     evidence: dict[str, EvidenceValue] = _window_evidence(stats, cmp, situation)
+    if cmp is not None and cmp.ratio is not None:
+        evidence["enter_ratio"], evidence["leave_ratio"] = speed_band(s, situation)
 
     if faulty:
         evidence["fault"] = state.fault_note
@@ -802,11 +804,7 @@ def _step_symptoms(
     stats, capacity, fresh = situation.stats, situation.capacity, situation.fresh
     cmp = situation.comparison
     ratio = cmp.ratio if cmp is not None else None
-    declining = _declining(s, situation)
-    # Declining, it enters below 1 - trend_loss and leaves only above 1 - trend_loss / 2.
-    slow, back = s.enter_ratio, s.leave_ratio
-    if declining:
-        slow, back = max(slow, 1 - s.trend_loss), max(back, 1 - s.trend_loss / 2)
+    slow, back = speed_band(s, situation)
     load = None if stats is None else _asked(stats)
     speed = state.speed.step(
         None if ratio is None else ratio < slow,
@@ -837,6 +835,15 @@ def _step_symptoms(
             stranded, None if stranded is None else not stranded, now, s.hold, load
         ),
     )
+
+
+def speed_band(s: DiagnosisSettings, situation: Situation) -> tuple[float, float]:
+    """The speed ratio's hysteresis band in effect: slow below the first, back above the
+    second. Declining, it enters below 1 - trend_loss and leaves only above 1 - trend_loss / 2."""
+    slow, back = s.enter_ratio, s.leave_ratio
+    if _declining(s, situation):
+        slow, back = max(slow, 1 - s.trend_loss), max(back, 1 - s.trend_loss / 2)
+    return float(slow), float(back)
 
 
 def _declining(s: DiagnosisSettings, situation: Situation) -> bool:
@@ -1428,11 +1435,8 @@ def _quiet_summary(
         )
     if state.kv.pending_since is not None or state.stranded.pending_since is not None:
         return f"watching: KV signature building up at {situation.regime}"
-    if cmp.ratio < s.leave_ratio:
-        return (
-            f"watching: speed {cmp.ratio:.2f} of baseline at {situation.regime} (acts below "
-            f"{s.enter_ratio:g} held {_minutes(s.hold)})"
-        )
+    # Within the band, what the hysteresis holds decides the word, as it decides the action:
+    # a ratio read against the leaving line alone flipped between words at one speed.
     return f"healthy: speed {cmp.ratio:.2f} of baseline at {situation.regime}"
 
 

@@ -236,6 +236,8 @@ class Decision:
             "window_open": self.window_open,
             "next_window": utc_text(self.next_window.timestamp()) if self.next_window else None,
             "ratio": _rounded(self.ratio),
+            "enter_ratio": self.band[0] if self.band else None,
+            "leave_ratio": self.band[1] if self.band else None,
             "uptime": _rounded(self.uptime),
             "evidence": {k: _rounded(v) for k, v in self.evidence.items()},
             "suggestion": dict(self.suggestion),
@@ -243,6 +245,16 @@ class Decision:
             "drain_max_in_flight": self.drain_max_in_flight,
             "probe_wanted": self.probe_wanted,
         }
+
+    @property
+    def band(self) -> tuple[float, float] | None:
+        """The hysteresis band ``ratio`` is judged by: slow below the first, back above the
+        second (the [diagnosis] ratios, or the trend's in a declining run); None without a
+        ratio."""
+        enter, leave = self.evidence.get("enter_ratio"), self.evidence.get("leave_ratio")
+        if self.ratio is None or not isinstance(enter, float) or not isinstance(leave, float):
+            return None  # (the engine writes both as floats)
+        return enter, leave
 
     def key(self) -> tuple[Any, ...]:
         """What makes a decision worth showing again: its action, cause, reason's head and
