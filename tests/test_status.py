@@ -173,19 +173,23 @@ def failing(source: str, for_seconds: float) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("action", "cause", "reason", "state"),
+    ("failed", "action", "cause", "reason", "state"),
     [
-        ("none", None, "healthy: speed 1.00", "impaired"),
-        ("hold", "uptime_decline", "outside window", "impaired"),
-        ("restart", "stall", "restart: emergency", "impaired"),  # it would fail: say so
-        ("none", "engine_down", "/metrics unreachable", "critical"),  # worse words win
-        ("hold", "kv_pressure", "escalated: the last 2 restarts", "escalated"),
+        ("systemd", "none", None, "healthy: speed 1.00", "impaired"),
+        ("gpu", "hold", "uptime_decline", "outside window", "impaired"),
+        ("systemd", "restart", "stall", "restart: emergency", "impaired"),  # it would fail
+        ("systemd", "none", "engine_down", "/metrics unreachable", "critical"),  # worse wins
+        ("gpu", "hold", "kv_pressure", "escalated: the last 2 restarts", "escalated"),
+        # vLLM's /metrics failing is the engine's own finding once it names a cause for it.
+        ("vllm", "none", None, "learning: warm-up", "impaired"),
+        ("vllm", "restart", "unresponsive", "restart: emergency", "acting"),
+        ("vllm", "none", "engine_down", "/metrics unreachable", "critical"),
     ],
 )
-def test_an_agent_that_cannot_act_is_impaired_unless_worse(
-    action: str, cause: str | None, reason: str, state: str
+def test_an_agent_that_cannot_act_is_impaired_unless_worse_or_diagnosed(
+    failed: str, action: str, cause: str | None, reason: str, state: str
 ) -> None:
-    word = verdict_state(action=action, cause=cause, reason=reason, has_data=True, cannot_act=True)
+    word = verdict_state(action=action, cause=cause, reason=reason, has_data=True, failed=(failed,))
     assert word == state
 
 

@@ -1097,7 +1097,7 @@ class Daemon:
             for source, since in self._failing_since.items()
         )
         interval = p.config.agent.sample_interval
-        failed = bool(status.failed_sources(failing, sample.time, interval))
+        failed = tuple(f.source for f in status.failed_sources(failing, sample.time, interval))
         return status.StatusReport(
             updated=sample.time,
             pid=os.getpid(),
@@ -1224,13 +1224,13 @@ def _gpu_status(g: GpuReading) -> status.GpuStatus:
     )
 
 
-def _verdict(sample: Sample, decision: Decision, cannot_act: bool) -> status.Verdict:
+def _verdict(sample: Sample, decision: Decision, failed: tuple[str, ...]) -> status.Verdict:
     state = status.verdict_state(
         action=decision.action,
         cause=decision.cause,
         reason=decision.reason,
         has_data=sample.vllm is not None or sample.unit is not None,
-        cannot_act=cannot_act,
+        failed=failed,
     )
     return status.Verdict(
         state=state,
@@ -1238,6 +1238,8 @@ def _verdict(sample: Sample, decision: Decision, cannot_act: bool) -> status.Ver
         reason=decision.reason,
         cause=decision.cause,
         ratio=decision.ratio,
+        enter_ratio=decision.band[0] if decision.band else None,
+        leave_ratio=decision.band[1] if decision.band else None,
         evidence=dict(decision.evidence),
         suggestion=dict(decision.suggestion),
         reasons=dict(decision.suggestion_reasons),

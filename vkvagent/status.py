@@ -226,6 +226,9 @@ class Verdict(_Part):
     reason: str
     cause: str | None = None
     ratio: float | None = None  # speed over the fresh baseline at this load
+    # The band ``ratio`` is judged by: slow below enter_ratio, back above leave_ratio.
+    enter_ratio: float | None = None
+    leave_ratio: float | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
     suggestion: dict[str, Any] = field(default_factory=dict)  # vLLM flags to review
     reasons: dict[str, Any] = field(default_factory=dict)  # why each suggested flag (text)
@@ -446,16 +449,22 @@ def _kind(value: object) -> str:
 
 
 def verdict_state(
-    *, action: str, cause: str | None, reason: str, has_data: bool, cannot_act: bool = False
+    *,
+    action: str,
+    cause: str | None,
+    reason: str,
+    has_data: bool,
+    failed: Sequence[str] = (),
 ) -> str:
     """One word for a decision: what the exit code and the ``vkvagent_verdict`` metric say.
-    ``cannot_act``: a source the agent needs has failed (``failed_sources``); only a worse
-    word (escalated, critical) hides that: a restart decided now would fail as well."""
+    ``failed``: the sources failed for FAILING_FOR intervals (``failed_sources``). The agent
+    cannot act through them ("impaired") unless a worse word applies, or, for vLLM's
+    /metrics, the engine names a cause: a dead or hung vLLM is the verdict, not a blind agent."""
     if reason.startswith("escalated"):
         return "escalated"
     if cause in CRITICAL_CAUSES:
         return "critical"
-    if cannot_act:
+    if any(source != "vllm" or cause is None for source in failed):
         return "impaired"
     if not has_data:
         return "unknown"
@@ -779,6 +788,11 @@ def render(
         f"  throughput  {_num(m.tokens_per_s)} tokens/s, "
         f"{_num(m.requests_per_s, 2)} requests/s; speed vs fresh baseline "
         + ("unknown" if ratio is None else f"{ratio:.2f}")
+        + (
+            f" (slow below {v.enter_ratio:.2f}, back above {v.leave_ratio:.2f})"
+            if ratio is not None and v.enter_ratio is not None and v.leave_ratio is not None
+            else ""
+        )
     )
     trend = status.trend
     if trend:
