@@ -110,6 +110,9 @@ def test_ticks_write_status_events_metrics_and_survive_an_agent_restart(
     report = status.read(tmp_path / "state")
     assert report is not None
     assert report.verdict.state == "healthy"
+    # The band the ratio is judged by, beside it (the default [diagnosis] ratios).
+    assert (report.verdict.enter_ratio, report.verdict.leave_ratio) == (0.75, 0.85)
+    assert "(slow below 0.75, back above 0.85)" in status.render(report, report.updated)
     assert report.vllm.flavor == "v1-latest" and report.vllm.recognised is True
     assert report.now.tokens_per_s is not None and report.now.tokens_per_s > 1000
     assert report.policy.mode == "observe" and report.policy.budget_left == 4

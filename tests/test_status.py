@@ -312,6 +312,18 @@ def test_render_shows_a_suggestion_as_flags_and_where_to_review_it() -> None:
     )
 
 
+def test_render_shows_the_band_beside_the_speed_ratio() -> None:
+    verdict = {**document("healthy")["verdict"], "ratio": 0.8}
+    banded = report("healthy", verdict={**verdict, "enter_ratio": 0.75, "leave_ratio": 0.85})
+    assert "speed vs fresh baseline 0.80 (slow below 0.75, back above 0.85)\n" in render(
+        banded, NOW + 5
+    )
+    # A status written before the band reads without it, and shows the ratio alone.
+    older = report("healthy", verdict=verdict)
+    assert (older.verdict.enter_ratio, older.verdict.leave_ratio) == (None, None)
+    assert "speed vs fresh baseline 0.80\n" in render(older, NOW + 5)
+
+
 def test_render_explains_and_draws_the_trend() -> None:
     trend: tuple[TrendPoint, ...] = ()
     for minute in range(0, 120, 5):
