@@ -4,6 +4,7 @@ option is offered, in bash and zsh, and the scripts complete what a person types
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -88,8 +89,11 @@ def zsh_complete(script: Path, *words: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
 def test_zsh_completes_commands_options_choices_and_files(tmp_path: Path) -> None:
+    if shutil.which("zsh") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("zsh is not installed (make deps installs it; CI=true: not skipped)")
+        pytest.skip("zsh is not installed")
     script = tmp_path / "_vkvagent"
     script.write_text(completion.zsh(_parser()), encoding="utf-8")
     subprocess.run(["zsh", "-n", str(script)], check=True)
