@@ -366,11 +366,14 @@ def test_reload_keeps_the_old_config_when_the_new_one_is_invalid(tmp_path: Path)
         assert "policy.mode" in str(failed["message"]) and "sometimes" in str(failed["message"])
         assert notes.messages[-1].startswith("READY=1\nSTATUS=reload refused")
 
-        path.write_text(path.read_text().replace('"sometimes"', '"enforce"'))
+        fixed = path.read_text().replace('"sometimes"', '"enforce"')
+        path.write_text(fixed.replace("[vllm]\n", '[vllm]\nunit = "vllm"\n'))
         assert daemon.reload() is True
         assert daemon.parts is not before
         assert daemon.parts.settings.policy.mode == "enforce"
-        assert events_of(stream)[-1]["event"] == "agent.reloaded"
+        reloaded = events_of(stream)[-1]
+        assert reloaded["event"] == "agent.reloaded"
+        assert [n for n in reloaded["notes"] if 'read as "vllm.service"' in n], reloaded
         assert notes.messages[-2].startswith("RELOADING=1\nMONOTONIC_USEC=")
     finally:
         daemon.close()

@@ -219,7 +219,10 @@ class Daemon:
         self.events = RememberedEvents(events or Events.for_environment(now=clock.wall), clock.wall)
         self.notify = notify or sdnotify.SystemdNotifier().notify
         self.metrics = AgentMetrics()
-        cfg = config.load(config_path)  # ConfigError: `vkvagent run` exits 78 with the problems
+        # ConfigError: `vkvagent run` exits 78 with the problems. The notes (a unit name
+        # completed, a conf.d file not read) go into agent.started.
+        self._config_notes: list[str] = []
+        cfg = config.load(config_path, notes=self._config_notes)
         self.parts = Parts(
             cfg, clock, use_systemd=use_systemd, progress=self._progress, emit=self.events.emit
         )
@@ -293,6 +296,7 @@ class Daemon:
                 url=cfg.vllm.url,
                 mode=cfg.policy.mode,
                 config=[str(p) for p in config.config_files(self.config_path)],
+                notes=self._config_notes,
                 interval_s=cfg.agent.sample_interval,
             )
             while not self.stopping.is_set():
@@ -346,7 +350,8 @@ class Daemon:
         )
         try:
             with self.lock:
-                cfg = config.load(self.config_path)
+                notes: list[str] = []
+                cfg = config.load(self.config_path, notes=notes)
                 parts = Parts(
                     cfg,
                     self.clock,
@@ -379,6 +384,7 @@ class Daemon:
             f"config reloaded: mode {cfg.policy.mode}",
             mode=cfg.policy.mode,
             config=[str(p) for p in config.config_files(self.config_path)],
+            notes=notes,
         )
         self.notify("READY=1\nSTATUS=config reloaded")
         return True
