@@ -605,7 +605,7 @@ def test_vkvagent_service_from_the_deb_starts_until_ready(
     # Its own metrics endpoint serves the series packaging/prometheus/ alerts on.
     wanted = {"vkvagent_info", "vkvagent_verdict", "vkvagent_decisions_total",
               "vkvagent_scrape_errors_total", "vkvagent_window_open", "vkvagent_escalated",
-              "vkvagent_restart_budget_remaining",
+              "vkvagent_restart_budget_remaining", "vkvagent_source_failed",
               "vkvagent_last_evaluation_timestamp_seconds"}  # fmt: skip
     deadline, names = time.monotonic() + 15, set[str]()
     while not wanted <= names and time.monotonic() < deadline:
