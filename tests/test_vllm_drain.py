@@ -112,8 +112,9 @@ def test_a_drained_restart_lets_the_streams_in_flight_finish(vllm_box: Sandbox) 
     ahead: a ``pre_stop`` hook holds the restart until the test lets it go, which it does when
     the engine runs all three clients' requests and one of them began 0.2 to 0.5 s ago. Left to
     chance, the stop can come in the instant the clients send their next requests, taken by the
-    API server but not yet by the engine, which vLLM's drain does not wait for (README,
-    Draining): that is what the product cannot promise, and this test does not ask it."""
+    API server but not yet by the engine, which vLLM's drain does not wait for
+    (docs/operations.md, Draining): that is what the product cannot promise, and this test does
+    not ask it."""
     asked, go = "/var/lib/lb/asked", "/var/lib/lb/go"
     vllm_box.run("mkdir", "-p", "/var/lib/lb")
     vllm_box.run("rm", "-f", asked, go)
