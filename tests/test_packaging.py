@@ -59,6 +59,7 @@ COMMON_FILES = (
     "/usr/share/man/man8/vkvagent.8.gz",
     "/usr/share/doc/vkvagent/README.md",
     "/usr/share/doc/vkvagent/SECURITY.md",
+    "/usr/share/doc/vkvagent/docs/configuration.md",  # and the rest of the README's reference
     "/usr/share/doc/vkvagent/changelog.gz",
     "/usr/share/vkvagent/prometheus/vllm-rules.yml",
     "/usr/share/vkvagent/prometheus/vkvagent-rules.yml",

@@ -33,7 +33,7 @@ from vkvagent.vllm_metrics import Normaliser
 
 
 class ExitCode(IntEnum):
-    """Documented exit codes (README, "Exit codes")."""
+    """Documented exit codes (docs/commands.md, "Exit codes")."""
 
     OK = 0
     FAILURE = 1  # what was asked could not be done: unreadable vLLM, bad page, bad config
@@ -62,15 +62,17 @@ def main(
         for stream in {id(out): out, id(sys.stdout): sys.stdout}.values():
             stream.flush()  # a reader gone shows here, not in the interpreter's last flush
         return code
-    except BrokenPipeError:
-        # Quietly, as a program SIGPIPE ends. Python's advice (the signal module's docs):
-        # point stdout at /dev/null, so that the flush at exit does not fail again.
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (tests)
-            pass
+    except BrokenPipeError:  # quietly, as a program SIGPIPE ends
+        _stdout_to_devnull()
         return ExitCode.BROKEN_PIPE
+
+
+def _stdout_to_devnull() -> None:
+    """After a reader went away. Python's advice (the signal module's docs): point stdout at
+    /dev/null, so that the interpreter's flush at exit does not fail again."""
+    # A stdout without a descriptor (tests) has nothing to flush at exit.
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _dispatch(argv: Sequence[str] | None, out: TextIO, err: TextIO) -> int:
@@ -475,10 +477,9 @@ def _status(args: argparse.Namespace, out: TextIO) -> int:
         if not args.watch:
             raise
         # Watching ends when its reader goes (`| head -3`) or on Ctrl-C: no error, the last
-        # state's code. Left to flush, stdout would fail once more at exit: /dev/null takes it.
+        # state's code.
         if isinstance(exc, BrokenPipeError):
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _stdout_to_devnull()
         return int(code)
 
 

@@ -50,7 +50,7 @@ _T = TypeVar("_T")
 
 
 class StatusCode(IntEnum):
-    """``vkvagent status``'s exit codes (README, "Exit codes")."""
+    """``vkvagent status``'s exit codes (docs/status.md, "Verdict states and exit codes")."""
 
     HEALTHY = 0
     DEGRADED = 1  # or acting on it, or the agent cannot act (impaired)
