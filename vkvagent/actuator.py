@@ -46,6 +46,7 @@ from vkvagent.engine.gpu_faults import describe_xid
 from vkvagent.engine.samples import FlagValue, VllmMetrics
 from vkvagent.errors import VkvagentError
 from vkvagent.gpu import GpuReader
+from vkvagent.hardening import SYSTEMD_DIR
 from vkvagent.hooks import HookResult, run_hook
 from vkvagent.ledger import Action, Ledger
 from vkvagent.systemd import TIMEOUT, Systemd, SystemdError, UnitState
@@ -163,7 +164,7 @@ class Outcome:
         return "restart.failed", self.message, {**fields, "error": self.message}
 
 
-SYSTEMD_UNIT_DIR = Path("/etc/systemd/system")  # where the drop-in goes: /etc overrides /lib
+SYSTEMD_UNIT_DIR = Path(SYSTEMD_DIR)  # where the drop-in goes: /etc overrides /lib
 
 
 class Actuator:
