@@ -72,7 +72,7 @@ def test_systemd_unreachable_for_three_intervals_is_impaired_never_healthy(
     assert report.verdict.reason.startswith("learning")  # the engine's words are kept
     [failure] = report.failing
     assert failure.source == "systemd" and "bus" in failure.error
-    assert failure.since == moved.start
+    assert failure.since == moved.start and failure.seconds == 4 * INTERVAL
     assert 'vkvagent_source_failed{source="systemd"} 1.0' in page
     assert 'vkvagent_source_failed{source="vllm"} 0.0' in page
     assert 'vkvagent_verdict{state="impaired"} 1.0' in page

@@ -200,6 +200,9 @@ def test_a_source_failing_for_three_intervals_is_named_and_exits_1() -> None:
     held = report("impaired", failing=[failing("systemd", 30.0), failing("gpu", 5.0)])
     assert [f.source for f in status.failed_sources(held.failing, NOW, 10.0)] == ["systemd"]
     assert exit_code(held, NOW + 5) == StatusCode.DEGRADED
+    # The wall clock stepped back an hour (NTP) while it failed: its monotonic duration holds.
+    stepped = SourceFailure("systemd", "bus unavailable", since=NOW + 3600, seconds=30.0)
+    assert status.failed_sources([stepped], NOW, 10.0) == [stepped]
     shown = render(held, NOW + 5).splitlines()
     assert shown[0].startswith("vkvagent 0.1.0: IMPAIRED (systemd failing) | ")
     assert "  failing     systemd for 30 s: bus unavailable (no restart can happen)" in shown

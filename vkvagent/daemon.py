@@ -240,7 +240,8 @@ class Daemon:
         self._logged: tuple[Any, ...] | None = None
         self._logged_at = -math.inf
         self._failing: dict[str, str] = {}  # source or "state" -> its last error
-        self._failing_since: dict[str, float] = {}  # source -> its first failed sample (UTC)
+        # source -> its first failed sample's UTC and monotonic times
+        self._failing_since: dict[str, tuple[float, float]] = {}
         self._pruned = -math.inf
         self._saved_at = -math.inf
         self.last: Decision | None = None
@@ -490,7 +491,7 @@ class Daemon:
             before = self._failing.get(source)
             if error is not None:
                 self._failing[source] = error
-                self._failing_since.setdefault(source, sample.time)
+                self._failing_since.setdefault(source, (sample.time, sample.mono))
             if error is not None and before is None:
                 self.events.emit("source.failed", f"{source}: {error}", source=source, error=error)
             elif error is None and before is not None:
@@ -1099,8 +1100,8 @@ class Daemon:
         group = None if p.fleet is None else p.fleet.report(wanting=wanting)
         m = sample.vllm
         failing = tuple(
-            status.SourceFailure(source, self._failing[source], since)
-            for source, since in self._failing_since.items()
+            status.SourceFailure(source, self._failing[source], since, sample.mono - mono)
+            for source, (since, mono) in self._failing_since.items()
         )
         interval = p.config.agent.sample_interval
         failed = tuple(f.source for f in status.failed_sources(failing, sample.time, interval))

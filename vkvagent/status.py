@@ -364,6 +364,13 @@ class SourceFailure(_Part):
     source: str
     error: str  # the last failure, one line
     since: float  # UTC seconds, the first failed sample of this run of failures
+    # How long it had failed when the status was written, on the monotonic clock, which
+    # a step of the wall clock (NTP) cannot shorten; None from an older vkvagent.
+    seconds: float | None = None
+
+    def failed_for(self, at: float) -> float:
+        """Seconds failed as of ``at``, the status's ``updated``."""
+        return at - self.since if self.seconds is None else self.seconds
 
 
 @dataclass(frozen=True)
@@ -492,7 +499,7 @@ def failed_sources(
     failing: Sequence[SourceFailure], at: float, interval: float
 ) -> list[SourceFailure]:
     """The sources that have failed for FAILING_FOR sample intervals or more at ``at``."""
-    return [f for f in failing if at - f.since >= FAILING_FOR * interval]
+    return [f for f in failing if f.failed_for(at) >= FAILING_FOR * interval]
 
 
 def is_stale(status: StatusReport, now: float) -> bool:
@@ -766,7 +773,7 @@ def render(
         lost = _LOST.get(failure.source, "")
         lines.append(
             f"  failing     {failure.source} for "
-            f"{_duration(float(status.updated) - failure.since)}: {failure.error}"
+            f"{_duration(failure.failed_for(float(status.updated)))}: {failure.error}"
             + (f" ({lost})" if lost else "")
         )
     unit = status.unit_name
