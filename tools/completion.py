@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,11 +64,16 @@ def bash(parser: argparse.ArgumentParser) -> str:
             f'        "{c.path}") subs="{" ".join(c.commands)}"; opts="{" ".join(c.options)}"; '
             f'valued="{valued}"; files={int(c.files)} ;;'
         )
-    kinds = []
-    for c in found:
-        for option, kind in c.valued.items():
-            kinds.append(f'        "{c.path}|{option}") kind="{kind}" ;;')
-    return BASH.format(cases="\n".join(cases), kinds="\n".join(kinds))
+    return BASH.format(cases="\n".join(cases), kinds=_kinds(found))
+
+
+def _kinds(found: Sequence[Command]) -> str:
+    """The case arms that name what each option's value is (both shells read the same)."""
+    return "\n".join(
+        f'        "{c.path}|{option}") kind="{kind}" ;;'
+        for c in found
+        for option, kind in c.valued.items()
+    )
 
 
 BASH = """\
@@ -133,11 +138,7 @@ def zsh(parser: argparse.ArgumentParser) -> str:
             f'        "{c.path}") subs=({subs}); opts=({opts}); valued=({valued}); '
             f"files={int(c.files)} ;;"
         )
-    kinds = []
-    for c in found:
-        for option, kind in c.valued.items():
-            kinds.append(f'        "{c.path}|{option}") kind="{kind}" ;;')
-    return ZSH.format(cases="\n".join(cases), kinds="\n".join(kinds))
+    return ZSH.format(cases="\n".join(cases), kinds=_kinds(found))
 
 
 def _zsh_word(text: str) -> str:
