@@ -29,6 +29,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from vkvagent.engine.diagnosis import FIXABLE, VETOED
 from vkvagent.engine.prevention import DEFAULT_OUTAGE, Plan
 from vkvagent.engine.samples import utc_text
+from vkvagent.engine.slo import Budget
 
 MODES = ("off", "observe", "enforce")
 # How a verdict held back only by observe mode begins: replay counts those restarts.
@@ -136,9 +137,11 @@ class PolicySettings:
     max_uptime: float = 0.0  # opt-in scheduled restart after this uptime; 0: never
     escalate_after: int = 2  # restarts in a row that did not help: stop until resumed
     drain_max_in_flight: int = 0  # handed to the actuator; emergencies skip the drain
-    # A slowdown restarts outside the windows when waiting for the next one costs more service
-    # than a restart ("when_cheaper"), or always waits for a window ("never").
-    outside_windows: str = "when_cheaper"
+    # Whether a restart for anything but an emergency may go outside the windows: never (the
+    # operator's windows hold), or "when_cheaper": when waiting for the next window costs more
+    # than the restart (with an [slo], more latency budget than the availability budget it
+    # spends, and only while the budget left covers it; else service lost against the outage).
+    outside_windows: str = "never"
     prevent: bool = True  # restart before the slowdown this server's past runs predict
 
     def __post_init__(self) -> None:
@@ -252,6 +255,13 @@ class TrafficProfile:
         hours[hour] = counts
         return TrafficProfile(hours, at)
 
+    def median(self, hour: int) -> float | None:
+        """The hour's median request rate (its bin's middle), once it holds
+        TYPICAL_MIN_VALUES values."""
+        if self.count(hour) < TYPICAL_MIN_VALUES:
+            return None
+        return _bin_middle(_percentile(self.hours[hour], 50))
+
     def count(self, hour: int) -> float:
         return sum(self.hours.get(hour, {}).values())
 
@@ -308,6 +318,9 @@ class RestartRecord:
     # The monotonic time it began, when taken on this boot's clock (the ledger keeps it with
     # the boot's id): ages are then immune to steps of the wall clock.
     mono: float | None = None
+    # Requests in flight it cut off (the actuator's count): availability spent. None: none
+    # counted (drained, or not known).
+    cut_off: float | None = None
 
     def age(self, at: float, mono: float | None) -> float:
         """Seconds since it began: on the monotonic clock when both ends have it, else on
@@ -425,6 +438,7 @@ def evaluate(
     plan: Plan | None = None,
     loss: float | None = None,
     harm_in: float | None = None,
+    budget: Budget | None = None,
 ) -> Verdict:
     """The verdict for a diagnosed ``cause``; ``wanted`` says a restart would fix it. With no
     such cause, a flag change (``flags_due`` says which) is proposed, else a preventive
@@ -437,7 +451,9 @@ def evaluate(
     last window that opens well before it. ``traffic``: this host's rates by local hour, for
     the percentile gate and the quiet hours. ``mono``: the monotonic time of ``now``, which
     the intervals, cooldown, budget and back-off are measured on for every restart that has
-    one (``RestartRecord.age``)."""
+    one (``RestartRecord.age``). ``budget``: the operator's objectives ([slo]): a restart that
+    is no emergency goes only while the availability budget left covers it and, for a cause
+    diagnosed, when it saves more latency budget than it spends (``_budget_holds``)."""
     is_open, upcoming = window_state(settings, now)
 
     def verdict(action: str, reason: str, drain: int | None = None) -> Verdict:
@@ -512,7 +528,9 @@ def evaluate(
         if not is_open and prevention == QUIET_END and cause == PREVENTION:
             cheaper = "outside window, at the end of this host's quiet hours"
         elif not is_open:
-            cheaper = _cheaper_now(settings, cause, plan, loss, uptime, upcoming, now, harm_in)
+            cheaper = _before_harm(cause, upcoming, now, harm_in) or _cheaper_now(
+                settings, cause, plan, loss, uptime, upcoming, now, budget
+            )
             if not cheaper:
                 following = (
                     f" (next {utc_text(upcoming.timestamp())})" if upcoming else " (none set)"
@@ -520,6 +538,10 @@ def evaluate(
                 return verdict("hold", f"outside window{following}")
         elif not_yet := _not_yet(harm_in, upcoming, now):
             return verdict("hold", not_yet)
+        if budget is not None and not cheaper.startswith("outside window, before"):
+            spent = _budget_holds(cause, budget, upcoming, now)
+            if spent:
+                return verdict("hold", spent)
         if settings.max_request_rate > 0:
             if request_rate is None:
                 return verdict("hold", "traffic gate: request rate unknown")
@@ -665,6 +687,22 @@ def _not_yet(harm_in: float | None, upcoming: datetime | None, now: datetime) ->
     )
 
 
+def _before_harm(
+    cause: str | None, upcoming: datetime | None, now: datetime, harm_in: float | None
+) -> str:
+    """Why a foretold harm (a leak reaching MemoryMax: the kernel's OOM kill cuts off every
+    request, a drained restart none) goes outside the windows, whatever they say: it comes
+    before the next window, and within HARM_LEAD. "" to wait."""
+    wait = (upcoming - now).total_seconds() if upcoming is not None else math.inf
+    if harm_in is None or harm_in >= wait or harm_in > HARM_LEAD:
+        return ""
+    following = f"the next window ({_ago(wait)})" if upcoming is not None else "any window"
+    return (
+        f"outside window, before the OOM kill: {cause} reaches MemoryMax in {_ago(harm_in)}, "
+        f"before {following}"
+    )
+
+
 def _cheaper_now(
     settings: PolicySettings,
     cause: str | None,
@@ -673,21 +711,20 @@ def _cheaper_now(
     uptime: float | None,
     upcoming: datetime | None,
     now: datetime,
-    harm_in: float | None = None,
+    budget: Budget | None,
 ) -> str:
-    """Why a restart goes outside the windows: a slowdown's waiting for the next one would
-    lose more service (speed lost x time) than the restart's outage, or a foretold harm (an
-    OOM kill, which cuts every request) comes before it and is near. "" to wait."""
+    """Why a restart goes outside the windows where the operator opted in (``when_cheaper``):
+    with an [slo], it saves more latency budget until the next window than it spends of the
+    availability budget, which the budget left covers; without one, a slowdown's waiting
+    would lose more service (speed lost x time) than the restart's outage. "" to wait."""
     if settings.outside_windows != "when_cheaper" or upcoming is None:
-        return ""  # without windows, only emergencies restart, as configured
+        return ""  # the windows hold (without windows, only emergencies restart)
     wait = (upcoming - now).total_seconds()
-    if harm_in is not None and harm_in < wait:
-        if harm_in > HARM_LEAD:
+    spend = budget.spend(wait) if budget is not None else None
+    if spend is not None:
+        if spend.saving is None or spend.cost > spend.left or spend.saving <= spend.cost:
             return ""
-        return (
-            f"outside window, before the harm: {cause} foretells it in {_ago(harm_in)}, "
-            f"before the next window ({_ago(wait)})"
-        )
+        return f"outside window, within the error budget: {spend.words()}"
     if cause not in SLOWDOWNS or uptime is None:
         return ""
     outage = plan.outage if plan is not None else DEFAULT_OUTAGE
@@ -703,6 +740,24 @@ def _cheaper_now(
         f"outside window, cheaper now: waiting ({_ago(wait)} to the next window) would lose "
         f"{lost / 60:.0f} min of service, a restart {outage / 60:.0f} min"
     )
+
+
+def _budget_holds(
+    cause: str | None, budget: Budget, upcoming: datetime | None, now: datetime
+) -> str:
+    """Why the operator's objectives hold a restart the windows allow: the availability
+    budget left does not cover it, or, for a cause diagnosed (a planned one has no latency
+    to show yet), it would save no more latency budget before the next window than it
+    spends. "" to go, and when nothing is counted yet."""
+    wait = (upcoming - now).total_seconds() if upcoming is not None else DAY
+    spend = budget.spend(wait)
+    if spend is None:
+        return ""
+    if spend.cost > spend.left:
+        return f"error budget: {spend.words()}; the budget left does not cover it"
+    if cause not in PLANNED and spend.saving is not None and spend.saving <= spend.cost:
+        return f"error budget: {spend.words()}; no more than it spends"
+    return ""
 
 
 def _busier_than_usual(

@@ -97,6 +97,11 @@ class VllmMetrics:
     # Left out of equality: the history keeps the totals only, and a sample read back from it
     # must equal the one stored.
     per_engine: tuple[EngineSignals, ...] = field(default=(), compare=False)
+    # prometheus_fastapi_instrumentator's http_requests_total for the API's POST handlers:
+    # every answer but a 4xx (a client's mistake), and of those the 5xx. None where the page
+    # has no such family (V0, multiprocess mode).
+    http_requests_total: float | None = None
+    http_5xx_total: float | None = None
 
     @property
     def model_name(self) -> str | None:

@@ -15,7 +15,7 @@ import json
 import math
 import re
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -47,6 +47,7 @@ from vkvagent.engine.diagnosis import (
 )
 from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
 from vkvagent.engine.prevention import (
+    DEFAULT_OUTAGE,
     Plan,
     PreventionSettings,
     Track,
@@ -57,6 +58,15 @@ from vkvagent.engine.prevention import (
 )
 from vkvagent.engine.rates import counters, is_reset, mean
 from vkvagent.engine.samples import FlagValue, GpuReading, Sample, VllmMetrics, utc_text
+from vkvagent.engine.slo import (
+    Budget,
+    Counts,
+    Interval,
+    SloSettings,
+    SloState,
+    counts,
+    difference,
+)
 
 ACTIONS = ("restart", "hold", "none")
 
@@ -69,6 +79,7 @@ class Settings:
     diagnosis: DiagnosisSettings = field(default_factory=DiagnosisSettings)
     policy: PolicySettings = field(default_factory=PolicySettings)
     prevention: PreventionSettings = field(default_factory=PreventionSettings)
+    slo: SloSettings = field(default_factory=SloSettings)
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,7 @@ class EngineState:
     traffic: TrafficProfile = field(default_factory=TrafficProfile)  # for the percentile gate
     track: Track | None = None  # this run's speed by uptime
     past: tuple[Track, ...] = ()  # earlier runs that ended due for uptime_decline
+    slo: SloState = field(default_factory=SloState)  # the objectives' tallies
     # The prevention plan from ``past``, and the hour (UTC) it was made for: derived from
     # them alone, so neither persisted nor compared.
     plan: Plan | None = field(default=None, compare=False)
@@ -161,6 +173,7 @@ class EngineState:
             "traffic": self.traffic.to_json(),
             "track": self.track.to_json() if self.track else None,
             "past": [t.to_json() for t in self.past],
+            "slo": self.slo.to_json(),
         }
 
     @classmethod
@@ -195,6 +208,8 @@ class EngineState:
                 # States written before prevention have no tracks: they start now.
                 track=Track.from_json(data["track"]) if data.get("track") else None,
                 past=tuple(Track.from_json(t) for t in data.get("past") or ()),
+                # States written before [slo] have no tallies: counting starts now.
+                slo=SloState.from_json(data["slo"]) if data.get("slo") else SloState(),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"engine state: {type(exc).__name__}: {exc}") from None
@@ -387,6 +402,20 @@ def decide(
         planned_at=state.planned_at if past is state.past else None,
     )  # fmt: skip
     state = _planned(settings.prevention, state, now.timestamp())
+    if settings.slo.declared:
+        state = replace(
+            state,
+            slo=_slo_counted(
+                settings.slo,
+                state.slo,
+                observed,
+                fresh,
+                stalled=diagnosis.cause == "stall",
+                down_rate=_expected_rate(settings.policy, state, now),
+                fresh_run=_fresh(b, baseline, uptime) and baseline.busy_from is not None,
+                rate=stats.requests_per_s if stats else None,
+            ),
+        )
 
     verdict = policy.evaluate(
         settings.policy,
@@ -403,6 +432,7 @@ def decide(
         plan=state.plan,
         loss=_loss(dstate, comparison, diagnosis, observed),
         harm_in=diagnosis.harm_in,
+        budget=_budget(settings, state, stats, now) if settings.slo.declared else None,
     )
     action, reason = _action(
         settings.policy, diagnosis, verdict, uptime, observed.flags_due, state.plan
@@ -553,6 +583,7 @@ def _new_run(settings: Settings, state: EngineState, sample: Sample) -> EngineSt
         seen=state.seen,
         traffic=state.traffic,
         past=past,  # the plan is made again: another run may be another server
+        slo=state.slo,
     )
 
 
@@ -693,6 +724,94 @@ def _down(observed: Observation) -> str | None:
     if last.vllm is None:
         return f"/metrics unreachable: {last.vllm_error or 'no valid sample'}"
     return None
+
+
+def _slo_counted(
+    settings: SloSettings,
+    slo: SloState,
+    observed: Observation,
+    fresh: Sequence[Sample],
+    *,
+    stalled: bool,
+    down_rate: float | None,
+    fresh_run: bool,
+    rate: float | None,
+) -> SloState:
+    """The objectives' tallies with the samples not read before, and the requests restarts
+    cut off: each interval between two samples of one run by its counters' and histograms'
+    deltas; one in which vLLM was down, loading or stalled as the requests this host sends
+    then (``down_rate``); a new run's first sample from its process start, when that came
+    after the sample before (else its counters hold what vLLM served before the agent
+    looked). ``fresh_run``: this run is fresh, its latency is what a restart brings back."""
+    for record in sorted(observed.restarts, key=lambda r: r.time):
+        if record.cut_off and (slo.counted is None or record.time > slo.counted):
+            slo = replace(slo.add(settings, record.time, Counts(failed=record.cut_off)),
+                          counted=record.time)  # fmt: skip
+    if not fresh:
+        return slo
+    first = fresh[0].mono
+    before = next((x for x in reversed(observed.samples) if x.mono < first), None)
+    for sample in fresh:
+        seconds = sample.mono - before.mono if before is not None else 0.0
+        found: Interval | None = None
+        old = before.vllm if before is not None else None
+        if sample.vllm is None or observed.unit_active is False or stalled:
+            found = Interval(seconds, refused_rate=down_rate)
+        elif old is not None and not is_reset(old, sample.vllm):
+            found = _interval(old, sample.vllm, seconds)
+        elif before is not None and (sample.vllm.process_start_time or 0) >= before.time:
+            found = _interval(None, sample.vllm, seconds)  # vLLM started after the last look
+        if found is not None:
+            tally = counts(settings, found)
+            slo = slo.add(settings, sample.time, tally)
+            if fresh_run and sample.vllm is not None and sample.vllm.process_start_time:
+                slo = slo.counted_fresh(f"{sample.vllm.process_start_time:.3f}", tally)
+        before = sample
+    return slo if rate is None else replace(slo, last_rate=rate)
+
+
+def _interval(old: VllmMetrics | None, new: VllmMetrics, seconds: float) -> Interval:
+    """What vLLM's counters say of the time between two scrapes of one run (``old`` None:
+    since it started)."""
+
+    def grown(read: Callable[[VllmMetrics], float | None]) -> float | None:
+        after, earlier = read(new), read(old) if old is not None else 0.0
+        return None if after is None or earlier is None else max(0.0, after - earlier)
+
+    requests = grown(lambda m: m.http_requests_total)
+    errors = grown(lambda m: m.http_5xx_total) if requests is not None else None
+    answered = requests - (errors or 0.0) if requests is not None else None
+    return Interval(
+        seconds,
+        ttft=difference(new.time_to_first_token, old.time_to_first_token if old else None),
+        itl=difference(new.inter_token_latency, old.inter_token_latency if old else None),
+        answered=answered if answered is not None else grown(lambda m: m.request_success_total),
+        errors=errors or 0.0,
+    )
+
+
+def _expected_rate(policy: PolicySettings, state: EngineState, now: datetime) -> float | None:
+    """The requests/s this host's clients send at this local hour (its median, once the
+    traffic profile knows the hour), else the rate last seen."""
+    hour = now.astimezone(policy.zone).hour
+    typical = state.traffic.median(hour)
+    return typical if typical is not None else state.slo.last_rate
+
+
+def _budget(
+    settings: Settings, state: EngineState, stats: WindowStats | None, now: datetime
+) -> Budget:
+    """What a restart now would cost in the objectives' budgets: the requests this host sends
+    now (the window's rate, else this hour's usual one) refused for the restart's outage."""
+    rate = stats.requests_per_s if stats is not None else None
+    outage = state.plan.outage if state.plan is not None else DEFAULT_OUTAGE
+    return Budget(
+        settings.slo,
+        state.slo,
+        now.timestamp(),
+        rate if rate is not None else _expected_rate(settings.policy, state, now),
+        outage,
+    )
 
 
 # The plan is made again every hour on the hour (evidence ages), and whenever the past runs

@@ -1,0 +1,500 @@
+"""Service-level objectives: what the operator promised clients, measured from vLLM's metrics.
+
+An objective is a share of events that must be good over a period: requests served
+(``availability``), requests whose first token came within ``ttft_seconds`` (``ttft``), output
+tokens that came within ``itl_seconds`` of the one before (``itl``). What the period may spend
+on bad events is the error budget: a restart spends availability (the requests refused while
+vLLM is down, and those it cut off), a slow server spends latency.
+
+Counted per interval between two samples of one vLLM run: latency from the TTFT and ITL
+histograms' bucket deltas, a target between two bounds interpolated as Prometheus's
+``histogram_quantile`` does (``share_within``); availability from the requests answered
+(``http_requests_total`` by status where vLLM exposes it, else ``request_success_total``) and
+the bad ones: HTTP 5xx answers, requests a restart cut off (``RestartRecord.cut_off``) and the
+requests this host's traffic would have sent while vLLM was down, loading or stalled
+(``expected`` rate x time). Tallies are kept in buckets of three sizes (5 minutes for 6 hours,
+hours for a day, days for the period), enough for the status's hour, day and period and the
+multiwindow burn rates of the SRE workbook (``BURNS``). Pure, like the rest of the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vkvagent.engine.samples import Histogram
+
+OBJECTIVES = ("availability", "ttft", "itl")
+# The status's windows: seconds, with the period's own length standing for "period".
+WINDOWS = {"1h": 3600.0, "1d": 86400.0}
+# Multiwindow burn-rate alerts (Google SRE workbook, "Alerting on SLOs"): a burn rate is the
+# budget spent per unit of time over the rate that would spend all of it in one period; an
+# alert needs both the long and the short window above the threshold (the short one makes it
+# stop soon after the burning does).
+BURNS = {
+    "fast": (3600.0, 300.0, 14.4),  # 2 % of a 30-day budget in an hour: page
+    "slow": (21600.0, 1800.0, 6.0),  # 5 % in six hours: page, or a ticket
+}
+# Bucket sizes (seconds) and how many of each are kept; the daily ring is the period's length.
+RINGS = ((300.0, 72), (3600.0, 24))
+DAY = 86400.0
+# An interval longer than this (the agent itself was down) is not charged to vLLM beyond it.
+MAX_GAP = 120.0
+
+
+@dataclass(frozen=True)
+class SloSettings:
+    """The operator's objectives ([slo]); an objective whose target is None is not declared."""
+
+    availability: float | None = None  # share of requests served, e.g. 0.999
+    period_days: float = 28.0  # the error budget's period
+    ttft_seconds: float | None = None  # time to the first token ...
+    ttft_share: float = 0.95  # ... within which this share of requests must get it
+    itl_seconds: float | None = None  # inter-token latency ...
+    itl_share: float = 0.95  # ... within which this share of output tokens must come
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("availability", "ttft_share", "itl_share"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 1:
+                problems.append(f"{name} {value:g} (allowed: above 0, below 1)")
+        for name in ("ttft_seconds", "itl_seconds"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                problems.append(f"{name} {value:g} (allowed: above 0)")
+        if not 1 <= self.period_days <= 366:
+            problems.append(f"period_days {self.period_days:g} (allowed: 1 to 366)")
+        if problems:
+            raise ValueError("slo: " + "; ".join(problems))
+
+    @property
+    def declared(self) -> tuple[str, ...]:
+        """The objectives set, in OBJECTIVES order."""
+        targets = (self.availability, self.ttft_seconds, self.itl_seconds)
+        return tuple(o for o, t in zip(OBJECTIVES, targets) if t is not None)
+
+    @property
+    def period(self) -> float:
+        return self.period_days * DAY
+
+    def target(self, objective: str) -> float:
+        """The share of good events ``objective`` asks for."""
+        if objective == "availability":
+            assert self.availability is not None
+            return self.availability
+        return self.ttft_share if objective == "ttft" else self.itl_share
+
+    def words(self, objective: str) -> str:
+        """The objective as an operator writes it: "99.9 % of requests served"."""
+        share = f"{self.target(objective) * 100:g} %"
+        if objective == "availability":
+            return f"{share} of requests served"
+        if objective == "ttft":
+            return f"{share} of requests' first token within {self.ttft_seconds:g} s"
+        return f"{share} of output tokens within {(self.itl_seconds or 0) * 1000:g} ms"
+
+
+def share_within(hist: Histogram, target: float) -> float:
+    """How many of ``hist``'s observations were at or below ``target``: the cumulative count
+    at the bucket bounds around it, interpolated linearly inside the bucket as Prometheus's
+    ``histogram_quantile`` does (the first bucket from 0). A target beyond the last finite
+    bound counts only what that bound holds: +Inf's bucket has no width to interpolate in."""
+    below, lower = 0.0, 0.0
+    for bound, cumulative in zip(hist.bounds, hist.cumulative):
+        if bound == math.inf:
+            return below
+        if target <= bound:
+            if bound <= lower:
+                return cumulative
+            return below + (cumulative - below) * (max(target, lower) - lower) / (bound - lower)
+        below, lower = cumulative, bound
+    return below
+
+
+def bracket(bounds: Sequence[float], target: float) -> tuple[float, float] | None:
+    """The bucket bounds ``target`` falls between (the first bucket's lower bound 0): how
+    closely a histogram with these bounds can tell the target; None beyond the last finite
+    bound."""
+    lower = 0.0
+    for bound in bounds:
+        if bound == math.inf:
+            return None
+        if target <= bound:
+            return lower, bound
+        lower = bound
+    return None
+
+
+def difference(new: Histogram | None, old: Histogram | None) -> Histogram | None:
+    """The observations between two scrapes of one histogram (``old`` None: since vLLM
+    started); None where they cannot be compared (a new layout, a count gone down)."""
+    if new is None:
+        return None
+    if old is None:
+        return new
+    if old.bounds != new.bounds or new.count < old.count:
+        return None
+    cumulative = tuple(max(0.0, a - b) for a, b in zip(new.cumulative, old.cumulative))
+    return Histogram(new.bounds, cumulative, new.sum - old.sum)
+
+
+# A tally: (good, all) events per objective, in OBJECTIVES order, flattened.
+Tally = tuple[float, ...]
+EMPTY: Tally = (0.0,) * (2 * len(OBJECTIVES))
+
+
+def _plus(a: Tally, b: Tally, weight: float = 1.0) -> Tally:
+    return tuple(x + weight * y for x, y in zip(a, b))
+
+
+@dataclass(frozen=True)
+class Counts:
+    """One interval's events."""
+
+    answered: float = 0.0  # requests vLLM answered (2xx, or finished)
+    failed: float = 0.0  # requests answered 5xx, cut off, or refused while vLLM was down
+    ttft_good: float = 0.0
+    ttft_all: float = 0.0
+    itl_good: float = 0.0
+    itl_all: float = 0.0
+
+    def tally(self) -> Tally:
+        return (
+            self.answered,
+            self.answered + self.failed,
+            self.ttft_good,
+            self.ttft_all,
+            self.itl_good,
+            self.itl_all,
+        )
+
+
+@dataclass(frozen=True)
+class Burn:
+    """One objective's burn rates and the alert they raise ("" when none)."""
+
+    rates: Mapping[str, float | None]  # window name ("5m", "1h", ...) -> burn rate
+    alert: str  # "fast", "slow" or ""
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One declared objective as the status, the metrics and the events show it."""
+
+    name: str
+    words: str
+    target: float
+    attainment: Mapping[str, float | None]  # "1h", "1d", "period" -> share good; None: no events
+    budget_remaining: float | None  # share of the period's budget left (below 0: overspent)
+    burn: Burn
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "objective": self.name,
+            "words": self.words,
+            "target": self.target,
+            "attainment": dict(self.attainment),
+            "budget_remaining": self.budget_remaining,
+            "burn_rates": dict(self.burn.rates),
+            "burning": self.burn.alert or None,
+        }
+
+
+def _window_name(seconds: float) -> str:
+    return f"{seconds / 3600:g}h" if seconds >= 3600 else f"{seconds / 60:g}m"
+
+
+@dataclass(frozen=True)
+class SloState:
+    """The tallies by bucket, the traffic rate last seen (for the requests a down vLLM
+    refused when this host's profile does not know the hour yet), and the newest restart whose
+    cut-off requests were counted."""
+
+    rings: tuple[Mapping[int, Tally], ...] = ({}, {}, {})
+    last_rate: float | None = None  # requests/s
+    counted: float | None = None  # UTC time of the newest restart record counted
+    # The latency of runs while fresh: the run being counted, its tally so far, and the last
+    # fresh tally of a run: what a restart brings back.
+    run: str = ""
+    fresh: Tally = EMPTY
+    last_fresh: Tally = EMPTY
+
+    def add(self, settings: SloSettings, at: float, counts: Counts) -> SloState:
+        """The state with ``counts`` in the buckets holding ``at`` (UTC), old buckets dropped."""
+        if counts == _NOTHING:
+            return self
+        tally = counts.tally()
+        rings = []
+        for (size, kept), ring in zip(self._sizes(settings), self.rings):
+            index = math.floor(at / size)
+            new = {i: t for i, t in dict(ring).items() if index - kept < i <= index}
+            new[index] = _plus(new.get(index, EMPTY), tally)
+            rings.append(new)
+        return replace(self, rings=tuple(rings))
+
+    def counted_fresh(self, run: str, counts: Counts) -> SloState:
+        """The state with ``counts`` in run ``run``'s fresh tally; a new run's first counts
+        keep the last run's as the latency a restart brings back."""
+        if run != self.run:
+            kept = self.fresh if self.fresh[3] or self.fresh[5] else self.last_fresh
+            return replace(self, run=run, fresh=counts.tally(), last_fresh=kept)
+        return replace(self, fresh=_plus(self.fresh, counts.tally()))
+
+    def fresh_miss(self) -> dict[str, float]:
+        """Each latency objective's miss rate while the last run was fresh (this one's, once
+        it has events), where known."""
+        out = {}
+        for source in (self.last_fresh, self.fresh):
+            for i, name in enumerate(OBJECTIVES):
+                share = _share(source, i)
+                if name != "availability" and share is not None:
+                    out[name] = 1 - share
+        return out
+
+    @staticmethod
+    def _sizes(settings: SloSettings) -> tuple[tuple[float, int], ...]:
+        return (*RINGS, (DAY, math.ceil(settings.period_days) + 1))
+
+    def over(self, settings: SloSettings, seconds: float, now: float) -> Tally:
+        """The tally of the trailing ``seconds`` before ``now``, from the finest ring that
+        covers them, the oldest bucket weighted by its share inside the window."""
+        for (size, kept), ring in zip(self._sizes(settings), self.rings):
+            if seconds <= size * (kept - 1) or size == DAY:
+                return _sum(ring, size, now - seconds, now)
+        return EMPTY
+
+    def report(self, settings: SloSettings, now: float) -> tuple[Objective, ...]:
+        """Each declared objective over the last hour, day and period, its budget left and its
+        burn rates."""
+        windows = {**WINDOWS, "period": settings.period}
+        spans = sorted({w for long, short, _ in BURNS.values() for w in (long, short)})
+        tallies = {w: self.over(settings, s, now) for w, s in windows.items()}
+        burns = {_window_name(s): self.over(settings, s, now) for s in spans}
+        out = []
+        for i, name in enumerate(OBJECTIVES):
+            if name not in settings.declared:
+                continue
+            allowed = 1 - settings.target(name)
+            rates = {w: _burn(t, i, allowed) for w, t in burns.items()}
+            alert = ""
+            for level, (long, short, threshold) in BURNS.items():
+                both = (rates[_window_name(long)], rates[_window_name(short)])
+                if all(r is not None and r >= threshold for r in both):
+                    alert = level
+                    break
+            period = tallies["period"]
+            out.append(
+                Objective(
+                    name=name,
+                    words=settings.words(name),
+                    target=settings.target(name),
+                    attainment={w: _share(t, i) for w, t in tallies.items()},
+                    budget_remaining=_remaining(period, i, allowed),
+                    burn=Burn(rates, alert),
+                )
+            )
+        return tuple(out)
+
+    def budget_events(self, settings: SloSettings, objective: str, now: float) -> float | None:
+        """The bad events ``objective``'s budget still allows over the period so far (its
+        events so far x (1 - target), less the bad ones); None when nothing was counted."""
+        i = OBJECTIVES.index(objective)
+        good, total = self._pair(settings, i, now)
+        if not total:
+            return None
+        return total * (1 - settings.target(objective)) - (total - good)
+
+    def period_rate(self, settings: SloSettings, objective: str, now: float) -> float | None:
+        """``objective``'s events per second over the period so far (the buckets it has)."""
+        i = OBJECTIVES.index(objective)
+        _, total = self._pair(settings, i, now)
+        indices = [k for k, t in dict(self.rings[2]).items() if t[2 * i + 1] > 0]
+        if not total or not indices:
+            return None
+        covered = (math.floor(now / DAY) - min(indices)) * DAY + (now % DAY)
+        return total / max(covered, 3600.0)
+
+    def miss_rate(
+        self, settings: SloSettings, objective: str, seconds: float, now: float
+    ) -> float | None:
+        """The share of ``objective``'s events that were bad over the trailing ``seconds``."""
+        share = _share(self.over(settings, seconds, now), OBJECTIVES.index(objective))
+        return None if share is None else 1 - share
+
+    def _pair(self, settings: SloSettings, i: int, now: float) -> tuple[float, float]:
+        tally = self.over(settings, settings.period, now)
+        return tally[2 * i], tally[2 * i + 1]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rings": [{str(k): list(v) for k, v in sorted(dict(r).items())} for r in self.rings],
+            "last_rate": self.last_rate,
+            "counted": self.counted,
+            "run": self.run,
+            "fresh": list(self.fresh),
+            "last_fresh": list(self.last_fresh),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> SloState:
+        """The inverse of ``to_json``; ValueError (one line) for anything malformed."""
+        try:
+            rings = tuple(
+                {int(key): _tally(values) for key, values in ring.items()} for ring in data["rings"]
+            )
+            if len(rings) != 3:
+                raise ValueError(f"expected 3 rings, got {len(rings)}")
+            last, counted = data["last_rate"], data["counted"]
+            return cls(
+                rings,
+                None if last is None else float(last),
+                None if counted is None else float(counted),
+                str(data["run"]),
+                _tally(data["fresh"]),
+                _tally(data["last_fresh"]),
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"slo state: malformed ({type(exc).__name__}: {exc})") from None
+        except ValueError as exc:
+            raise ValueError(f"slo state: {exc}") from None
+
+
+_NOTHING = Counts()
+
+
+def _tally(values: Any) -> Tally:
+    tally = tuple(float(v) for v in values)
+    if len(tally) != len(EMPTY) or not all(v >= 0 for v in tally):
+        raise ValueError(f"bad tally {values!r}")
+    return tally
+
+
+def _sum(ring: Mapping[int, Tally], size: float, start: float, end: float) -> Tally:
+    total = EMPTY
+    for index, tally in dict(ring).items():
+        begin = index * size
+        if begin >= end or begin + size <= start:
+            continue
+        inside = (min(begin + size, end) - max(begin, start)) / size
+        # A bucket still filling (it holds ``end``) counts whole: it holds nothing later.
+        total = _plus(total, tally, 1.0 if begin + size > end else inside)
+    return total
+
+
+def _share(tally: Tally, i: int) -> float | None:
+    good, total = tally[2 * i], tally[2 * i + 1]
+    return min(1.0, good / total) if total > 0 else None
+
+
+def _burn(tally: Tally, i: int, allowed: float) -> float | None:
+    share = _share(tally, i)
+    return None if share is None else (1 - share) / allowed
+
+
+def _remaining(tally: Tally, i: int, allowed: float) -> float | None:
+    good, total = tally[2 * i], tally[2 * i + 1]
+    if total <= 0:
+        return None
+    return 1 - (total - good) / (allowed * total)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """What one interval between two samples says for the objectives."""
+
+    seconds: float
+    ttft: Histogram | None = None  # the TTFT observations in it
+    itl: Histogram | None = None
+    answered: float | None = None  # requests answered (2xx, or finished)
+    errors: float = 0.0  # 5xx answers
+    refused_rate: float | None = None  # requests/s refused (vLLM down, loading or stalled)
+
+
+def counts(settings: SloSettings, interval: Interval) -> Counts:
+    """The events of one interval."""
+    failed = interval.errors
+    if interval.refused_rate is not None:
+        failed += interval.refused_rate * min(interval.seconds, MAX_GAP)
+    out = Counts(answered=max(0.0, interval.answered or 0.0), failed=max(0.0, failed))
+    if settings.ttft_seconds is not None and interval.ttft is not None:
+        good = share_within(interval.ttft, settings.ttft_seconds)
+        out = _with(out, ttft_good=good, ttft_all=interval.ttft.count)
+    if settings.itl_seconds is not None and interval.itl is not None:
+        good = share_within(interval.itl, settings.itl_seconds)
+        out = _with(out, itl_good=good, itl_all=interval.itl.count)
+    return out
+
+
+def _with(c: Counts, **values: float) -> Counts:
+    return Counts(**{**c.__dict__, **values})
+
+
+@dataclass(frozen=True)
+class Spend:
+    """What a restart now would cost and save, each a share of its objective's budget over
+    the period so far."""
+
+    cost: float  # availability budget a restart spends (its outage and cut-offs)
+    left: float  # availability budget left before it
+    saving: float | None  # latency budget it saves until ``horizon``; None: cannot tell
+    horizon: float  # seconds the saving is counted over
+
+    def words(self) -> str:
+        return (
+            f"a restart spends {self.cost * 100:.2g} % of the availability budget "
+            f"({self.left * 100:.0f} % left)"
+            + (
+                ""
+                if self.saving is None
+                else f" and saves {self.saving * 100:.2g} % of the latency budget over the "
+                f"next {self.horizon / 3600:.1f} h"
+            )
+        )
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the policy weighs a restart by, with an [slo]: the objectives' tallies, this
+    host's request rate now and the restart's outage."""
+
+    settings: SloSettings
+    state: SloState
+    now: float  # UTC
+    rate: float | None  # requests/s a restart now would refuse
+    outage: float  # seconds vLLM takes to start again
+
+    def spend(self, horizon: float, in_flight: float = 0.0) -> Spend | None:
+        """A restart now: its cost (the requests refused in its outage, and ``in_flight``
+        cut off) over the availability budget of the period so far, and what it saves of the
+        latency objectives over ``horizon`` seconds (the last hour's miss rate down to the
+        last fresh run's, at the period's event rate) over theirs. None without an
+        availability objective, or before any request was counted."""
+        s, state, now = self.settings, self.state, self.now
+        if s.availability is None:
+            return None
+        budget = state.budget_events(s, "availability", now)
+        allowed = _allowed(s, state, "availability", now)
+        if budget is None or not allowed:
+            return None
+        cost = ((self.rate or 0.0) * self.outage + in_flight) / allowed
+        saving: float | None = None
+        fresh = state.fresh_miss()
+        for name in ("ttft", "itl"):
+            if name not in s.declared or name not in fresh:
+                continue
+            now_miss = state.miss_rate(s, name, 3600.0, now)
+            events = state.period_rate(s, name, now)
+            mine = _allowed(s, state, name, now)
+            if now_miss is None or events is None or not mine:
+                continue
+            saving = (saving or 0.0) + max(0.0, now_miss - fresh[name]) * events * horizon / mine
+        return Spend(cost, budget / allowed, saving, horizon)
+
+
+def _allowed(settings: SloSettings, state: SloState, objective: str, now: float) -> float:
+    """The bad events ``objective``'s budget allows over the period so far."""
+    _, total = state._pair(settings, OBJECTIVES.index(objective), now)
+    return total * (1 - settings.target(objective))
