@@ -93,6 +93,8 @@ def realistic_metrics(i: int, rng: random.Random) -> VllmMetrics:
         inter_token_latency=histogram(ITL_BOUNDS, rng, 1_000_000),
         cache_config=CACHE_CONFIG,
         version="0.11.0",
+        http_requests_total=float(150_040 + 30 * i),
+        http_5xx_total=float(i // 100),
     )
 
 
@@ -215,6 +217,8 @@ VLLM_FIELDS: dict[str, st.SearchStrategy[Any]] = {
             "prefix_cache_hit_rate",
             "engine_steps_total",
             "process_start_time",
+            "http_requests_total",
+            "http_5xx_total",
         )
     },
     "prefix_cache_unit": optional(TEXT),
@@ -594,3 +598,31 @@ def test_a_schema_1_database_gains_the_unit_columns_and_keeps_its_rows(tmp_path:
         store.append(replace(old, time=6.0, unit=facts))
         assert store.latest() == replace(old, time=6.0, unit=facts)
     assert sql(tmp_path, "PRAGMA user_version") == [(len(history_module._MIGRATIONS),)]
+
+
+def test_a_schema_4_database_gains_the_http_columns_and_keeps_its_vllm_samples(
+    tmp_path: Path,
+) -> None:
+    """A sample stored before the availability objective reads back without the API's
+    answers (unknown, not none), and the samples after it keep theirs."""
+    db = sqlite3.connect(tmp_path / FILE_NAME, isolation_level=None)
+    for migration in history_module._MIGRATIONS[:4]:
+        for statement in migration:
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 4")
+    db.execute("INSERT INTO cache_configs (id, json) VALUES (1, '{}')")
+    db.execute(
+        "INSERT INTO samples (time, mono, flavor, models, engines, request_success_total, "
+        """cache_config) VALUES (5.0, 1.0, 'v1-latest', '["m"]', 1, 70.0, 1)"""
+    )
+    db.close()
+    with History(tmp_path) as store:
+        (old,) = store.samples()
+        assert old.vllm is not None and old.vllm.request_success_total == 70.0
+        assert (old.vllm.http_requests_total, old.vllm.http_5xx_total) == (None, None)
+        new = realistic_sample(250)
+        assert new.vllm is not None and new.vllm.http_5xx_total == 2.0
+        store.append(new)
+        assert store.samples() == [old, new]
+    assert sql(tmp_path, "PRAGMA user_version") == [(len(history_module._MIGRATIONS),)]
+    assert len(history_module._MIGRATIONS) == 5

@@ -64,6 +64,7 @@ def test_real_v1_032_page_under_load() -> None:
     assert m.kv_cache_usage == pytest.approx(0.0006813536225300787)
     assert (m.prompt_tokens_total, m.generation_tokens_total) == (756.0, 5167.0)
     assert m.request_success_total == 78.0
+    assert (m.http_requests_total, m.http_5xx_total) == (78.0, 0.0)  # every POST answered 2xx
     assert (m.prefix_cache_queries_total, m.prefix_cache_hits_total) == (756.0, 0.0)
     assert m.prefix_cache_unit == "tokens"
     assert m.num_preemptions_total == 0.0
@@ -230,6 +231,56 @@ def test_v0_hit_rate_gauge() -> None:
 GOOD = page(gauge("vllm:kv_cache_usage_perc", 0.5), counter("vllm:num_preemptions_total", 3))
 
 
+def http(*series: tuple[str, str, str, float]) -> str:
+    """prometheus_fastapi_instrumentator's family: (handler, method, status, value) each."""
+    return "# TYPE http_requests_total counter\n" + "".join(
+        f'http_requests_total{{handler="{h}",method="{m}",status="{s}"}} {v}\n'
+        for h, m, s, v in series
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "answered", "errors"),
+    [
+        (
+            http(
+                ("/v1/chat/completions", "POST", "2xx", 90),
+                ("/v1/chat/completions", "POST", "4xx", 7),  # a client's mistake: not counted
+                ("/v1/chat/completions", "POST", "5xx", 3),
+                ("/v1/completions", "POST", "2xx", 40),
+                ("/v1/completions", "POST", "5xx", 1),
+                ("/v1/models", "GET", "2xx", 12),  # not a request for tokens
+                ("/v1/models", "GET", "5xx", 2),
+            ),
+            134.0,
+            4.0,
+        ),
+        # Ungrouped status codes (should_group_status_codes=False) read the same way.
+        (
+            http(
+                ("/v1/completions", "POST", "200", 8),
+                ("/v1/completions", "POST", "503", 2),
+                ("/v1/completions", "POST", "429", 5),
+            ),
+            10.0,
+            2.0,
+        ),
+        # No 5xx yet: 0, not unknown, so the first ones count as they come.
+        (http(("/v1/completions", "POST", "2xx", 8)), 8.0, 0.0),
+        # Declared, with no POST answered yet (only its TYPE line, or GETs): none yet.
+        (http(), 0.0, 0.0),
+        (http(("/v1/models", "GET", "2xx", 3)), 0.0, 0.0),
+        ("", None, None),  # V0, or a page without the instrumentator
+    ],
+    ids=["grouped", "codes", "no-5xx", "declared", "gets-only", "absent"],
+)
+def test_http_requests_count_the_api_posts_answered_and_their_5xx(
+    family: str, answered: float | None, errors: float | None
+) -> None:
+    m = normalise(GOOD + family)
+    assert (m.http_requests_total, m.http_5xx_total) == (answered, errors)
+
+
 @pytest.mark.parametrize(
     ("text", "problem"),
     [
@@ -247,6 +298,7 @@ GOOD = page(gauge("vllm:kv_cache_usage_perc", 0.5), counter("vllm:num_preemption
         (page(gauge("vllm:kv_cache_usage_perc", float("nan"))), "not a finite number"),
         (page(gauge("vllm:num_requests_waiting", float("inf"))), "not a finite number"),
         (page(counter("vllm:prompt_tokens_total", -5)), "negative"),
+        (GOOD + http(("/v1/completions", "POST", "2xx", -1)), "http_requests_total is negative"),
         (page(gauge("vllm:kv_cache_usage_perc", 37)), "outside 0..1"),
         (GOOD + 'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n', "duplicate series"),
         (page(gauge("process_cpu_seconds_total", 3, "")), "no vLLM metrics"),

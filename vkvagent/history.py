@@ -117,6 +117,10 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     (  # 4: the unit's MemoryMax, the limit a memory leak is timed against
         "ALTER TABLE samples ADD COLUMN unit_memory_max_bytes INTEGER",
     ),
+    (  # 5: the API's answers and its 5xx, for the availability objective ([slo])
+        "ALTER TABLE samples ADD COLUMN http_requests_total REAL",
+        "ALTER TABLE samples ADD COLUMN http_5xx_total REAL",
+    ),
 )
 
 # VllmMetrics fields stored as they are, tuples stored as JSON, and histograms.
@@ -126,6 +130,7 @@ _VLLM_PLAIN = (
     "generation_tokens_total", "prompt_tokens_total", "request_success_total",
     "prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_unit",
     "prefix_cache_hit_rate", "engine_steps_total", "process_start_time",
+    "http_requests_total", "http_5xx_total",
 )  # fmt: skip
 _VLLM_TUPLES = ("models", "warnings")
 _HISTOGRAMS = ("time_to_first_token", "inter_token_latency")

@@ -51,6 +51,9 @@ TTFT = _P + "time_to_first_token_seconds"
 ITL = _P + "inter_token_latency_seconds"
 ITL_OLD = _P + "time_per_output_token_seconds"
 HISTOGRAMS = (TTFT, ITL, ITL_OLD)
+# prometheus_fastapi_instrumentator's counter, by handler, method and status class ("2xx",
+# "4xx", "5xx"): the requests the API answered, for the availability objective.
+HTTP_REQUESTS = "http_requests_total"
 
 _COUNTERS = (
     PREEMPTIONS,
@@ -64,11 +67,14 @@ _COUNTERS = (
     ENGINE_STEPS,
 )
 _GAUGES = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD, PREFIX_HIT_RATE_V0, PROCESS_START)
+# Values that must be finite and not negative (V0's hit rate reads -1 for "no data yet").
+_CHECKED = (*_COUNTERS, HTTP_REQUESTS, RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD, PROCESS_START)
 WANTED: frozenset[str] = frozenset(
     (
         *_COUNTERS,
         *_GAUGES,
         CACHE_CONFIG,
+        HTTP_REQUESTS,
         *(h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_count", "_sum")),
     )
 )
@@ -79,6 +85,13 @@ _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABELS = re.compile(r'\s*(?:[a-zA-Z_][a-zA-Z0-9_]*\s*=\s*"(?:[^"\\\n]|\\.)*"\s*(?:,\s*|$))*')
 Labels = dict[str, str]
 SeriesKey = tuple[str, frozenset[tuple[str, str]]]
+
+
+def http_counted(labels: Mapping[str, str]) -> bool:
+    """Whether an ``http_requests_total`` series counts towards availability: a POST (the
+    inference handlers; the GETs are /v1/models and the like) not answered 4xx (a client's
+    mistake, not the server's). Grouped classes ("5xx") and plain codes ("503") both read."""
+    return labels.get("method") == "POST" and not labels.get("status", "").startswith("4")
 
 
 class ExpositionError(VkvagentError, ValueError):
@@ -211,7 +224,7 @@ def _reduce(page: _Page, version: str | None) -> VllmMetrics:
     if not any(name.startswith(_P) for name in page.names):
         raise ExpositionError("no vLLM metrics on the page (is this a vLLM /metrics endpoint?)")
     _drop_incomplete(page)
-    for name in (*_COUNTERS, RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD, PROCESS_START):
+    for name in _CHECKED:
         for _labels, value in rows[name]:
             _check_finite_non_negative(name, value)
     kv_name = KV_USAGE if rows[KV_USAGE] else KV_USAGE_OLD
@@ -224,6 +237,9 @@ def _reduce(page: _Page, version: str | None) -> VllmMetrics:
     queries = PREFIX_QUERIES if new_prefix else PREFIX_QUERIES_OLD
     hits = PREFIX_HITS if new_prefix else PREFIX_HITS_OLD
     itl = ITL if rows[ITL + "_bucket"] else ITL_OLD
+    http = [(labels, value) for labels, value in rows[HTTP_REQUESTS] if http_counted(labels)]
+    # Declared (a TYPE line, or GETs only) before any POST was answered: none yet, not unknown.
+    http_total = _sum(http) if http else 0.0 if HTTP_REQUESTS in page.names else None
     return VllmMetrics(
         flavor=_flavor(page),
         models=tuple(sorted(page.models)),
@@ -248,6 +264,9 @@ def _reduce(page: _Page, version: str | None) -> VllmMetrics:
         version=version,
         warnings=tuple(page.warnings),
         per_engine=_engine_signals(page, kv_name),
+        http_requests_total=http_total,
+        # 0 beside a known total (not None) even before any 5xx: the first ones must count.
+        http_5xx_total=None if http_total is None else _sum_5xx(http),
     )
 
 
@@ -284,6 +303,10 @@ def _check_finite_non_negative(name: str, value: float) -> None:
 
 def _sum(rows: list[tuple[Labels, float]]) -> float | None:
     return sum(value for _labels, value in rows) if rows else None
+
+
+def _sum_5xx(rows: list[tuple[Labels, float]]) -> float:
+    return sum((value for labels, value in rows if labels.get("status", "").startswith("5")), 0.0)
 
 
 def _per_engine(rows: list[tuple[Labels, float]]) -> list[float]:
