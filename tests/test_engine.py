@@ -651,12 +651,16 @@ def test_a_memory_series_that_changes_source_starts_again() -> None:
 
 
 def test_a_decline_is_restarted_at_once_then_prevented_from_its_own_history() -> None:
-    """By default (outside_windows = "when_cheaper", prevent = true): a run diagnosed in the
-    evening restarts then, not at 02:00; once the new run shows that the restart cured it,
-    the next restart comes before the decline, at the uptime the first run's onset, its rate
-    and the outage make cheapest. (The cooldown and the daily budget, which otherwise spread
-    preventive restarts out, are relaxed: the simulator declines 10 % an hour.)"""
-    policy = PolicySettings(mode="enforce", windows=WINDOW, cooldown=3600.0, max_per_day=24)
+    """Where the operator opted in (outside_windows = "when_cheaper"; prevent = true), a run
+    diagnosed in the evening restarts then, not at 02:00; once the new run shows that the
+    restart cured it, the next restart comes before the decline, at the uptime the first
+    run's onset, its rate and the outage make cheapest. (The cooldown and the daily budget,
+    which otherwise spread preventive restarts out, are relaxed: the simulator declines 10 %
+    an hour.)"""
+    policy = PolicySettings(
+        mode="enforce", windows=WINDOW, cooldown=3600.0, max_per_day=24,
+        outside_windows="when_cheaper",
+    )  # fmt: skip
     host = SimHost("uptime-decline", Settings(policy=policy), START, onset=2 * 3600.0,
                    rate=2.0, interval=15.0, decide_every=60.0)  # fmt: skip
     host.run_until(9.0)

@@ -32,6 +32,7 @@ from vkvagent.engine.policy import (
 
 UTC = timezone.utc
 ENFORCE = PolicySettings(mode="enforce", windows=("daily 02:00-05:00",))
+CHEAPER = replace(ENFORCE, outside_windows="when_cheaper")  # the operator's opt-in
 IN = datetime(2025, 3, 4, 3, 0, tzinfo=UTC)  # a Tuesday, inside the window
 OUT = datetime(2025, 3, 4, 14, 0, tzinfo=UTC)
 
@@ -441,25 +442,34 @@ def test_a_foretold_harm_restarts_in_the_last_window_before_it_or_just_ahead_of_
     )
     assert verdict(**{**leak, "harm_in": 28 * h}).action == "restart"  # 23 h > 0.75 x 28 h
     assert verdict(**{**leak, "harm_in": None}).action == "restart"  # untimed: as before
-    # Outside the windows (the next opens in 12 h): it waits until the harm is an hour away.
+    # Outside the windows (the next opens in 12 h): it waits until the harm is an hour away,
+    # then goes, drained, whatever the windows say: the kernel's OOM kill would cut off every
+    # request. This is the one slowdown the default policy lets cross a window.
     assert verdict(now=OUT, **{**leak, "harm_in": 5 * h}).reason.startswith("outside window (")
     near = verdict(now=OUT, **{**leak, "harm_in": 50 * 60.0})
     assert (near.action, near.reason, near.drain_max_in_flight) == (
         "restart",
-        "restart: outside window, before the harm: host_memory_growth foretells it in 50 min,"
-        " before the next window (12.0 h)",
+        "restart: outside window, before the OOM kill: host_memory_growth reaches MemoryMax in "
+        "50 min, before the next window (12.0 h)",
         0,
     )
-    never = PolicySettings(mode="enforce", windows=ENFORCE.windows, outside_windows="never")
-    assert verdict(never, now=OUT, **{**leak, "harm_in": 50 * 60.0}).action == "hold"
+    assert ENFORCE.outside_windows == "never"
+    # With no window at all, too: the leak is no emergency, but the kill is coming.
+    bare = PolicySettings(mode="enforce", windows=())
+    assert verdict(bare, now=OUT, **{**leak, "harm_in": 50 * 60.0}).action == "restart"
+    assert verdict(bare, now=OUT, **{**leak, "harm_in": 5 * h}).action == "hold"
     # The budget still binds, as for any restart.
     full = tuple(restart(hours, now=OUT) for hours in (7, 13, 19, 23))
     assert verdict(now=OUT, history=full, **{**leak, "harm_in": 50 * 60.0}).action == "hold"
 
 
 def test_a_leaking_kv_cache_goes_outside_the_windows_when_waiting_costs_more() -> None:
-    # 12 h to the next window; the leak no longer holds 10 % of the heaviest clean load.
-    leak = verdict(now=OUT, cause="kv_pressure", loss=0.1)
+    # By default the windows hold, however much waiting costs.
+    held = verdict(now=OUT, cause="kv_pressure", loss=0.1)
+    assert held.reason == "outside window (next 2025-03-05T02:00:00Z)"
+    # The operator's opt-in: 12 h to the next window; the leak no longer holds 10 % of the
+    # heaviest clean load.
+    leak = verdict(CHEAPER, now=OUT, cause="kv_pressure", loss=0.1)
     assert (leak.action, leak.reason) == (
         "restart",
         "restart: outside window, cheaper now: waiting (12.0 h to the next window) would lose "
@@ -467,7 +477,7 @@ def test_a_leaking_kv_cache_goes_outside_the_windows_when_waiting_costs_more() -
     )
     assert leak.drain_max_in_flight == 0
     # A KV storm with no leak measured (loss unknown) waits for the window, as before.
-    assert verdict(now=OUT, cause="kv_pressure").reason.startswith("outside window (")
+    assert verdict(CHEAPER, now=OUT, cause="kv_pressure").reason.startswith("outside window (")
     # Near the window, a small loss is not worth a restart.
     dawn = at("2025-03-05T01:30:00Z")
     assert verdict(now=dawn, cause="kv_pressure", loss=0.05).reason.startswith("outside window")

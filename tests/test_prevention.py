@@ -211,7 +211,10 @@ def test_a_run_whose_baseline_came_late_in_it_is_rescaled_by_the_next_runs_speed
     assert unscaled.cured and unscaled.buckets == early[0].buckets
 
 
-WINDOWED = PolicySettings(mode="enforce", windows=("daily 02:00-05:00",))
+# The operator's opt-in to restarts outside the windows when waiting costs more.
+WINDOWED = PolicySettings(
+    mode="enforce", windows=("daily 02:00-05:00",), outside_windows="when_cheaper"
+)
 PLAN = plan(SETTINGS, [cured(declining("a"))], "s", NOW)
 
 
@@ -240,8 +243,9 @@ def test_a_preventive_restart_goes_when_waiting_for_the_window_costs_more() -> N
     assert now.drain_max_in_flight == 0  # planned: drained
     # Just before the window opens, waiting is cheaper.
     assert verdict(WINDOWED, 8.5, at(25.9)).reason.startswith("outside window (next")
-    # outside_windows = "never": prevention restarts in the last window before it is due.
-    never = PolicySettings(mode="enforce", windows=WINDOWED.windows, outside_windows="never")
+    # By default (outside_windows = "never"): prevention restarts in the last window before it
+    # is due.
+    never = PolicySettings(mode="enforce", windows=WINDOWED.windows)
     assert verdict(never, 8.5, at(12)).reason.startswith("outside window (next")
     inside = verdict(never, 6.5, at(26))
     assert (inside.action, inside.cause) == ("restart", PREVENTION)
@@ -344,7 +348,7 @@ def test_prevention_goes_at_the_end_of_a_quiet_night_not_at_its_start() -> None:
     # No day of traffic known yet, or outside_windows = "never" (the quiet hours may end
     # outside the windows): this window, as before.
     unknown = traffic({h: 0.0 if h < 7 else 4.0 for h in range(20)})
-    never = PolicySettings(mode="enforce", windows=WINDOWED.windows, outside_windows="never")
+    never = PolicySettings(mode="enforce", windows=WINDOWED.windows)  # the default
     for settings, profile in ((WINDOWED, unknown), (never, QUIET_NIGHTS)):
         inside = verdict(settings, 8.0, at(2), traffic=profile)
         assert (inside.action, inside.reason) == ("restart", "restart: in window")
@@ -365,7 +369,7 @@ def test_prevention_goes_at_the_end_of_a_quiet_night_not_at_its_start() -> None:
 def test_quiet_hours_are_the_hosts_local_ones_across_a_daylight_saving_change() -> None:
     # Berlin, 30 March 2025: clocks go from 02:00 to 03:00. The quiet hours (local 00-07)
     # end at 07:00 CEST, 05:00 UTC, 5 h after 00:00 UTC (01:00 CET), not 6.
-    berlin = PolicySettings(mode="enforce", timezone="Europe/Berlin", windows=WINDOWED.windows)
+    berlin = replace(WINDOWED, timezone="Europe/Berlin")
     night = datetime(2025, 3, 30, 0, tzinfo=timezone.utc)
     held = verdict(berlin, 8.0, night, traffic=QUIET_NIGHTS)
     assert held.action == "hold" and "(2025-03-30T05:00:00Z)" in held.reason

@@ -749,7 +749,7 @@ def _slo_counted(
                           counted=record.time)  # fmt: skip
     if not fresh:
         return slo
-    first = fresh[0].mono
+    first, seen = fresh[0].mono, None
     before = next((x for x in reversed(observed.samples) if x.mono < first), None)
     for sample in fresh:
         seconds = sample.mono - before.mono if before is not None else 0.0
@@ -761,12 +761,15 @@ def _slo_counted(
             found = _interval(old, sample.vllm, seconds)
         elif before is not None and (sample.vllm.process_start_time or 0) >= before.time:
             found = _interval(None, sample.vllm, seconds)  # vLLM started after the last look
+        if found is not None and found.answered is not None and seconds > 0:
+            seen = (found.answered + found.errors) / seconds
         if found is not None:
             tally = counts(settings, found)
             slo = slo.add(settings, sample.time, tally)
             if fresh_run and sample.vllm is not None and sample.vllm.process_start_time:
                 slo = slo.counted_fresh(f"{sample.vllm.process_start_time:.3f}", tally)
         before = sample
+    rate = rate if rate is not None else seen
     return slo if rate is None else replace(slo, last_rate=rate)
 
 

@@ -1,0 +1,285 @@
+"""The operator's objectives (engine/slo.py): counting, budgets, burn rates, and the policy
+that spends them."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from vkvagent.engine import (
+    EngineState,
+    Histogram,
+    Observation,
+    PolicySettings,
+    RestartRecord,
+    Sample,
+    Settings,
+    VllmMetrics,
+    decide,
+)
+from vkvagent.engine.policy import Controls, evaluate
+from vkvagent.engine.rates import quantile
+from vkvagent.engine.slo import (
+    Budget,
+    Counts,
+    Interval,
+    SloSettings,
+    SloState,
+    bracket,
+    counts,
+    difference,
+    share_within,
+)
+
+BOUNDS = (0.1, 0.5, 1.0, 2.5, math.inf)
+SLO = SloSettings(availability=0.999, ttft_seconds=2.0, itl_seconds=0.1)
+T0 = datetime(2025, 3, 4, 12, tzinfo=timezone.utc)  # a Tuesday, outside the default window
+
+
+def hist(*cumulative: float) -> Histogram:
+    return Histogram(BOUNDS, tuple(float(c) for c in cumulative), 0.0)
+
+
+def test_a_target_between_two_bounds_is_interpolated_as_histogram_quantile_does() -> None:
+    h = hist(10, 50, 80, 95, 100)
+    # 2 s lies two thirds of the way from 1 to 2.5: 80 + 15 x 2/3.
+    assert share_within(h, 2.0) == pytest.approx(90.0)
+    assert share_within(h, 1.0) == 80.0  # on a bound: that bound's count
+    assert share_within(h, 0.05) == pytest.approx(5.0)  # the first bucket from 0
+    assert share_within(h, 9.0) == 95.0  # beyond the last finite bound: +Inf has no width
+    # The inverse of Prometheus's histogram_quantile: the quantile at the share found is the
+    # target again, wherever the target falls.
+    for target in (0.03, 0.3, 0.77, 1.6, 2.4):
+        share = share_within(h, target) / h.count
+        assert quantile(share, h) == pytest.approx(target)
+    assert bracket(BOUNDS, 2.0) == (1.0, 2.5)
+    assert bracket(BOUNDS, 0.1) == (0.0, 0.1)
+    assert bracket(BOUNDS, 3.0) is None
+
+
+def test_histogram_deltas_are_refused_across_a_new_layout_or_a_reset() -> None:
+    old, new = hist(1, 2, 3, 4, 5), hist(2, 4, 6, 8, 10)
+    delta = difference(new, old)
+    assert delta is not None and delta.cumulative == (1, 2, 3, 4, 5)
+    assert difference(new, None) is new  # since vLLM started
+    assert difference(old, new) is None  # the count went down: another run
+    other = Histogram((0.2, math.inf), (1.0, 2.0), 0.0)
+    assert difference(other, old) is None
+
+
+def test_an_interval_counts_requests_tokens_and_what_was_refused() -> None:
+    found = counts(
+        SLO,
+        Interval(
+            30.0,
+            ttft=hist(10, 50, 80, 95, 100),
+            itl=hist(900, 990, 1000, 1000, 1000),
+            answered=98.0,
+            errors=2.0,
+        ),
+    )
+    assert found == Counts(answered=98.0, failed=2.0, ttft_good=pytest.approx(90.0),
+                           ttft_all=100.0, itl_good=900.0, itl_all=1000.0)  # fmt: skip
+    # vLLM down for 30 s at this host's usual 2 requests/s: 60 refused; a gap longer than
+    # MAX_GAP (the agent itself was away) is charged only that long.
+    assert counts(SLO, Interval(30.0, refused_rate=2.0)).failed == 60.0
+    assert counts(SLO, Interval(3600.0, refused_rate=2.0)).failed == 240.0
+    # An objective not declared is not counted.
+    bare = counts(SloSettings(availability=0.99), Interval(30.0, ttft=hist(1, 2, 3, 4, 5)))
+    assert bare.ttft_all == 0.0
+
+
+def filled(minutes: int, *, failed: float = 0.0, ttft_miss: float = 0.0) -> SloState:
+    """A state with ``minutes`` of a minute's 100 requests and 1000 tokens each, ``failed`` of
+    them failed and ``ttft_miss`` a share of first tokens late, up to T0."""
+    state = SloState()
+    for m in range(minutes):
+        at = T0.timestamp() - (minutes - 1 - m) * 60
+        tally = Counts(answered=100 - failed, failed=failed, ttft_good=100 * (1 - ttft_miss),
+                       ttft_all=100, itl_good=1000, itl_all=1000)  # fmt: skip
+        state = state.add(SLO, at, tally)
+    return state
+
+
+def test_attainment_budget_and_burn_rates_over_the_windows() -> None:
+    state = filled(24 * 60, failed=0.05)  # 0.05 % failed: half the 0.1 % allowed
+    report = {o.name: o for o in state.report(SLO, T0.timestamp())}
+    availability = report["availability"]
+    assert availability.attainment["1h"] == pytest.approx(0.9995)
+    assert availability.attainment["1d"] == pytest.approx(0.9995)
+    assert availability.budget_remaining == pytest.approx(0.5)
+    assert availability.burn.rates["5m"] == pytest.approx(0.5)
+    assert availability.burn.alert == ""
+    assert report["itl"].attainment["period"] == 1.0
+    assert availability.words == "99.9 % of requests served"
+    # The last hour failing 2 % of its requests: 20 times the rate that spends the budget
+    # in a period, over the hour and its last 5 minutes: a fast burn.
+    burning = state
+    for m in range(60):
+        at = T0.timestamp() + (m + 1) * 60
+        burning = burning.add(SLO, at, Counts(answered=98, failed=2))
+    now = T0.timestamp() + 60 * 60
+    fast = {o.name: o for o in burning.report(SLO, now)}["availability"]
+    assert fast.burn.rates["1h"] == pytest.approx(20.0, rel=0.02)
+    assert fast.burn.alert == "fast"
+    # It stops: five quiet minutes end the fast alert even though the hour still burns.
+    calm = burning
+    for m in range(6):
+        calm = calm.add(SLO, now + (m + 1) * 60, Counts(answered=100))
+    after = {o.name: o for o in calm.report(SLO, now + 6 * 60)}["availability"]
+    assert after.burn.rates["1h"] > 14.4 and after.burn.alert != "fast"
+
+
+def test_buckets_older_than_their_ring_are_dropped_and_the_state_round_trips() -> None:
+    state = filled(3 * 24 * 60)  # three days to Tuesday noon, a minute at a time
+    fine, hourly, daily = state.rings
+    assert len(fine) == 72 and len(hourly) == 24 and len(daily) == 4  # Saturday to Tuesday
+    loaded = SloState.from_json(json.loads(json.dumps(state.to_json())))
+    assert loaded == state
+    with pytest.raises(ValueError, match=r"^slo state: "):
+        SloState.from_json({"rings": [{"1": [1, 2]}], "last_rate": None, "counted": None})
+    with pytest.raises(ValueError, match=r"^slo state: "):
+        SloState.from_json([])
+    # An engine state written before [slo] starts its tallies empty.
+    old = EngineState().to_json()
+    del old["slo"]
+    assert EngineState.from_json(old).slo == SloState()
+
+
+def test_settings_are_checked() -> None:
+    assert SLO.declared == ("availability", "ttft", "itl")
+    assert SloSettings().declared == ()
+    with pytest.raises(ValueError, match=r"availability 1 .*ttft_seconds 0"):
+        SloSettings(availability=1.0, ttft_seconds=0.0)
+
+
+# -- counted by the engine, from samples --------------------------------------------------------
+
+
+def metrics(n: int, *, start: float, errors: int = 0) -> VllmMetrics:
+    """vLLM after ``n`` requests (ten tokens each), ``errors`` of which answered 5xx; the
+    requests' TTFT and tokens' ITL shaped like ``hist``'s (90 % and 99 % within target)."""
+    return VllmMetrics(
+        flavor="v1-latest", models=("m",), engines=1, kv_cache_usage=0.1,
+        kv_cache_usage_max=0.1, num_requests_running=2.0, num_requests_waiting=0.0,
+        num_preemptions_total=0.0, generation_tokens_total=10.0 * n,
+        prompt_tokens_total=50.0 * n, request_success_total=float(n - errors),
+        prefix_cache_queries_total=None, prefix_cache_hits_total=None, prefix_cache_unit=None,
+        prefix_cache_hit_rate=None, engine_steps_total=10.0 * n, process_start_time=start,
+        time_to_first_token=hist(*(n * x / 100 for x in (10, 50, 80, 95, 100))),
+        inter_token_latency=hist(*(n * 10 * x / 100 for x in (99, 100, 100, 100, 100))),
+        http_requests_total=float(n), http_5xx_total=float(errors),
+    )  # fmt: skip
+
+
+def run_ticks(
+    samples: list[Sample], restarts: tuple[RestartRecord, ...] = ()
+) -> tuple[EngineState, Settings]:
+    settings = Settings(slo=SLO)
+    state = EngineState()
+    for i in range(len(samples)):
+        now = datetime.fromtimestamp(samples[i].time, timezone.utc)
+        observed = Observation(samples=tuple(samples[: i + 1]), unit_active=True,
+                               restarts=restarts)  # fmt: skip
+        state = decide(settings, state, observed, now).state
+    return state, settings
+
+
+def test_the_engine_counts_answers_5xx_latency_and_the_requests_refused_while_down() -> None:
+    start = T0.timestamp() - 3600
+    samples = []
+    for i in range(11):  # 10 requests/s for 100 s, then 10 s refused, then 100 s more
+        at = T0.timestamp() + 10 * i
+        samples.append(Sample(at, 1000.0 + 10 * i, metrics(100 * i, start=start, errors=i)))
+    # The agent started on a vLLM up for an hour: what it served before is not counted.
+    state, settings = run_ticks(samples)
+    tally = state.slo.over(settings.slo, 3600, samples[-1].time)
+    assert tally[:2] == (990.0, 1000.0)  # 10 5xx of the 1000 requests since the first look
+    assert tally[2:4] == (pytest.approx(900.0), 1000.0)  # 90 % within 2 s
+    assert tally[4:] == (9900.0, 10000.0)
+    # vLLM stops answering for 20 s, then a new process starts and serves 50 requests: the
+    # 20 s at the last rate seen (10/s) are refused, and the new run is counted from its
+    # start, which came after the last look.
+    down = [Sample(samples[-1].time + 10 * k, samples[-1].mono + 10 * k, None,
+                   "connection refused") for k in (1, 2)]  # fmt: skip
+    again = down[-1].time + 10
+    back = Sample(again, down[-1].mono + 10, metrics(50, start=again - 5))
+    state, settings = run_ticks([*samples, *down, back])
+    tally = state.slo.over(settings.slo, 3600, back.time)
+    assert tally[:2] == (990.0 + 50.0, 1000.0 + 200.0 + 50.0)
+    assert state.slo.last_rate == 5.0  # the rate of the last interval: 50 in the 10 s
+
+
+def test_requests_a_restart_cut_off_are_counted_once() -> None:
+    start = T0.timestamp() - 3600
+    samples = [Sample(T0.timestamp() + 10 * i, 1000.0 + 10 * i, metrics(100 * i, start=start))
+               for i in range(5)]  # fmt: skip
+    cut = RestartRecord(T0.timestamp() - 60, "stall", cut_off=7.0)
+    state, settings = run_ticks(samples, restarts=(cut, RestartRecord(T0.timestamp() - 90, "x")))
+    tally = state.slo.over(settings.slo, 3600, samples[-1].time)
+    assert tally[1] - tally[0] == 7.0  # counted on the first tick, never again
+    assert state.slo.counted == cut.time
+
+
+# -- spending the budget -----------------------------------------------------------------------
+
+ENFORCE = PolicySettings(mode="enforce", windows=("daily 02:00-05:00",))
+IN = datetime(2025, 3, 5, 3, tzinfo=timezone.utc)
+
+
+def budget(state: SloState, now: datetime, rate: float = 1.0, outage: float = 180.0) -> Budget:
+    return Budget(SLO, state, now.timestamp(), rate, outage)
+
+
+def verdict(settings: PolicySettings, now: datetime, b: Budget, cause: str = "uptime_decline"):  # type: ignore[no-untyped-def]
+    return evaluate(
+        settings, cause=cause, wanted=True, uptime=20 * 3600.0, request_rate=1.0, history=(),
+        controls=Controls(), now=now, budget=b,
+    )  # fmt: skip
+
+
+def day_to(now: datetime, last_hour_miss: float) -> SloState:
+    """A day to ``now`` at 100 requests a minute (144 failures allowed: 0.1 %), 10 % of them
+    late for 2 s but in the last hour ``last_hour_miss``; a fresh run missed for 1 %."""
+    state = SloState(last_fresh=Counts(ttft_good=99, ttft_all=100).tally())
+    for m in range(24 * 60):
+        miss = last_hour_miss if m >= 23 * 60 else 0.1
+        tally = Counts(answered=100, ttft_good=100 * (1 - miss), ttft_all=100)
+        state = state.add(SLO, now.timestamp() - 86400 + (m + 1) * 60, tally)
+    return state
+
+
+def test_a_restart_goes_only_while_the_budget_covers_it_and_it_saves_more_than_it_spends() -> None:
+    day = day_to(IN, 0.1)
+    # In the window, at 1 request/s: a 3-minute outage refuses 180 of the 144 left: held.
+    held = verdict(ENFORCE, IN, budget(day, IN))
+    assert held.action == "hold" and held.reason.startswith("error budget: a restart spends")
+    assert "the budget left does not cover it" in held.reason
+    # At a quiet 0.1 requests/s it spends 18 and saves far more latency budget: it goes.
+    quiet = verdict(ENFORCE, IN, budget(day, IN, rate=0.1))
+    assert quiet.action == "restart"
+    # A planned restart has no latency to show: only the budget left binds.
+    flags = evaluate(ENFORCE, cause=None, wanted=False, uptime=20 * 3600.0, request_rate=0.1,
+                     history=(), controls=Controls(), now=IN, budget=budget(day, IN, rate=0.1),
+                     flags_due="apply --max-num-seqs 8")  # fmt: skip
+    assert flags.action == "restart"
+    # A run whose latency is back to fresh saves nothing: held, whatever the windows say.
+    flat = verdict(ENFORCE, IN, budget(day_to(IN, 0.01), IN, rate=0.1))
+    assert flat.action == "hold" and flat.reason.endswith("no more than it spends")
+    # Outside the windows: only with the operator's opt-in, and only within the budget.
+    out = IN + timedelta(hours=10)
+    late = day_to(out, 0.1)
+    assert verdict(ENFORCE, out, budget(late, out, rate=0.1)).reason.startswith("outside window (")
+    opted = replace(ENFORCE, outside_windows="when_cheaper")
+    went = verdict(opted, out, budget(late, out, rate=0.1))
+    assert went.action == "restart"
+    assert went.reason.startswith("restart: outside window, within the error budget: a restart")
+    assert verdict(opted, out, budget(late, out, rate=1.0)).reason.startswith("outside window (")
+    # An emergency spends whatever it must.
+    assert verdict(ENFORCE, out, budget(late, out, rate=1.0), cause="stall").action == "restart"
+    # Nothing counted yet (a new install): the objectives cannot weigh it; the windows decide.
+    assert verdict(ENFORCE, IN, budget(SloState(), IN)).action == "restart"
