@@ -214,6 +214,7 @@ class SloState:
     cut-off requests were counted."""
 
     rings: tuple[Mapping[int, Tally], ...] = ({}, {}, {})
+    since: float | None = None  # UTC time of the first events counted
     last_rate: float | None = None  # requests/s
     counted: float | None = None  # UTC time of the newest restart record counted
     # The latency of runs while fresh: the run being counted, its tally so far, and the last
@@ -230,10 +231,13 @@ class SloState:
         rings = []
         for (size, kept), ring in zip(self._sizes(settings), self.rings):
             index = math.floor(at / size)
-            new = {i: t for i, t in dict(ring).items() if index - kept < i <= index}
+            if index in ring:  # the bucket still filling: nothing to drop
+                new = dict(ring)
+            else:
+                new = {i: t for i, t in ring.items() if index - kept < i <= index}
             new[index] = _plus(new.get(index, EMPTY), tally)
             rings.append(new)
-        return replace(self, rings=tuple(rings))
+        return replace(self, rings=tuple(rings), since=at if self.since is None else self.since)
 
     def counted_fresh(self, run: str, counts: Counts) -> SloState:
         """The state with ``counts`` in run ``run``'s fresh tally; a new run's first counts
@@ -270,6 +274,7 @@ class SloState:
         """Each declared objective over the last hour, day and period, its budget left and its
         burn rates."""
         windows = {**WINDOWS, "period": settings.period}
+        scale = self.scale(settings, now)
         spans = sorted({w for long, short, _ in BURNS.values() for w in (long, short)})
         tallies = {w: self.over(settings, s, now) for w, s in windows.items()}
         burns = {_window_name(s): self.over(settings, s, now) for s in spans}
@@ -292,45 +297,23 @@ class SloState:
                     words=settings.words(name),
                     target=settings.target(name),
                     attainment={w: _share(t, i) for w, t in tallies.items()},
-                    budget_remaining=_remaining(period, i, allowed),
+                    budget_remaining=_remaining(period, i, allowed, scale),
                     burn=Burn(rates, alert),
                 )
             )
         return tuple(out)
 
-    def budget_events(self, settings: SloSettings, objective: str, now: float) -> float | None:
-        """The bad events ``objective``'s budget still allows over the period so far (its
-        events so far x (1 - target), less the bad ones); None when nothing was counted."""
-        i = OBJECTIVES.index(objective)
-        good, total = self._pair(settings, i, now)
-        if not total:
-            return None
-        return total * (1 - settings.target(objective)) - (total - good)
-
-    def period_rate(self, settings: SloSettings, objective: str, now: float) -> float | None:
-        """``objective``'s events per second over the period so far (the buckets it has)."""
-        i = OBJECTIVES.index(objective)
-        _, total = self._pair(settings, i, now)
-        indices = [k for k, t in dict(self.rings[2]).items() if t[2 * i + 1] > 0]
-        if not total or not indices:
-            return None
-        covered = (math.floor(now / DAY) - min(indices)) * DAY + (now % DAY)
-        return total / max(covered, 3600.0)
-
-    def miss_rate(
-        self, settings: SloSettings, objective: str, seconds: float, now: float
-    ) -> float | None:
-        """The share of ``objective``'s events that were bad over the trailing ``seconds``."""
-        share = _share(self.over(settings, seconds, now), OBJECTIVES.index(objective))
-        return None if share is None else 1 - share
-
-    def _pair(self, settings: SloSettings, i: int, now: float) -> tuple[float, float]:
-        tally = self.over(settings, settings.period, now)
-        return tally[2 * i], tally[2 * i + 1]
+    def scale(self, settings: SloSettings, now: float) -> float:
+        """How many times the events counted so far a whole period holds: 1 once a period is
+        counted; before that, the period's events at the rate seen so far (at least an
+        hour's). A budget is the period's, never a day's."""
+        counted = now - self.since if self.since is not None else 0.0
+        return max(1.0, settings.period / max(counted, 3600.0))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "rings": [{str(k): list(v) for k, v in sorted(dict(r).items())} for r in self.rings],
+            "since": self.since,
             "last_rate": self.last_rate,
             "counted": self.counted,
             "run": self.run,
@@ -347,9 +330,10 @@ class SloState:
             )
             if len(rings) != 3:
                 raise ValueError(f"expected 3 rings, got {len(rings)}")
-            last, counted = data["last_rate"], data["counted"]
+            last, counted, since = data["last_rate"], data["counted"], data["since"]
             return cls(
                 rings,
+                None if since is None else float(since),
                 None if last is None else float(last),
                 None if counted is None else float(counted),
                 str(data["run"]),
@@ -373,15 +357,18 @@ def _tally(values: Any) -> Tally:
 
 
 def _sum(ring: Mapping[int, Tally], size: float, start: float, end: float) -> Tally:
-    total = EMPTY
-    for index, tally in dict(ring).items():
-        begin = index * size
-        if begin >= end or begin + size <= start:
+    total = [0.0] * len(EMPTY)
+    for index in range(math.floor(start / size), math.floor(end / size) + 1):
+        tally = ring.get(index)
+        if tally is None:
             continue
-        inside = (min(begin + size, end) - max(begin, start)) / size
-        # A bucket still filling (it holds ``end``) counts whole: it holds nothing later.
-        total = _plus(total, tally, 1.0 if begin + size > end else inside)
-    return total
+        begin = index * size
+        # The oldest bucket counts by its share inside the window; one still filling (it
+        # holds ``end``) counts whole: it holds nothing later.
+        inside = 1.0 if begin + size > end else (begin + size - max(begin, start)) / size
+        for i, value in enumerate(tally):
+            total[i] += inside * value
+    return tuple(total)
 
 
 def _share(tally: Tally, i: int) -> float | None:
@@ -394,11 +381,13 @@ def _burn(tally: Tally, i: int, allowed: float) -> float | None:
     return None if share is None else (1 - share) / allowed
 
 
-def _remaining(tally: Tally, i: int, allowed: float) -> float | None:
+def _remaining(tally: Tally, i: int, allowed: float, scale: float) -> float | None:
+    """The share of the period's budget left: its bad events over what the period's events
+    (``scale`` times those counted) allow."""
     good, total = tally[2 * i], tally[2 * i + 1]
     if total <= 0:
         return None
-    return 1 - (total - good) / (allowed * total)
+    return 1 - (total - good) / (allowed * total * scale)
 
 
 @dataclass(frozen=True)
@@ -435,7 +424,7 @@ def _with(c: Counts, **values: float) -> Counts:
 @dataclass(frozen=True)
 class Spend:
     """What a restart now would cost and save, each a share of its objective's budget over
-    the period so far."""
+    the period."""
 
     cost: float  # availability budget a restart spends (its outage and cut-offs)
     left: float  # availability budget left before it
@@ -468,33 +457,28 @@ class Budget:
 
     def spend(self, horizon: float, in_flight: float = 0.0) -> Spend | None:
         """A restart now: its cost (the requests refused in its outage, and ``in_flight``
-        cut off) over the availability budget of the period so far, and what it saves of the
-        latency objectives over ``horizon`` seconds (the last hour's miss rate down to the
-        last fresh run's, at the period's event rate) over theirs. None without an
-        availability objective, or before any request was counted."""
+        cut off) over the period's availability budget (``SloState.scale``), and what it saves
+        of the latency objectives' budgets over ``horizon`` seconds (the last hour's miss rate
+        down to the last fresh run's). None without an availability objective, or before any
+        request was counted."""
         s, state, now = self.settings, self.state, self.now
         if s.availability is None:
             return None
-        budget = state.budget_events(s, "availability", now)
-        allowed = _allowed(s, state, "availability", now)
-        if budget is None or not allowed:
+        period = state.over(s, s.period, now)
+        good, total = period[0], period[1]
+        allowed = total * state.scale(s, now) * (1 - s.availability)
+        if not allowed:
             return None
         cost = ((self.rate or 0.0) * self.outage + in_flight) / allowed
+        # The latency budget saved: the share of events a fresh run would not miss, for the
+        # ``horizon``'s share of the period, over the share the objective may miss.
         saving: float | None = None
         fresh = state.fresh_miss()
-        for name in ("ttft", "itl"):
-            if name not in s.declared or name not in fresh:
+        hour = state.over(s, 3600.0, now)
+        for i, name in enumerate(OBJECTIVES):
+            share = _share(hour, i)
+            if name == "availability" or name not in fresh or share is None:
                 continue
-            now_miss = state.miss_rate(s, name, 3600.0, now)
-            events = state.period_rate(s, name, now)
-            mine = _allowed(s, state, name, now)
-            if now_miss is None or events is None or not mine:
-                continue
-            saving = (saving or 0.0) + max(0.0, now_miss - fresh[name]) * events * horizon / mine
-        return Spend(cost, budget / allowed, saving, horizon)
-
-
-def _allowed(settings: SloSettings, state: SloState, objective: str, now: float) -> float:
-    """The bad events ``objective``'s budget allows over the period so far."""
-    _, total = state._pair(settings, OBJECTIVES.index(objective), now)
-    return total * (1 - settings.target(objective))
+            excess = max(0.0, 1 - share - fresh[name])
+            saving = (saving or 0.0) + excess * horizon / (s.period * (1 - s.target(name)))
+        return Spend(cost, 1 - (total - good) / allowed, saving, horizon)
