@@ -17,6 +17,7 @@ from vkvagent.engine import Settings
 from vkvagent.engine.baseline import BaselineSettings
 from vkvagent.engine.diagnosis import DiagnosisSettings
 from vkvagent.engine.policy import PolicySettings
+from vkvagent.engine.slo import SloSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +84,7 @@ def test_the_values_are_immutable(etc: Path) -> None:
             "[vlm]\nurl = 'x'\n",
             1,
             "vlm: unknown section (allowed: agent, baseline, diagnosis, fleet, gpu, history, "
-            "metrics, policy, probe, restart, vllm)",
+            "metrics, policy, probe, restart, slo, vllm)",
         ),
         (
             "\n\n[vllm]\nread_timeout = 'fast'\n",
@@ -128,7 +129,12 @@ def test_errors_name_file_line_key_and_what_is_allowed(
 
 @pytest.mark.parametrize(
     ("name", "engine"),
-    [("baseline", BaselineSettings), ("diagnosis", DiagnosisSettings), ("policy", PolicySettings)],
+    [
+        ("baseline", BaselineSettings),
+        ("diagnosis", DiagnosisSettings),
+        ("policy", PolicySettings),
+        ("slo", SloSettings),
+    ],
 )
 def test_engine_sections_mirror_the_engine_settings_key_for_key(name: str, engine: type) -> None:
     section = getattr(Config(), name)

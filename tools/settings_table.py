@@ -62,6 +62,8 @@ def duration_text(seconds: float) -> str:
 def default_text(spec: dataclasses.Field[Any]) -> str:
     """A key's default as the table shows it: the TOML value, with the duration beside it."""
     default: Any = spec.default
+    if default is None:  # unset: what the key declares is off ([slo]'s objectives)
+        return f"unset (e.g. `{config._toml_value(spec.metadata['example'])}`)"
     shown = config._toml_value(default)
     if is_duration(spec) and default:
         return f"`{shown}` ({duration_text(float(default))})"

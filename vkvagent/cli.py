@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shlex
 import sys
@@ -21,15 +22,17 @@ from vkvagent.actuator import Actuator, Outcome, Plan
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.gpu_faults import describe_xid
 from vkvagent.engine.policy import MODES, PolicySettings, window_state
-from vkvagent.engine.samples import GpuReading, VllmMetrics
+from vkvagent.engine.samples import GpuReading, VllmMetrics, utc_text
+from vkvagent.engine.slo import bracket
 from vkvagent.errors import NEEDS_OPERATOR, NeedsOperator, VkvagentError
 from vkvagent.events import Events
 from vkvagent.flags import shown as flags_shown
 from vkvagent.gpu import GpuReader, NvmlBackend, RecordedBackend, reader_for, record
+from vkvagent.history import History, HistoryError
 from vkvagent.ledger import Ledger
 from vkvagent.systemd import Systemd
 from vkvagent.vllm import VllmClient
-from vkvagent.vllm_metrics import Normaliser
+from vkvagent.vllm_metrics import FLAVORS, ITL, ITL_OLD, TTFT, Normaliser
 
 
 class ExitCode(IntEnum):
@@ -388,6 +391,9 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
     sandbox = hardening.Sandbox.installed()
     refused = hardening.refusals(loaded, sandbox) if sandbox is not None else []
     warnings += [f"{r.key}: {r.message}" for r in refused]
+    buckets, beyond = _slo_buckets(loaded)
+    notes += buckets
+    warnings += beyond
     read = ", ".join(map(str, files)) or "no file, defaults only"
     said = f"valid, with {len(warnings)} warning(s) on stderr" if warnings else "OK"
     print(f"# configuration {said}; read: {read}", file=out)
@@ -409,6 +415,84 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
         )
         sys.stderr.write(text)
     return ExitCode.OK
+
+
+# Each latency objective's target key, and the VllmMetrics histogram it is measured on.
+_SLO_HISTOGRAMS = {"ttft_seconds": "time_to_first_token", "itl_seconds": "inter_token_latency"}
+_Layout = dict[str, tuple[float, ...]]  # histogram -> its bucket bounds
+
+
+def _slo_buckets(loaded: config.Config) -> tuple[list[str], list[str]]:
+    """A note for each declared latency objective: the bounds of vLLM's bucket its target
+    falls in, since attainment is interpolated within it; a warning for a target beyond the
+    last finite bound, which +Inf's bucket cannot tell."""
+    targets = {key: getattr(loaded.slo, key) for key in _SLO_HISTOGRAMS}
+    declared = {key: target for key, target in targets.items() if target is not None}
+    if not declared:
+        return [], []
+    layouts, source = _histogram_layouts(
+        loaded.agent.state_dir, [_SLO_HISTOGRAMS[key] for key in declared]
+    )
+    notes: list[str] = []
+    warnings: list[str] = []
+    for key, target in declared.items():
+        said: dict[str, list[str]] = {}  # what the target's bucket is -> whose layouts say so
+        for whose, layout in layouts.items():
+            said.setdefault(_bucket_words(target, layout[_SLO_HISTOGRAMS[key]]), []).append(whose)
+        for words, names in said.items():
+            every = len(said) == 1 and len(layouts) > 1
+            shown = "every vLLM version" if every else "; ".join(names)
+            line = f"slo: {key} {target:g} {words} (buckets of {shown}{source})"
+            (warnings if words.startswith("is beyond") else notes).append(line)
+    return notes, warnings
+
+
+def _bucket_words(target: float, bounds: Sequence[float]) -> str:
+    found = bracket(bounds, target)
+    if found is None:
+        last = max(b for b in bounds if math.isfinite(b))
+        return (
+            f"is beyond vLLM's last finite bucket bound, {last:g} s: only what that bound "
+            "holds counts as within the target"
+        )
+    lower, upper = found
+    if target == upper:
+        return f"is one of vLLM's bucket bounds ({upper:g} s): attainment is counted exactly"
+    return (
+        f"falls between vLLM's buckets {lower:g} and {upper:g} s: attainment is interpolated "
+        "within that bucket, as histogram_quantile does"
+    )
+
+
+def _histogram_layouts(state_dir: str, needed: Sequence[str]) -> tuple[dict[str, _Layout], str]:
+    """The bucket bounds of the histograms ``needed``, by whose they are, and a note on
+    where they come from: the running vLLM's own, in the newest sample of the daemon's
+    history that has them (its last hour); else every layout vkvagent reads (the simulator's
+    pages mirror each version's buckets), as config check reaches no vLLM itself."""
+    try:
+        with History(state_dir, readonly=True, busy_timeout=1.0) as history:
+            latest = history.latest()
+            recent = history.samples(since=latest.time - 3600.0) if latest else []
+        for sample in reversed(recent):
+            metrics = sample.vllm
+            found = {name: getattr(metrics, name, None) for name in needed}
+            if metrics is not None and all(found.values()):
+                whose = f"vLLM {metrics.version or f'(flavour {metrics.flavor})'}"
+                layout = {name: h.bounds for name, h in found.items() if h is not None}
+                return {whose: layout}, f", its sample of {utc_text(sample.time)} in {history.path}"
+        why = f"{history.path}: no sample of them in its last hour"
+    except HistoryError as exc:
+        why = str(exc)
+    from vkvagent.sim.exposition import histogram_bounds  # noqa: PLC0415 - not in the daemon
+
+    groups: dict[tuple[tuple[str, tuple[float, ...]], ...], list[str]] = {}
+    for flavor in FLAVORS:
+        exposed = {f"vllm:{name}": bounds for name, bounds in histogram_bounds(flavor).items()}
+        itl = exposed.get(ITL) or exposed[ITL_OLD]  # as the normaliser reads it
+        layout = {"time_to_first_token": exposed[TTFT], "inter_token_latency": itl}
+        groups.setdefault(tuple(layout.items()), []).append(flavor)
+    layouts = {f"vLLM's flavour {', '.join(names)}": dict(key) for key, names in groups.items()}
+    return layouts, f"; the running vLLM's are unknown: {why}"
 
 
 def _run(args: argparse.Namespace, _out: TextIO) -> int:

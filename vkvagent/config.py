@@ -26,6 +26,7 @@ from vkvagent.engine import policy
 from vkvagent.engine.baseline import BaselineSettings
 from vkvagent.engine.diagnosis import FIXABLE, DiagnosisSettings
 from vkvagent.engine.policy import PolicySettings
+from vkvagent.engine.slo import SloSettings
 from vkvagent.engine.tick import Settings
 from vkvagent.errors import NeedsOperator
 from vkvagent.reconcile import APPLY_MODES
@@ -50,13 +51,16 @@ def setting(
     item: type | None = None,
     check: Callable[[Any], str | None] | None = None,
     complete: Callable[[Any], Any] | None = None,
+    example: Any = None,
 ) -> Any:
     """A config key: its default (whose type is the key's type), its doc and its limits.
     ``check(value)`` (of each item, for a list) says what else is wrong with it, or None.
-    ``complete(value)`` is the value meant by a shorthand (checked after completion)."""
+    ``complete(value)`` is the value meant by a shorthand (checked after completion).
+    ``example``: a key that is unset by default (None: what it declares is off) takes the
+    example's type, and the rendered file shows it commented out."""
     meta = {
         "doc": doc, "min": min, "max": max, "choices": choices, "item": item, "check": check,
-        "complete": complete,
+        "complete": complete, "example": example,
     }  # fmt: skip
     return dataclasses.field(default=default, metadata=meta)
 
@@ -287,7 +291,7 @@ class RestartConfig:
 # Defaults come from the engine's own settings classes, so the two cannot drift apart; the
 # engine's cross-field rules (enter_ratio <= leave_ratio, ...) are checked by building them.
 
-_B, _D, _P = BaselineSettings, DiagnosisSettings, PolicySettings
+_B, _D, _P, _S = BaselineSettings, DiagnosisSettings, PolicySettings, SloSettings
 DAY = 86400.0
 WEEK = 7 * DAY
 
@@ -559,11 +563,15 @@ class PolicyConfig:
     )  # fmt: skip
     outside_windows: str = setting(
         _P.outside_windows,
-        "A slowdown (a diagnosed uptime_decline, a preventive restart, slower flags due for "
-        "a rollback, or a leaking KV cache) restarts outside the windows when waiting for the "
-        "next one would lose more service (speed or load lost x time) than the restart's "
-        "outage, and a leak of memory before it would reach MemoryMax: when_cheaper; or always "
-        "waits: never.",
+        "Whether a restart for anything but an emergency may go outside the windows. never: "
+        "the windows hold; only the causes in emergency go any time, and a memory leak that "
+        "would reach MemoryMax before the next window goes ahead of it (before the OOM kill). "
+        "when_cheaper, the opt-in: with an [slo], when the restart saves more latency budget "
+        "until the next window than it spends of availability, and the availability budget "
+        "left covers it; without one, when waiting for the next window would lose more "
+        "service (speed or load lost x time) than the restart's outage (a diagnosed "
+        "uptime_decline, a preventive restart, slower flags due for a rollback, a leaking KV "
+        "cache).",
         choices=policy.OUTSIDE_WINDOWS,
     )  # fmt: skip
     prevent: bool = setting(
@@ -588,6 +596,50 @@ class PolicyConfig:
 
 def _values(section: Any) -> dict[str, Any]:
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    # Each objective is declared by setting its target; the shares and the period only say
+    # how much of it must hold, and over how long.
+    availability: float | None = setting(
+        _S.availability,
+        "Availability objective: the share of requests served over period_days (not "
+        "answered 5xx, not cut off by a restart, not refused while vLLM was down, loading or "
+        "stalled), e.g. 0.999; unset: no availability objective.",
+        min=0.5, max=0.99999, example=0.999,
+    )  # fmt: skip
+    period_days: float = setting(
+        _S.period_days,
+        "Days over which each objective's error budget is counted (a rolling period).",
+        min=1, max=366,
+    )  # fmt: skip
+    ttft_seconds: float | None = setting(
+        _S.ttft_seconds,
+        "Time-to-first-token objective: seconds within which ttft_share of requests must get "
+        "their first token (vLLM's TTFT histogram), e.g. 2; unset: no TTFT objective.",
+        min=0.001, max=3600, example=2.0,
+    )  # fmt: skip
+    ttft_share: float = setting(
+        _S.ttft_share,
+        "The share of requests whose first token must come within ttft_seconds.",
+        min=0.5, max=0.9999,
+    )  # fmt: skip
+    itl_seconds: float | None = setting(
+        _S.itl_seconds,
+        "Inter-token latency objective: seconds within which itl_share of output tokens must "
+        "follow the one before (vLLM's ITL histogram), e.g. 0.1; unset: no ITL objective.",
+        min=0.0001, max=60, example=0.1,
+    )  # fmt: skip
+    itl_share: float = setting(
+        _S.itl_share,
+        "The share of output tokens that must come within itl_seconds of the one before.",
+        min=0.5, max=0.9999,
+    )  # fmt: skip
+
+    def settings(self) -> SloSettings:
+        """The engine's settings; ValueError when keys contradict each other."""
+        return SloSettings(**_values(self))
 
 
 # -- fleets (vkvagent.fleet): at most max_concurrent hosts of a group restarting at once ---------
@@ -693,6 +745,12 @@ class Config:
         "Policy: when a restart that would help may happen. The default mode, observe, never "
         'restarts: set mode = "enforce" to let vkvagent act.',
     )
+    slo: SloConfig = section(
+        SloConfig,
+        "Service-level objectives: what clients were promised, measured from vLLM's own "
+        "metrics; restarts spend their error budgets (docs/configuration.md). None is "
+        "declared until a target (availability, ttft_seconds, itl_seconds) is set.",
+    )
     fleet: FleetConfig = section(
         FleetConfig,
         "Fleets: at most max_concurrent hosts of a group restart at once, through etcd leases "
@@ -710,6 +768,7 @@ class Config:
             baseline=self.baseline.settings(),
             diagnosis=dataclasses.replace(self.diagnosis.settings(), probe_after=probe_after),
             policy=rules,
+            slo=self.slo.settings(),
         )
 
 
@@ -812,6 +871,7 @@ def _engine_problems(built: Config, origins: Mapping[tuple[str, ...], str]) -> l
         "baseline": built.baseline.settings,
         "diagnosis": built.diagnosis.settings,
         "policy": lambda: built.policy.settings(built.restart.drain_max_in_flight),
+        "slo": built.slo.settings,
         "fleet": built.fleet.check,
         "restart": built.restart.check,
     }
@@ -935,42 +995,44 @@ def _key_text(key: str) -> str:
     return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
+def _kind(spec: dataclasses.Field[Any]) -> type:
+    """A key's type: its default's, or its example's where it is unset by default."""
+    return type(spec.default if spec.default is not None else spec.metadata["example"])
+
+
 def _allowed(spec: dataclasses.Field[Any]) -> str:
     meta = spec.metadata
     if meta["choices"]:
         return ", ".join(meta["choices"])
     low, high = meta["min"], meta["max"]
     if low is not None and high is not None:
-        shown = "{:d}" if isinstance(spec.default, int) or meta["item"] is int else "{:.15g}"
+        shown = "{:d}" if _kind(spec) is int or meta["item"] is int else "{:.15g}"
         return f"{shown.format(low)} to {shown.format(high)}"
-    return _type_name(spec.default, meta["item"])
+    return _type_name(_kind(spec), meta["item"])
 
 
-def _type_name(default: Any, item: type | None) -> str:
-    if isinstance(default, tuple):
+def _type_name(kind: type, item: type | None) -> str:
+    if kind is tuple:
         plural = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
         return f"a list of {plural.get(item, 'values') if item else 'values'}"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[
-        type(default)
-    ]
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
 
 
 def _check_value(value: Any, spec: dataclasses.Field[Any]) -> str | None:
-    default, meta = spec.default, spec.metadata
-    if isinstance(default, tuple):
+    kind, meta = _kind(spec), spec.metadata
+    if kind is tuple:
         if not isinstance(value, list):
-            return f"expected {_type_name(default, meta['item'])}, got {_show(value)}"
+            return f"expected {_type_name(kind, meta['item'])}, got {_show(value)}"
         for element in value:
-            problem = _check_scalar(element, meta["item"](), spec)
+            problem = _check_scalar(element, meta["item"], spec)
             if problem:
                 return f"list item {_show(element)}: {problem}"
         return None
-    return _check_scalar(value, default, spec)
+    return _check_scalar(value, kind, spec)
 
 
-def _check_scalar(value: Any, default: Any, spec: dataclasses.Field[Any]) -> str | None:
+def _check_scalar(value: Any, wanted: type, spec: dataclasses.Field[Any]) -> str | None:
     meta = spec.metadata
-    wanted = type(default)
     ok = (
         isinstance(value, bool)
         if wanted is bool
@@ -980,7 +1042,7 @@ def _check_scalar(value: Any, default: Any, spec: dataclasses.Field[Any]) -> str
     )
     if not ok:
         return (
-            f"expected {_type_name(default, None)}, got {_show(value)} (allowed: {_allowed(spec)})"
+            f"expected {_type_name(wanted, None)}, got {_show(value)} (allowed: {_allowed(spec)})"
         )
     if isinstance(value, float) and not math.isfinite(value):
         return f"must be finite, got {value} (allowed: {_allowed(spec)})"
@@ -1001,10 +1063,8 @@ def _check_scalar(value: Any, default: Any, spec: dataclasses.Field[Any]) -> str
 def _coerce(value: Any, spec: dataclasses.Field[Any]) -> Any:
     if spec.metadata["complete"] is not None:
         return spec.metadata["complete"](value)
-    if isinstance(spec.default, tuple):
-        return tuple(value)
-    if isinstance(spec.default, float):
-        return float(value)
+    if _kind(spec) in (tuple, float):
+        return _kind(spec)(value)
     return value
 
 
@@ -1061,21 +1121,26 @@ def _split_key(key: str) -> tuple[str, ...]:
 
 
 def render(config: Config, *, with_docs: bool = False) -> str:
-    """The configuration as TOML; with docs, the commented reference file."""
+    """The configuration as TOML; with docs, the commented reference file. A key unset by
+    default shows its example commented out, and so does a table none of whose such keys is
+    set ([slo] declaring nothing): uncommented, it would declare what the example does."""
     out: list[str] = []
     for spec in dataclasses.fields(Config):
+        values = getattr(config, spec.name)
+        keys = [key for key in dataclasses.fields(values) if "table" not in key.metadata]
+        optional = [key.name for key in keys if key.metadata["example"] is not None]
+        off = "# " if optional and all(getattr(values, k) is None for k in optional) else ""
         if with_docs:
             out.append(f"# {spec.metadata['doc']}")
-        out.append(f"[{spec.name}]")
-        values = getattr(config, spec.name)
-        tables = []
-        for key in dataclasses.fields(values):
-            if "table" in key.metadata:
-                tables.append(key)
-                continue
+        out.append(f"{off}[{spec.name}]")
+        tables = [key for key in dataclasses.fields(values) if "table" in key.metadata]
+        for key in keys:
             if with_docs:
                 out.append(f"# {key.metadata['doc']} Allowed: {_allowed(key)}.")
-            out.append(f"{key.name} = {_toml_value(getattr(values, key.name))}")
+            value = getattr(values, key.name)
+            mark = "# " if off or value is None else ""
+            shown = key.metadata["example"] if value is None else value
+            out.append(f"{mark}{key.name} = {_toml_value(shown)}")
         out.append("")
         for key in tables:
             if with_docs:
