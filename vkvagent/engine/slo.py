@@ -471,14 +471,16 @@ class Budget:
             return None
         cost = ((self.rate or 0.0) * self.outage + in_flight) / allowed
         # The latency budget saved: the share of events a fresh run would not miss, for the
-        # ``horizon``'s share of the period, over the share the objective may miss.
+        # ``horizon``'s share of the period, over the share the objective may miss. The miss
+        # rate now is the last hour's or the last day's, the higher: a quiet hour hides
+        # what the busy ones will miss.
         saving: float | None = None
         fresh = state.fresh_miss()
-        hour = state.over(s, 3600.0, now)
+        recent = (state.over(s, 3600.0, now), state.over(s, DAY, now))
         for i, name in enumerate(OBJECTIVES):
-            share = _share(hour, i)
-            if name == "availability" or name not in fresh or share is None:
+            shares = [x for x in (_share(t, i) for t in recent) if x is not None]
+            if name == "availability" or name not in fresh or not shares:
                 continue
-            excess = max(0.0, 1 - share - fresh[name])
+            excess = max(0.0, 1 - min(shares) - fresh[name])
             saving = (saving or 0.0) + excess * horizon / (s.period * (1 - s.target(name)))
         return Spend(cost, 1 - (total - good) / allowed, saving, horizon)
