@@ -152,6 +152,34 @@ def test_journal_fields_flatten_evidence_and_drop_nulls() -> None:
     }
 
 
+def test_an_slo_event_names_its_windows_as_docs_events_md_does() -> None:
+    """burn_rates and attainment by window, flattened; a window that counted nothing left out."""
+    fields = journal_fields(
+        {
+            "event": "slo.burning",
+            "message": "ttft error budget burning fast (...)",
+            "objective": "ttft",
+            "alert": "fast",
+            "burn_rates": {"5m": 25.0, "30m": 16.2, "1h": 20.1, "6h": None},
+            "budget_remaining": -0.5,
+            "attainment": {"1h": 0.2, "1d": 0.96, "period": 0.97},
+        }
+    )
+    assert fields["PRIORITY"] == events.WARNING
+    assert {k: v for k, v in fields.items() if k.startswith("VKV_")} == {
+        "VKV_EVENT": "slo.burning",
+        "VKV_OBJECTIVE": "ttft",
+        "VKV_ALERT": "fast",
+        "VKV_BURN_RATES_5M": 25.0,
+        "VKV_BURN_RATES_30M": 16.2,
+        "VKV_BURN_RATES_1H": 20.1,
+        "VKV_BUDGET_REMAINING": -0.5,
+        "VKV_ATTAINMENT_1H": 0.2,
+        "VKV_ATTAINMENT_1D": 0.96,
+        "VKV_ATTAINMENT_PERIOD": 0.97,
+    }
+
+
 def test_message_ids_are_fixed_per_name() -> None:
     ids = {name: kind.message_id(name) for name, kind in CATALOGUE.items()}
     assert len(set(ids.values())) == len(ids)

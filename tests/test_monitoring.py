@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from vkvagent.engine.slo import BURNS, _window_name
 from vkvagent.sim.capacity import Cluster, EngineModel, Scenario, capacity
 from vkvagent.sim.exposition import histogram_bounds, render
 from vkvagent.sim.stats import ServerInfo
@@ -58,6 +59,9 @@ VKVAGENT_PANELS = {
     "Speed against the fresh baseline at the same load",
     "Restarts by vkvagent",
     "Restart windows",
+    "SLO attainment",
+    "SLO error budget left",
+    "SLO burn rate",
 }
 # Real pages with every family the dashboard reads (the 0.8 page is partial: the simulator's
 # v1-0.8 flavour stands in for it).
@@ -169,6 +173,17 @@ def test_every_alert_is_unit_tested_and_documented() -> None:
                     assert {"summary", "description"} <= set(rule["annotations"])
 
 
+def test_the_slo_alerts_use_the_engines_burn_windows_and_thresholds() -> None:
+    """The rules page on what `vkvagent status` and the slo.burning event call burning."""
+    rules = yaml.safe_load((RULES / "vkvagent-rules.yml").read_text())
+    exprs = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    for level, (long, short, threshold) in BURNS.items():
+        expr = exprs[f"VkvagentSlo{level.title()}Burn"]
+        for window in (long, short):
+            arm = f'vkvagent_slo_burn_rate{{window="{_window_name(window)}"}} >= {threshold:g}'
+            assert arm in expr, (level, arm)
+
+
 # -- every generation, through promtool --------------------------------------------------------
 
 
@@ -277,7 +292,15 @@ def test_the_vkvagent_panels_read_the_agents_metrics(tmp_path: Path) -> None:
         f"vkvagent_window_open{{{target}}}": "0x7 1x7",
         f"vkvagent_restart_budget_remaining{{{target}}}": "3x15",
         f"vkvagent_metrics_schema_recognised{{{target}}}": "1x15",
+        f'vkvagent_slo_target{{{target},objective="ttft"}}': "0.95x15",
+        f'vkvagent_slo_budget_remaining{{{target},objective="ttft"}}': "0.4x15",
     }
+    for window in ("1h", "1d", "period"):
+        series[f'vkvagent_slo_attainment{{{target},objective="ttft",window="{window}"}}'] = (
+            "0.97x15"
+        )
+    for window in ("5m", "30m", "1h", "6h"):
+        series[f'vkvagent_slo_burn_rate{{{target},objective="ttft",window="{window}"}}'] = "0.6x15"
     inputs = [{"series": name, "values": values} for name, values in series.items()]
     exprs = [{"expr": f"absent(({expr}) and on() vector(1))", "eval_time": "14m", "exp_samples": []}
              for _title, expr in queries() if "vkvagent_" in expr]  # fmt: skip

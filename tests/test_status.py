@@ -24,6 +24,8 @@ from vkvagent.status import (
     PolicyStatus,
     ProbeStatus,
     RecentEvent,
+    SloObjective,
+    SloStatus,
     SlotHolder,
     SourceFailure,
     StatusCode,
@@ -394,6 +396,23 @@ def test_render_shows_the_restart_in_progress_and_what_the_last_one_cost() -> No
 # -- the document: one schema, written and read back ------------------------------------------
 
 
+# [slo] of availability 99.9 % and TTFT within 2 s for 95 %, as the daemon writes it (the
+# engine's ``Objective.to_json()``): availability overspent, TTFT burning fast.
+SLO: dict[str, Any] = {
+    "period_days": 28.0,
+    "objectives": [
+        {"objective": "availability", "words": "99.9 % of requests served", "target": 0.999,
+         "attainment": {"1h": 0.99995, "1d": 0.9991, "period": 0.99855},
+         "budget_remaining": -0.45, "burn_rates": {"5m": 0.0, "30m": 0.2, "1h": 0.05, "6h": 1.1},
+         "burning": None},
+        {"objective": "ttft", "words": "95 % of requests' first token within 2 s",
+         "target": 0.95, "attainment": {"1h": 0.2, "1d": 0.9641, "period": 0.96},
+         "budget_remaining": 0.2, "burn_rates": {"5m": 17.0, "30m": 16.0, "1h": 16.0, "6h": 3.0},
+         "burning": "fast"},
+    ],
+}  # fmt: skip
+
+
 def full_report() -> StatusReport:
     """A report with every part set, as the daemon builds it while restarting."""
     last_probe = LastProbe(time=NOW - 30, outcome="timeout", latency_s=30.0, detail="no data")
@@ -481,6 +500,7 @@ def full_report() -> StatusReport:
             holders=(holder,),
             listed=NOW - 5,
         ),
+        slo=SloStatus.from_json(SLO),
         failing=(SourceFailure("gpu", "NVML: driver not loaded", NOW - 60),),
         events=(RecentEvent(NOW - 60, "source.failed", "gpu: NVML: driver not loaded"),),
         stale_after=900.0,
@@ -494,7 +514,8 @@ def test_a_full_report_survives_its_own_document() -> None:
     assert list(document) == [
         "version", "updated", "agent_version", "interval", "unit_name", "verdict", "policy",
         "pid", "pid_namespace", "unit", "unit_error", "vllm", "now", "gpus", "last_restart",
-        "probe", "flags", "trend", "fleet", "failing", "events", "stale_after", "progress",
+        "probe", "flags", "trend", "fleet", "slo", "failing", "events", "stale_after",
+        "progress",
     ]  # fmt: skip
     assert document["trend"] == [[NOW - 300, 5100.0, 0.75], [NOW, 5000.0, None]]
     assert document["fleet"]["holders"][0]["lease"] == "7587"
@@ -527,6 +548,7 @@ def test_an_old_document_reads_with_what_it_lacked_as_unknown() -> None:
     assert old.vllm.recognised is None and old.now.running is None and old.gpus == ()
     assert old.verdict.suggestion == {} and old.policy.paused_until is None
     assert old.trend == () and old.stale_after is None and old.flags is None
+    assert old.slo is None  # written before [slo], or without one
     rewritten = old.to_json()
     assert rewritten["now"]["tokens_per_s"] == 5000.0 and rewritten["probe"] is None
     assert StatusReport.from_json(rewritten) == old
@@ -546,6 +568,11 @@ def test_an_old_document_reads_with_what_it_lacked_as_unknown() -> None:
         ({"flags": {"apply": "manual", "desired": {}, "last_change": {"action": 1}}},
          "flags.last_change.flags: expected an object, got nothing"),
         ({"version": 2}, "version: expected 1, got 2"),
+        ({"slo": {"period_days": 28, "objectives": [{**SLO["objectives"][0], "burning": 1}]}},
+         "slo.objectives[0].burning: expected text, got an integer"),
+        ({"slo": {"period_days": 28, "objectives": [
+            {**SLO["objectives"][0], "attainment": {"1h": "high"}}]}},
+         "slo.objectives[0].attainment.1h: expected a number, got text"),
         ({"last_restart": {"kind": "restart", "reason": "r", "started": NOW,
                            "costs": {"drain_seconds": "2 s"}}},
          "last_restart.costs.drain_seconds: expected a number, got text"),
@@ -570,3 +597,77 @@ def test_read_tells_a_damaged_file_from_a_document_that_does_not_fit(tmp_path: P
     status.path(tmp_path).write_text(json.dumps(document("healthy", unit_name=None)))
     with pytest.raises(StatusError, match=r"status\.json: unit_name: expected text, got nothing$"):
         status.read(tmp_path)
+
+
+# -- the operator's objectives ([slo]) ---------------------------------------------------------
+
+
+def with_slo(state: str, burning: str | None = "fast", **extra: Any) -> StatusReport:
+    """A current status with SLO's objectives, TTFT's burn alert set to ``burning``."""
+    ttft = {**SLO["objectives"][1], "burning": burning}
+    return report(state, slo={**SLO, "objectives": [SLO["objectives"][0], ttft]}, **extra)
+
+
+def test_render_gives_a_line_per_objective_with_its_windows_and_budget() -> None:
+    shown = render(with_slo("healthy"), NOW + 5).splitlines()
+    assert [line for line in shown if line.startswith("  slo")] == [
+        # Digits enough to tell a miss from the target: two decimals for 99.9 %.
+        "  slo         99.9 % of requests served: 99.99 % (1 h), 99.91 % (1 d), 99.85 % "
+        "(28 d); budget left -45 % (overspent)",
+        "  slo         95 % of requests' first token within 2 s: 20.0 % (1 h), 96.4 % (1 d), "
+        "96.0 % (28 d); budget left 20 %; burning fast",
+    ]
+    explained = render(with_slo("healthy"), NOW + 5, explain=True).splitlines()
+    at = explained.index(shown[next(i for i, x in enumerate(shown) if "first token" in x)])
+    assert explained[at + 1] == (
+        "              burn rate 5m 17.0, 30m 16.0, 1h 16.0, 6h 3.0 (1: the budget lasts "
+        "exactly 28 d)"
+    )
+    # Declared, nothing counted yet (a fresh agent, an idle server).
+    fresh = {
+        "objective": "itl", "words": "95 % of output tokens within 100 ms", "target": 0.95,
+        "attainment": {"1h": None, "1d": None, "period": None}, "burn_rates": {"5m": None},
+    }  # fmt: skip
+    line = status.slo_line(SloObjective.from_json(fresh), 28.0)
+    assert line == "95 % of output tokens within 100 ms: nothing counted yet"
+    assert "  slo" not in render(report("healthy"), NOW + 5)  # no [slo]
+
+
+def test_perfdata_has_each_objectives_period_attainment_and_budget() -> None:
+    head = render(with_slo("healthy", burning=None), NOW + 5).splitlines()[0]
+    assert FIRST_LINE.match(head), head
+    assert head.endswith(
+        "restarts_left=3;;;0 slo_availability=99.855%;;;0;100 slo_availability_budget=-45.0%;;;;100"
+        " slo_ttft=96.000%;;;0;100 slo_ttft_budget=20.0%;;;;100"
+    )
+    unknown = {**SLO["objectives"][0], "attainment": {}, "budget_remaining": None}
+    head = render(report("healthy", slo={**SLO, "objectives": [unknown]}), NOW + 5).splitlines()[0]
+    assert FIRST_LINE.match(head) and head.endswith(
+        " slo_availability=U;;;0;100 slo_availability_budget=U;;;;100"
+    )
+
+
+def test_a_fast_burn_raises_a_healthy_check_to_warning_and_a_slow_one_does_not() -> None:
+    """Fast: 2 % of a month's budget in an hour, the workbook's page; the verdict's own
+    critical states stay vLLM down, a GPU fault and escalation."""
+    assert status.checked(with_slo("healthy"), NOW + 5) == (
+        StatusCode.DEGRADED, "ttft error budget burning fast",
+    )  # fmt: skip
+    head = render(with_slo("healthy"), NOW + 5).splitlines()[0]
+    assert head.startswith(
+        "vkvagent 0.1.0: WARNING - ttft error budget burning fast (verdict HEALTHY) | "
+    )
+    assert status.checked(with_slo("healthy", burning="slow"), NOW + 5) == (StatusCode.HEALTHY, "")
+    assert status.checked(with_slo("degraded"), NOW + 5) == (StatusCode.DEGRADED, "")
+    assert status.checked(with_slo("critical"), NOW + 5) == (StatusCode.CRITICAL, "")
+    assert status.checked(with_slo("healthy"), NOW + 3600) == (StatusCode.UNKNOWN, "")  # stale
+    # A speed threshold crossed says so, and may go further than the burn does.
+    slow = {**document("healthy")["verdict"], "ratio": 0.5}
+    limited = status.checked(
+        with_slo("healthy", verdict=slow), NOW + 5, None, status.Range.parse("0.6:")
+    )
+    assert limited == (StatusCode.CRITICAL, "speed ratio 0.50 outside the critical range 0.6:")
+    # `status --json` carries the raised code, as the command exits with it.
+    code, _why = status.checked(with_slo("healthy"), NOW + 5)
+    shown = status.shown_json(with_slo("healthy"), NOW + 5, "vllm.service", code=code)
+    assert shown["exit_code"] == 1 and shown["slo"]["objectives"][1]["burning"] == "fast"

@@ -248,6 +248,7 @@ class Daemon:
         self._unit_seen: UnitFacts | None = None  # the unit as the last sample saw it
         self._restart_mono: dict[int, float] = {}  # ledger action id -> its monotonic start
         self._probe_failing = ""  # "outcome: detail" of the failing probes, reported once
+        self._burning: dict[str, str] = {}  # objective -> its burn alert last reported
 
     @classmethod
     def offline(cls, config_path: Path, stream: TextIO, clock: Clock = Clock()) -> Daemon:
@@ -428,6 +429,7 @@ class Daemon:
             )
             decision = decide(p.settings, self.state, observed, now)
             self.state = decision.state
+            slo = self._slo(decision, sample.time)
             self._judge_flags(decision)
             if decision.probe_wanted:
                 self._send_probe(sample)
@@ -438,7 +440,7 @@ class Daemon:
             if decision.action == "restart" and p.actuator is not None:
                 # Say "acting" for as long as the restart may take, before it begins.
                 acting = self._status(
-                    sample, decision, restarts, plan, due, stale_after=p.action_seconds
+                    sample, decision, restarts, plan, due, slo, stale_after=p.action_seconds
                 )
                 self._write_state("status", lambda: self._write_status(acting))
                 self._acting = acting
@@ -467,7 +469,7 @@ class Daemon:
                     "systemd": sample.unit_error is not None,
                 },
             )
-            report = self._status(sample, decision, restarts, plan, due)
+            report = self._status(sample, decision, restarts, plan, due, slo)
             if outcome is not None or sample.time - self._saved_at >= STATE_EVERY:
                 self._saved_at = sample.time
                 self._write_state("state", self._save_state)
@@ -633,10 +635,45 @@ class Daemon:
                 self.judged.get(a.id),
                 aborted=a.outcome == "aborted",
                 mono=placed[a.id],
+                cut_off=_cut_off(a.detail),
             )
             for a in reversed(actions)
             if a.kind in RESTART_KINDS
         )
+
+    def _slo(self, decision: Decision, at: float) -> status.SloStatus | None:
+        """The objectives of [slo] for the status, and an event when one's burn alert rises
+        (none to slow or fast, slow to fast) or stops; None, and no work, without [slo]."""
+        settings = self.parts.settings.slo
+        if not settings.declared:
+            self._burning = {}
+            return None
+        objectives = tuple(
+            status.SloObjective.from_json(o.to_json())
+            for o in decision.state.slo.report(settings, at)
+        )
+        before, self._burning = self._burning, {o.objective: o.burning or "" for o in objectives}
+        for o in objectives:
+            was, alert = before.get(o.objective, ""), o.burning or ""
+            if alert and (not was or (was, alert) == ("slow", "fast")):
+                name, change = "slo.burning", f"burning {alert}"
+            elif was and not alert:
+                name, change = "slo.recovered", f"no longer burning {was}"
+            else:
+                continue
+            self.events.emit(
+                name,
+                f"{o.objective} error budget {change} ({o.words}): burn rate "
+                f"{status.burn_words(o.burn_rates)}; {status.budget_words(o.budget_remaining)}",
+                objective=o.objective,
+                words=o.words,
+                target=o.target,
+                alert=alert or was,
+                burn_rates=dict(o.burn_rates),
+                budget_remaining=o.budget_remaining,
+                attainment=dict(o.attainment),
+            )
+        return status.SloStatus(settings.period_days, objectives)
 
     def _judge(self, decision: Decision) -> None:
         """Write the engine's judgement of the last restart (did the fresh speed come back?)
@@ -1086,6 +1123,7 @@ class Daemon:
         restarts: tuple[RestartRecord, ...],
         plan: Plan | str | None,
         due: _FlagsDue | None,
+        slo: status.SloStatus | None,
         *,
         stale_after: float | None = None,
     ) -> status.StatusReport:
@@ -1130,6 +1168,7 @@ class Daemon:
             flags=self._flags_status(plan, due, decision),
             trend=self.trend,
             fleet=group,
+            slo=slo,
             failing=failing,
             events=tuple(self.events.recent),
             stale_after=stale_after,
@@ -1184,6 +1223,14 @@ class Daemon:
             costs=last.detail.get("costs"),
             hooks=None if hooks is None else tuple(hooks),
         )
+
+
+def _cut_off(detail: dict[str, Any]) -> float | None:
+    """The requests in flight a restart cut off, as the actuator's costs in the ledger say
+    (None: vLLM was never stopped, or did not say)."""
+    costs = detail.get("costs")
+    aborted = costs.get("aborted") if isinstance(costs, dict) else None
+    return float(aborted) if isinstance(aborted, (int, float)) else None
 
 
 def _rates_since(first: Sample | None, sample: Sample) -> Rates | None:

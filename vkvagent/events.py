@@ -103,6 +103,10 @@ CATALOGUE: Mapping[str, EventType] = {
         WARNING, "etcd does not answer: restarts held (or emergencies only, as configured)"
     ),
     "fleet.reachable": EventType(INFO, "etcd answers again: restarts are coordinated again"),
+    "slo.burning": EventType(
+        WARNING, "an objective of [slo] burns its error budget fast or slowly (once per rise)"
+    ),
+    "slo.recovered": EventType(INFO, "an objective's budget no longer burns above its alerts"),
 }
 
 _PRIORITY_NAMES = ("emerg", "alert", "crit", "err", "warning", "notice", "info", "debug")

@@ -27,6 +27,7 @@ from vkvagent.status import (
     STATES,
     FleetStatus,
     GpuStatus,
+    SloStatus,
     StatusReport,
     failed_sources,
 )
@@ -223,6 +224,8 @@ def _gauges(status: StatusReport) -> Iterator[Metric]:
     yield events
     if status.fleet is not None:
         yield from _fleet(status.fleet)
+    if status.slo is not None:
+        yield from _slo(status.slo)
 
 
 def _fleet(fleet: FleetStatus) -> Iterator[Metric]:
@@ -250,6 +253,41 @@ def _fleet(fleet: FleetStatus) -> Iterator[Metric]:
     )
     limit.add_metric(group, fleet.max_concurrent)
     yield limit
+
+
+def _slo(slo: SloStatus) -> Iterator[Metric]:
+    """The operator's objectives ([slo]); a window with no events has no series."""
+    target = GaugeMetricFamily(
+        "vkvagent_slo_target",
+        "The share of good events each objective of [slo] asks for (availability: requests "
+        "served; ttft, itl: requests, output tokens within the latency declared).",
+        labels=["objective"],
+    )
+    attainment = GaugeMetricFamily(
+        "vkvagent_slo_attainment",
+        "The share of good events over the last hour (1h), day (1d) and the budget's period.",
+        labels=["objective", "window"],
+    )
+    budget = GaugeMetricFamily(
+        "vkvagent_slo_budget_remaining",
+        "The share of the period's error budget left (below 0: overspent).",
+        labels=["objective"],
+    )
+    burn = GaugeMetricFamily(
+        "vkvagent_slo_burn_rate",
+        "The error budget spent over the window against the rate that would spend it in "
+        "exactly one period (1: on course; the alert rules compare a long and a short window).",
+        labels=["objective", "window"],
+    )
+    for o in slo.objectives:
+        target.add_metric([o.objective], o.target)
+        if o.budget_remaining is not None:
+            budget.add_metric([o.objective], o.budget_remaining)
+        for family, figures in ((attainment, o.attainment), (burn, o.burn_rates)):
+            for window, value in figures.items():
+                if value is not None:
+                    family.add_metric([o.objective, window], value)
+    yield from (target, attainment, budget, burn)
 
 
 class Exporter:

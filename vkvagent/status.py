@@ -382,6 +382,42 @@ class RecentEvent(_Part):
     message: str
 
 
+def _figures(figures: dict[str, Any], where: str) -> None:
+    """An objective's figures by window: each a number, or null (no events in it)."""
+    for window, value in figures.items():
+        if value is not None:
+            _read("float", value, f"{where}.{window}")
+
+
+@dataclass(frozen=True)
+class SloObjective(_Part):
+    """One objective of [slo] as the engine's tallies have it: ``engine.slo.Objective``'s
+    own document."""
+
+    objective: str  # availability, ttft or itl
+    words: str  # as the operator declared it: "95 % of requests' first token within 2 s"
+    target: float  # the share of good events it asks for
+    # "1h", "1d", "period" -> the share of good events (None: none counted in it)
+    attainment: dict[str, Any] = field(default_factory=dict, metadata={"check": _figures})
+    budget_remaining: float | None = None  # share of the period's budget left; below 0: overspent
+    # "5m", "30m", "1h", "6h" -> the budget spent over the window against the rate that would
+    # spend it in exactly one period (1: on course; 14.4 over an hour: 2 % of a month's gone)
+    burn_rates: dict[str, Any] = field(default_factory=dict, metadata={"check": _figures})
+    burning: str | None = None  # the burn alert raised: fast or slow; None: neither
+
+
+@dataclass(frozen=True)
+class SloStatus(_Part):
+    """The operator's objectives ([slo]): their budgets' period and each one declared."""
+
+    period_days: float
+    objectives: tuple[SloObjective, ...] = ()
+
+    def fast(self) -> list[str]:
+        """The objectives whose budget burns fast (the page-worthy multiwindow alert)."""
+        return [o.objective for o in self.objectives if o.burning == "fast"]
+
+
 @dataclass(frozen=True)
 class StatusReport(_Part):
     """status.json: the daemon's view at its last evaluation."""
@@ -404,6 +440,7 @@ class StatusReport(_Part):
     flags: FlagsStatus | None = None  # None: no [vllm.flags] and no flag change seen
     trend: tuple[TrendPoint, ...] = ()
     fleet: FleetStatus | None = None  # None: no [fleet]
+    slo: SloStatus | None = None  # None: no objective declared in [slo]
     failing: tuple[SourceFailure, ...] = ()  # every source failing now, however briefly
     events: tuple[RecentEvent, ...] = ()  # the last EVENTS_KEPT, oldest first
     stale_after: float | None = None  # while restarting: the longest the restart may take
@@ -616,18 +653,23 @@ def checked(
     warning: Range | None = None,
     critical: Range | None = None,
 ) -> tuple[StatusCode, str]:
-    """The exit code with the thresholds on the speed ratio applied, and the threshold that
-    raised it in words ("" when none did). An unknown ratio, or status, meets no threshold."""
+    """The exit code with the thresholds on the speed ratio applied, and an objective's budget
+    burning fast (a warning: the page-worthy alert of the SRE workbook, while the verdict's own
+    critical states stay vLLM down, a GPU fault or escalation), and what raised it in words
+    ("" when nothing did). An unknown ratio, or status, meets no threshold."""
     code = exit_code(status, now)
-    ratio = None if status is None else status.verdict.ratio
-    if code == StatusCode.UNKNOWN or ratio is None:
+    if status is None or code == StatusCode.UNKNOWN:
         return code, ""
+    ratio = status.verdict.ratio
     for limit, name, level in (
         (critical, "critical", StatusCode.CRITICAL),
         (warning, "warning", StatusCode.DEGRADED),
     ):
-        if limit is not None and limit.alerts(ratio) and level > code:
+        if ratio is not None and limit is not None and limit.alerts(ratio) and level > code:
             return level, f"speed ratio {ratio:.2f} outside the {name} range {limit.text}"
+    burning = [] if status.slo is None else status.slo.fast()
+    if burning and code < StatusCode.DEGRADED:
+        return StatusCode.DEGRADED, f"{', '.join(burning)} error budget burning fast"
     return code, ""
 
 
@@ -636,18 +678,27 @@ def perfdata(
 ) -> str:
     """Performance data as the plugin guidelines write it, ``'label'=value[UOM];[warn];
     [crit];[min];[max]`` (U: not known), for graphs: speed ratio, KV usage, throughput
-    (generated tokens/s) and restarts left today."""
+    (generated tokens/s) and restarts left today; with [slo], each objective's attainment
+    over the period and its budget left (below 0 when overspent)."""
     v, m = status.verdict, status.now
 
     def value(x: float | None, digits: int) -> str:
         return "U" if x is None else f"{x:.{digits}f}"
 
+    def percent(x: float | None, digits: int) -> str:
+        return "U" if x is None else f"{x * 100:.{digits}f}%"  # U takes no unit
+
     limits = ";".join(r.text if r else "" for r in (warning, critical))
-    kv = "U" if m.kv_usage is None else f"{m.kv_usage * 100:.1f}%"  # U takes no unit
-    return (
-        f"speed_ratio={value(v.ratio, 3)};{limits};0 kv_usage={kv};;;0;100 "
+    data = (
+        f"speed_ratio={value(v.ratio, 3)};{limits};0 kv_usage={percent(m.kv_usage, 1)};;;0;100 "
         f"throughput={value(m.tokens_per_s, 1)};;;0 restarts_left={status.policy.budget_left};;;0"
     )
+    for o in status.slo.objectives if status.slo is not None else ():
+        data += (
+            f" slo_{o.objective}={percent(o.attainment.get('period'), 3)};;;0;100"
+            f" slo_{o.objective}_budget={percent(o.budget_remaining, 1)};;;;100"
+        )
+    return data
 
 
 def headline(
@@ -814,6 +865,8 @@ def render(
         f"prefix cache hits {_pct(m.prefix_hit_ratio)}"
     )
     lines.append(f"  latency     TTFT p50 {_ms(m.ttft_p50_s)}, ITL p50 {_ms(m.itl_p50_s)}")
+    if status.slo is not None:
+        lines.extend(slo_lines(status.slo, explain=explain))
     if status.probe is not None:
         lines.append(f"  probe       {probe_line(status.probe)}")
     for gpu in status.gpus:
@@ -893,6 +946,53 @@ def flags_lines(flags: FlagsStatus) -> list[str]:
     return lines
 
 
+def slo_lines(slo: SloStatus, *, explain: bool = False) -> list[str]:
+    """A line per objective; explained, with its burn rates beneath."""
+    lines = []
+    for objective in slo.objectives:
+        lines.append(f"  slo         {slo_line(objective, slo.period_days)}")
+        if explain:
+            lines.append(
+                f"              burn rate {burn_words(objective.burn_rates)} (1: the budget "
+                f"lasts exactly {slo.period_days:g} d)"
+            )
+    return lines
+
+
+def slo_line(objective: SloObjective, period_days: float) -> str:
+    """An objective's attainment over the last hour, day and period, and its budget left:
+    "95 % of requests' first token within 2 s: 97.1 % (1 h), 96.4 % (1 d), 96.0 % (28 d);
+    budget left 20 %; burning fast"."""
+    shares = objective.attainment
+    if objective.budget_remaining is None and not any(v is not None for v in shares.values()):
+        return f"{objective.words}: nothing counted yet"
+    # Enough digits to tell the target from a miss (99.95 % for 99.9 %, 96.4 % for 95 %),
+    # rounded down: 99.996 % is not 100 %.
+    digits = max(1, 1 - math.floor(math.log10(max(1e-6, (1 - objective.target) * 100))))
+
+    def share(window: str) -> str:
+        value, scale = shares.get(window), 10 ** (digits + 2)
+        return _pct(None if value is None else math.floor(value * scale + 1e-6) / scale, digits)
+
+    figures = ", ".join(
+        f"{share(window)} ({label})"
+        for window, label in (("1h", "1 h"), ("1d", "1 d"), ("period", f"{period_days:g} d"))
+    )
+    burning = f"; burning {objective.burning}" if objective.burning else ""
+    return f"{objective.words}: {figures}; {budget_words(objective.budget_remaining)}{burning}"
+
+
+def budget_words(left: float | None) -> str:
+    """An objective's budget left: "budget left 20 %", "budget left -35 % (overspent)"."""
+    return f"budget left {_pct(left)}" + (" (overspent)" if left is not None and left < 0 else "")
+
+
+def burn_words(rates: Mapping[str, Any]) -> str:
+    """Burn rates by window: "5m 25.0, 30m 12.0, 1h 20.1, 6h 3.3" (1: the budget spent in
+    exactly one period)."""
+    return ", ".join(f"{window} {_num(rate, 1)}" for window, rate in rates.items())
+
+
 def costs_line(costs: Mapping[str, Any]) -> str:
     """What the last restart cost the clients (``actuator.Costs`` as the ledger keeps it)."""
     how = {
@@ -970,8 +1070,8 @@ def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:.0f} %"
+def _pct(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value * 100:.{digits}f} %"
 
 
 def _ms(value: float | None) -> str:
