@@ -42,12 +42,10 @@ def vllm() -> Iterator[HttpServer]:
 
 
 def daemon_for(path: Path, moved: Moved, stream: io.StringIO) -> Daemon:
-    daemon = Daemon(
+    return Daemon(
         path, clock=moved.clock(), events=Events(stream=stream, now=lambda: moved.at),
         notify=lambda _message: None, use_systemd=False,
     )  # fmt: skip
-    daemon.parts.settings = replace(daemon.parts.settings, slo=SLO)
-    return daemon
 
 
 def burst(daemon: Daemon, at: float) -> None:
@@ -58,9 +56,15 @@ def burst(daemon: Daemon, at: float) -> None:
 def test_each_burn_alert_crossing_is_one_event_and_the_status_says_it(
     tmp_path: Path, vllm: HttpServer
 ) -> None:
-    path = write_config(tmp_path, vllm.url, probe={"enabled": False})
+    path = write_config(
+        tmp_path,
+        vllm.url,
+        probe={"enabled": False},
+        slo={"availability": 0.999, "ttft_seconds": 2.0},
+    )
     moved, stream = Moved(), io.StringIO()
     daemon = daemon_for(path, moved, stream)
+    assert daemon.parts.settings.slo == SLO  # [slo] as the engine reads it
     t0 = time.time() - 2 * INTERVAL  # `vkvagent status` reads the fast tick's status as current
     said: list[tuple[str, object]] = []
 
@@ -130,11 +134,9 @@ def test_each_burn_alert_crossing_is_one_event_and_the_status_says_it(
 def test_without_slo_nothing_is_reported(tmp_path: Path, vllm: HttpServer) -> None:
     path = write_config(tmp_path, vllm.url, probe={"enabled": False})
     moved, stream = Moved(), io.StringIO()
-    daemon = Daemon(
-        path, clock=moved.clock(), events=Events(stream=stream, now=lambda: moved.at),
-        notify=lambda _message: None, use_systemd=False,
-    )  # fmt: skip
+    daemon = daemon_for(path, moved, stream)
     try:
+        # Tallies from a time [slo] was declared: kept, but nothing reported.
         daemon.state = replace(daemon.state, slo=SloState().add(SLO, moved.at - 60, BURST))
         daemon.tick()
         page = generate_latest(daemon.metrics.registry).decode()
