@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,10 @@ from tests.httpserver import RawServer, free_port
 from tests.simproc import SimProcess, get
 from vkvagent import replay
 from vkvagent.cli import main
-from vkvagent.config import Config
+from vkvagent.config import Config, load
 from vkvagent.engine import ACTIONS, Settings
 from vkvagent.engine.diagnosis import CAUSES
+from vkvagent.engine.slo import SloSettings
 from vkvagent.processes import stop_process
 from vkvagent.sim.capacity import Cluster, EngineModel, Scenario, capacity
 from vkvagent.sim.exposition import histogram_bounds, render
@@ -50,8 +52,8 @@ VLLM = "10.0.0.7:8000"
 DCGM = "10.0.0.7:9400"
 SIZES = azure_sizes()
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
-# Restarts wait for the window (the default lets a decline go sooner: tests/test_prevention.py).
-ENFORCE = '[policy]\nmode = "enforce"\nwindows = ["daily 03:15-06:00"]\noutside_windows = "never"\n'
+# Restarts wait for the window (outside_windows = "never", the default).
+ENFORCE = '[policy]\nmode = "enforce"\nwindows = ["daily 03:15-06:00"]\n'
 
 
 # -- histories made from the simulator ---------------------------------------------------------
@@ -478,23 +480,29 @@ def test_observe_mode_is_the_default_and_never_restarts(tmp_path: Path) -> None:
     data = replay_json(tmp_path, declining, config=window)
     assert data["summary"]["mode"] == "observe" and data["summary"]["restarts"] == 0
     would = [d for d in data["decisions"] if d["reason"].startswith("observe mode: would restart")]
-    # At once: a decline costs more before 03:15 than a restart does (outside_windows).
-    assert would and would[0]["time"] < at(3, 15) and would[0]["action"] == "hold"
-    assert "cheaper now" in would[0]["reason"]
+    # The window holds by default: the decline waits for 03:15, not a restart sooner.
+    assert would and would[0]["time"] == at(3, 15) and would[0]["action"] == "hold"
+    assert would[0]["window_open"] and "cheaper now" not in would[0]["reason"]
+    waiting = next(d for d in data["decisions"] if d["cause"] == "uptime_decline")
+    assert waiting["time"] < at(3, 15) and waiting["reason"].startswith("outside window")
     forced = replay_json(tmp_path, declining, config=window, extra=("--mode", "enforce"))
     assert forced["summary"]["restarts"] == 1
 
 
 # Windows and spacing that make a slow run due three times in the 3.75 h history: first in the
-# window, then twice outside it, when waiting for tomorrow's costs more.
-SHORT = '[policy]\nwindows = ["daily 03:00-03:20"]\nmin_interval = 600.0\ncooldown = 1200.0\n'
+# window, then twice outside it, when waiting for tomorrow's costs more (the opt-in).
+WHEN_CHEAPER = 'outside_windows = "when_cheaper"\n'
+SHORT = (
+    '[policy]\nwindows = ["daily 03:00-03:20"]\nmin_interval = 600.0\ncooldown = 1200.0\n'
+    + WHEN_CHEAPER
+)
 
 
 @pytest.mark.parametrize(
     ("config", "held", "inside"),
     [
-        ('[policy]\nwindows = ["daily 03:15-06:00"]\n', [at(2, 51)], 0),
-        ('[policy]\nwindows = ["daily 03:15-06:00"]\noutside_windows = "never"\n', [at(3, 15)], 1),
+        ('[policy]\nwindows = ["daily 03:15-06:00"]\n' + WHEN_CHEAPER, [at(2, 51)], 0),
+        ('[policy]\nwindows = ["daily 03:15-06:00"]\n', [at(3, 15)], 1),  # the default
         (SHORT, [at(3), at(3, 20), at(3, 40)], 1),
     ],
     ids=["outside-a-window", "in-a-window", "spaced-by-the-budgets"],
@@ -527,6 +535,144 @@ def test_observe_mode_counts_the_restarts_it_holds_back_as_enforce_would_make_th
     )
     marked = [line for line in out.splitlines() if "counted as a restart observe mode held" in line]
     assert [line[:20] for line in marked] == [t.replace("T", " ")[:19] + "Z" for t in held]
+
+
+# -- the operator's objectives over the replayed span -----------------------------------------
+
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+
+
+def slo_replay(tmp_path: Path, text: str, slo: SloSettings) -> replay.Result:
+    """A replay of ``text`` with ENFORCE's settings and the objectives ``slo``."""
+    settings = load(write(tmp_path / "config.toml", ENFORCE)).engine_settings()
+    store = replay.Store()
+    store.add(json.loads(text), "range.json")
+    return replay.run(replace(settings, slo=slo), store)
+
+
+def by_hand(response: dict[str, Any], histogram: str) -> tuple[list[float], list[float]]:
+    """A histogram's observations over the trace, bound by bound: each ``_bucket`` series'
+    last scrape less its first, summed over the series of that bound."""
+    counts: dict[float, float] = {}
+    for entry in response["data"]["result"]:
+        metric, values = entry["metric"], entry["values"]
+        if metric["__name__"] == histogram + "_bucket":
+            bound = float(metric["le"])
+            counts[bound] = counts.get(bound, 0.0) + float(values[-1][1]) - float(values[0][1])
+    bounds = sorted(counts)
+    return bounds, [counts[b] for b in bounds]
+
+
+def share_within(bounds: list[float], counts: list[float], target: float) -> float:
+    """The share of the observations at or below ``target``, linear inside the bucket that
+    holds it and from 0 in the first, as Prometheus's histogram_quantile interpolates."""
+    lower, below = 0.0, 0.0
+    for bound, count in zip(bounds, counts):
+        if target <= bound:
+            return (below + (count - below) * (target - lower) / (bound - lower)) / counts[-1]
+        lower, below = bound, count
+    raise AssertionError(f"{target} is beyond the last bound")
+
+
+def test_latency_attainment_over_a_replay_is_the_share_the_traces_buckets_give(
+    tmp_path: Path,
+) -> None:
+    """summary.slo's TTFT and ITL attainment is what the trace's buckets say from its first
+    scrape to its last, the target interpolated inside its bucket (within 0.005: the issue's
+    bar). The engine counts it interval by interval; replay adds up what it counted."""
+    text = history("uptime-decline", 3.75, onset=1800.0, step=30.0)
+    slo = SloSettings(ttft_seconds=0.3, ttft_share=0.9, itl_seconds=0.03, itl_share=0.8)
+    result = slo_replay(tmp_path, text, slo)
+    got = result.to_json()["summary"]["slo"]
+    assert list(got) == ["ttft", "itl"]  # the declared objectives, no availability
+    response = json.loads(text)
+    for name, histogram, target, share in (("ttft", TTFT, 0.3, 0.9), ("itl", ITL, 0.03, 0.8)):
+        bounds, counts = by_hand(response, histogram)
+        assert target not in bounds  # inside a bucket: the interpolation counts
+        expected = share_within(bounds, counts, target)
+        assert 0.5 < expected < 0.95, (name, expected)  # neither none nor all of them
+        o = got[name]
+        assert (o["target"], o["events"]) == (share, pytest.approx(counts[-1]))
+        assert o["attainment"] == pytest.approx(expected, abs=0.005)
+        assert o["budget_spent"] == pytest.approx((1 - o["attainment"]) / (1 - share))
+    # The text ends with the same, a line per objective.
+    lines = replay.describe(result).splitlines()
+    assert lines[-3].startswith("slo over the data as it was ")
+    ttft, itl = got["ttft"], got["itl"]
+    assert lines[-2] == (
+        f"  ttft: {ttft['attainment'] * 100:.1f} % of {ttft['events']:,.0f} requests good "
+        "(objective: 90 % of requests' first token within 0.3 s), "
+        f"{ttft['budget_spent'] * 100:.0f} % of its error budget spent (over)"
+    )
+    assert lines[-1].startswith(f"  itl: {itl['attainment'] * 100:.1f} % of ")
+    assert "(objective: 80 % of output tokens within 30 ms)" in lines[-1]
+
+
+def with_http(text: str, errors_every: int) -> tuple[str, float, float]:
+    """``text`` with prometheus_fastapi_instrumentator's series for vLLM: a POST answered 2xx
+    for each request it finished, a 5xx every ``errors_every`` scrapes, and beside them the
+    answers that do not count: 4xx, GETs, and another program's on another instance. Returns
+    the text and, by hand, the 2xx and 5xx from the first scrape to the last."""
+    response = json.loads(text)
+    result = response["data"]["result"]
+    finished: dict[float, float] = {}
+    for entry in result:
+        if entry["metric"]["__name__"] == "vllm:request_success_total":
+            for t, value in entry["values"]:
+                finished[t] = finished.get(t, 0.0) + float(value)
+    times = sorted(finished)
+
+    def add(instance: str, handler: str, method: str, status: str, value: Any) -> None:
+        metric = {"__name__": "http_requests_total", "handler": handler, "method": method,
+                  "status": status, "instance": instance, "job": "vllm"}  # fmt: skip
+        points = [[t, repr(float(value(k, t)))] for k, t in enumerate(times)]
+        result.append({"metric": metric, "values": points})
+
+    chat = "/v1/chat/completions"
+    add(VLLM, chat, "POST", "2xx", lambda k, t: finished[t])
+    add(VLLM, chat, "POST", "5xx", lambda k, t: k // errors_every)
+    add(VLLM, chat, "POST", "4xx", lambda k, t: 3 * k)  # a client's mistakes
+    add(VLLM, "/v1/models", "GET", "5xx", lambda k, t: k)
+    add("10.0.0.7:9100", "/api", "POST", "5xx", lambda k, t: 100 * k)  # not vLLM's
+    answered = finished[times[-1]] - finished[times[0]]
+    return json.dumps(response), answered, float((len(times) - 1) // errors_every)
+
+
+def test_availability_over_a_replay_counts_the_5xx_vllm_answered(tmp_path: Path) -> None:
+    text, answered, errors = with_http(history("healthy", 1.0, step=30.0), errors_every=10)
+    assert errors == 11
+    store = replay.Store()
+    store.add(json.loads(text), "range.json")
+    kept = {(s.labels["status"], s.labels["instance"]) for s in store.series()
+            if s.name == "http_requests_total"}  # fmt: skip
+    assert kept == {("2xx", VLLM), ("5xx", VLLM), ("5xx", "10.0.0.7:9100")}  # POSTs, not 4xx
+    slo = SloSettings(availability=0.999)
+    o = slo_replay(tmp_path, text, slo).summary()["slo"]["availability"]
+    assert o["events"] == answered + errors
+    assert o["attainment"] == pytest.approx(answered / (answered + errors), abs=1e-9)
+    assert o["budget_spent"] == pytest.approx(errors / ((answered + errors) * 0.001))
+    assert 1 < o["budget_spent"] < 2  # 11 of about 7,000: over a 99.9 % objective's budget
+
+
+def test_availability_over_a_replay_counts_the_requests_refused_while_vllm_loaded(
+    tmp_path: Path,
+) -> None:
+    """A real restart in the data: the requests this host sends (2 a second) were refused for
+    the four scrapes the new vLLM took to load, 30 s each. Without http_requests_total the
+    requests served are the ones vLLM finished."""
+    text = history("healthy", 1.0, step=30.0, restart_at=0.5)
+    slo = SloSettings(availability=0.999)
+    o = slo_replay(tmp_path, text, slo).summary()["slo"]["availability"]
+    refused = o["events"] * (1 - o["attainment"])
+    assert refused == pytest.approx(4 * 30 * 2.0, rel=0.2)
+    calm = slo_replay(tmp_path, history("healthy", 1.0, step=30.0), slo).summary()["slo"]
+    assert calm["availability"]["attainment"] == 1.0 and calm["availability"]["budget_spent"] == 0
+
+
+def test_without_an_slo_the_summary_has_no_objectives(tmp_path: Path) -> None:
+    data = replay_json(tmp_path, history("healthy", 0.2))
+    assert data["summary"]["slo"] == {}
 
 
 # -- the DCGM mapping and the pieces -----------------------------------------------------------
@@ -576,6 +722,26 @@ def test_holes_in_the_data_become_samples_without_vllm() -> None:
     errors = [sample.vllm_error for sample, _memory in line.samples()]
     assert errors[3:6] == ["no vLLM series at this time (target down, or not scraped)"] * 3
     assert errors[:3] == [None] * 3 and errors[6:] == [None] * 2
+
+
+def test_the_api_answers_are_vllms_own_and_known_from_its_first_page() -> None:
+    """http_requests_total is a common name: only vLLM's target's series are read. The live
+    page declares it from vLLM's start, so before the first POST it reads none (0), as live."""
+    vllm = [series("vllm:num_requests_running", [(t, 1.0) for t in (10, 20, 30)], instance="a:1")]
+    post = {"handler": "/v1/completions", "method": "POST"}
+    http = [
+        series("http_requests_total", [(30, 5.0)], status="2xx", instance="a:1", **post),
+        series("http_requests_total", [(30, 1.0)], status="5xx", instance="a:1", **post),
+        series("http_requests_total", [(t, t) for t in (10, 20, 30)], status="5xx",
+               instance="b:1", **post),  # another program on another port
+    ]  # fmt: skip
+
+    def read(line: replay.Timeline) -> list[tuple[float | None, float | None]]:
+        samples = [sample.vllm for sample, _memory in line.samples()]
+        return [(m.http_requests_total, m.http_5xx_total) for m in samples if m is not None]
+
+    assert read(replay.timeline(vllm + http)) == [(0.0, 0.0), (0.0, 0.0), (6.0, 1.0)]
+    assert read(replay.timeline(vllm + http[2:])) == [(None, None)] * 3  # none of vLLM's
 
 
 def test_labels_are_escaped_as_the_exposition_format_wants() -> None:

@@ -22,7 +22,8 @@ decides is virtual: windows, budgets and cooldowns count it, the data is not alt
 is never judged (no new run follows it), so escalation cannot trigger. A real restart in the
 data (a counter reset, a new ``process_start_time_seconds``) is a new run with a new baseline,
 as in the daemon. In observe mode the restarts it holds back are counted as enforce mode would
-have made them (``replay``).
+have made them (``replay``). With an ``[slo]``, the summary gives each objective over the whole
+span: what the engine added to its tallies at each decision (``_counted``).
 """
 
 from __future__ import annotations
@@ -46,11 +47,18 @@ from typing import Any
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
 from vkvagent.engine.policy import WOULD_RESTART, RestartRecord
 from vkvagent.engine.samples import GpuReading, Sample, VllmMetrics, utc_text
+from vkvagent.engine.slo import EMPTY, OBJECTIVES, SloSettings, SloState, Tally
 from vkvagent.errors import VkvagentError
 from vkvagent.gpu import decode_clock_event_reasons
 from vkvagent.jsonsafe import finite
 from vkvagent.reconcile import Change, FlagState, flags_key
-from vkvagent.vllm_metrics import WANTED, ExpositionError, Normaliser
+from vkvagent.vllm_metrics import (
+    HTTP_REQUESTS,
+    WANTED,
+    ExpositionError,
+    Normaliser,
+    http_counted,
+)
 
 MAX_POINTS = 10_000  # per series per query: under Prometheus' 11,000, with a margin
 MAX_RESPONSE_BYTES = 1 << 30
@@ -98,9 +106,12 @@ class Series:
     values: Sequence[float] = field(default_factory=list)
 
 
-def _kept(name: str) -> bool:
+def _kept(name: str, labels: Mapping[str, str]) -> bool:
     """Whether replay reads the series: what the normaliser reads, and the GPUs' and memory.
-    The rest of ``vllm:*`` (``_created``, histograms it never reads) cannot change a sample."""
+    The rest of ``vllm:*`` (``_created``, histograms it never reads) cannot change a sample,
+    nor can the API's GETs and 4xx answers."""
+    if name == HTTP_REQUESTS:
+        return http_counted(labels)
     return name in WANTED or name in DCGM_FIELDS or name == PROCESS_MEMORY
 
 
@@ -120,7 +131,7 @@ class Store:
         """Take one parsed ``query_range`` response; ReplayError names what is wrong."""
         for name, labels, times, values in _matrix(response, source):
             self.names.add(name)
-            if not _kept(name):
+            if not _kept(name, labels):
                 continue
             key = (name, frozenset(labels.items()))
             entry = self._series.get(key)
@@ -424,6 +435,7 @@ class Timeline:
     gpus: list[_Gpu]
     times: list[float]
     model: str = ""
+    header: str = ""  # comment lines every page begins with
 
     def samples(self) -> Iterator[tuple[Sample, float | None]]:
         """Each timestamp's Sample, with the API server's memory (bytes) when known."""
@@ -444,7 +456,7 @@ class Timeline:
                 error = "no vLLM series at this time (target down, or not scraped)"
             else:
                 try:
-                    metrics = normaliser.normalise("".join(lines))
+                    metrics = normaliser.normalise(self.header + "".join(lines))
                 except ExpositionError as exc:
                     error = str(exc)
             memory = next(
@@ -504,7 +516,8 @@ def timeline(
     seen: Collection[str] = (),
 ) -> Timeline:
     """The timestamps and series to replay: vLLM's (with the same target's
-    ``process_start_time_seconds`` and ``process_resident_memory_bytes``) and the GPUs'.
+    ``process_start_time_seconds``, ``process_resident_memory_bytes`` and
+    ``http_requests_total``) and the GPUs'.
     ``step``: the query's resolution (else the most common spacing in the data); ``seen``:
     every name in the input, for the error when no vLLM series is there."""
     vllm = [s for s in series if s.name.startswith("vllm:")]
@@ -520,10 +533,12 @@ def timeline(
         )
     _check_instances(vllm)
     targets = {s.labels.get("instance") for s in vllm}
-    process = [
+    # The target's own series only: another program on the host may count HTTP requests.
+    own = [
         s
         for s in series
-        if s.name in (PROCESS_START, PROCESS_MEMORY) and s.labels.get("instance") in targets
+        if s.name in (PROCESS_START, PROCESS_MEMORY, HTTP_REQUESTS)
+        and s.labels.get("instance") in targets
     ]
     times = sorted({t for s in vllm for t in s.times})
     if not times:
@@ -543,11 +558,15 @@ def timeline(
     # Only the series the normaliser reads are written back: the others (``_created``, series
     # it never reads) cannot change what it finds, flavour included (docs/metrics.md).
     texts: dict[str, list[_Cursor]] = {}
-    for s in [*vllm, *process]:
+    for s in [*vllm, *own]:
         if s.name in WANTED:
             texts.setdefault(_line(s.name, s.labels), []).append(_Cursor(s))
-    memory = [_Cursor(s) for s in process if s.name == PROCESS_MEMORY]
-    return Timeline(step, times[0], times[-1], texts, memory, _gpus(series), times, model)
+    memory = [_Cursor(s) for s in own if s.name == PROCESS_MEMORY]
+    # The live page declares the family from vLLM's start, before any POST is answered, and
+    # the normaliser reads that as none yet (not unknown): Prometheus keeps no TYPE lines.
+    http = any(s.name == HTTP_REQUESTS for s in own)
+    header = f"# TYPE {HTTP_REQUESTS} counter\n" if http else ""
+    return Timeline(step, times[0], times[-1], texts, memory, _gpus(series), times, model, header)
 
 
 def _check_instances(vllm: Sequence[Series]) -> None:
@@ -674,6 +693,8 @@ class Result:
     # each judged as the daemon judges one, by its fresh speed against the run before.
     flag_changes: list[Change] = field(default_factory=list)
     trace: Trace | None = None  # every evaluation, when asked for (``--plot``)
+    # The [slo] objectives' events over the whole span, as the engine counted them.
+    slo: Tally = EMPTY
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -704,6 +725,7 @@ class Result:
                 }
                 for c in self.flag_changes
             ],
+            "slo": slo_summary(self.settings.slo, self.slo),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -742,6 +764,7 @@ def replay(
             samples=tuple(recent.samples), memory=recent.memory, restarts=tuple(restarts)
         )
         decision = decide(settings, state, observed, now)
+        result.slo = _counted(result.slo, state.slo, decision.state.slo)
         counted = False
         if decision.action == "hold" and decision.reason.startswith(WOULD_RESTART):
             enforcing = replace(observed, restarts=tuple(held))
@@ -821,6 +844,40 @@ class _FlagChanges:
         return [self.found[k] for k in sorted(self.found)]
 
 
+def _counted(total: Tally, before: SloState, after: SloState) -> Tally:
+    """``total`` with what one decision added to the objectives' tallies. The engine only
+    adds to its buckets, and drops those older than the period, which it no longer adds to:
+    so what it added is what the daily buckets it changed hold more than before. Exact over
+    a replay of any length, where the last state's buckets hold the last period only."""
+    if after.rings is before.rings:
+        return total
+    old = before.rings[-1]
+    for index, tally in after.rings[-1].items():
+        was = old.get(index, EMPTY)
+        if tally != was:
+            total = tuple(t + new - prior for t, new, prior in zip(total, tally, was))
+    return total
+
+
+def slo_summary(settings: SloSettings, tally: Tally) -> dict[str, dict[str, float | None]]:
+    """Each declared objective over the replayed span: its target, its events, the share of
+    them that were good (``attainment``) and the error budget they spent (the bad events over
+    events x (1 - target): 1.0 is all of it); None for both where the data has no events."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name in settings.declared:
+        i = OBJECTIVES.index(name)
+        good, events = tally[2 * i], tally[2 * i + 1]
+        target = settings.target(name)
+        known = events > 0
+        out[name] = {
+            "target": target,
+            "events": events,
+            "attainment": min(1.0, good / events) if known else None,
+            "budget_spent": max(0.0, events - good) / (events * (1 - target)) if known else None,
+        }
+    return out
+
+
 def _slim(decision: Decision) -> Decision:
     # Decisions kept for the output do not need the engine state they carried.
     return replace(decision, state=EngineState())
@@ -871,7 +928,33 @@ def describe(result: Result) -> str:
             "sends its probe; replay has none, so a hung engine whose gauges read 0 looks idle "
             "there"
         )
+    lines += slo_words(result.settings.slo, s["slo"])
     return "\n".join(lines) + "\n"
+
+
+# What an objective's events are, in the text.
+_EVENTS = {"availability": "requests", "ttft": "requests", "itl": "output tokens"}
+
+
+def slo_words(settings: SloSettings, summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The text's SLO block: a line per declared objective (none without an [slo])."""
+    if not summary:
+        return []
+    lines = ["slo over the data as it was (restarts decided here are virtual and spend nothing):"]
+    for name, o in summary.items():
+        objective = f"objective: {settings.words(name)}"
+        if o["attainment"] is None:
+            lines.append(f"  {name}: no {_EVENTS[name]} in the data ({objective})")
+            continue
+        # One decimal more than the target has: 99.95 % against 99.9 %, 96.3 % against 95 %.
+        decimals = len(f"{o['target'] * 100:g}".partition(".")[2]) + 1
+        spent = o["budget_spent"] * 100
+        lines.append(
+            f"  {name}: {o['attainment'] * 100:.{decimals}f} % of {o['events']:,.0f} "
+            f"{_EVENTS[name]} good ({objective}), {spent:.0f} % of its error budget spent"
+            + (" (over)" if spent > 100 else "")
+        )
+    return lines
 
 
 def restarts_words(summary: Mapping[str, Any]) -> str:
