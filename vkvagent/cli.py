@@ -23,7 +23,7 @@ from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.gpu_faults import describe_xid
 from vkvagent.engine.policy import MODES, PolicySettings, window_state
 from vkvagent.engine.samples import GpuReading, VllmMetrics, utc_text
-from vkvagent.engine.slo import bracket
+from vkvagent.engine.slo import ITL_BOUNDS, TTFT_BOUNDS, bracket
 from vkvagent.errors import NEEDS_OPERATOR, NeedsOperator, VkvagentError
 from vkvagent.events import Events
 from vkvagent.flags import shown as flags_shown
@@ -32,7 +32,7 @@ from vkvagent.history import History, HistoryError
 from vkvagent.ledger import Ledger
 from vkvagent.systemd import Systemd
 from vkvagent.vllm import VllmClient
-from vkvagent.vllm_metrics import FLAVORS, ITL, ITL_OLD, TTFT, Normaliser
+from vkvagent.vllm_metrics import Normaliser
 
 
 class ExitCode(IntEnum):
@@ -467,8 +467,8 @@ def _bucket_words(target: float, bounds: Sequence[float]) -> str:
 def _histogram_layouts(state_dir: str, needed: Sequence[str]) -> tuple[dict[str, _Layout], str]:
     """The bucket bounds of the histograms ``needed``, by whose they are, and a note on
     where they come from: the running vLLM's own, in the newest sample of the daemon's
-    history that has them (its last hour); else every layout vkvagent reads (the simulator's
-    pages mirror each version's buckets), as config check reaches no vLLM itself."""
+    history that has them (its last hour); else V0's and V1's (``engine.slo``), as config
+    check reaches no vLLM itself."""
     try:
         with History(state_dir, readonly=True, busy_timeout=1.0) as history:
             latest = history.latest()
@@ -483,15 +483,11 @@ def _histogram_layouts(state_dir: str, needed: Sequence[str]) -> tuple[dict[str,
         why = f"{history.path}: no sample of them in its last hour"
     except HistoryError as exc:
         why = str(exc)
-    from vkvagent.sim.exposition import histogram_bounds  # noqa: PLC0415 - not in the daemon
-
-    groups: dict[tuple[tuple[str, tuple[float, ...]], ...], list[str]] = {}
-    for flavor in FLAVORS:
-        exposed = {f"vllm:{name}": bounds for name, bounds in histogram_bounds(flavor).items()}
-        itl = exposed.get(ITL) or exposed[ITL_OLD]  # as the normaliser reads it
-        layout = {"time_to_first_token": exposed[TTFT], "inter_token_latency": itl}
-        groups.setdefault(tuple(layout.items()), []).append(flavor)
-    layouts = {f"vLLM's flavour {', '.join(names)}": dict(key) for key, names in groups.items()}
+    layouts = {
+        f"vLLM {engine}": {"time_to_first_token": TTFT_BOUNDS[engine],
+                           "inter_token_latency": ITL_BOUNDS[engine]}
+        for engine in TTFT_BOUNDS
+    }  # fmt: skip
     return layouts, f"; the running vLLM's are unknown: {why}"
 
 

@@ -141,6 +141,20 @@ def difference(new: Histogram | None, old: Histogram | None) -> Histogram | None
     return Histogram(new.bounds, cumulative, new.sum - old.sum)
 
 
+# vLLM's latency histograms' finite bucket bounds, by engine: what a target can be told against
+# where no page of the running vLLM is at hand (``config check``). V1 added bounds above V0's;
+# its inter-token latency keeps V0's time-per-output-token bounds. The simulator prints them.
+TTFT_BOUNDS: dict[str, tuple[float, ...]] = {
+    "V0": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+           7.5, 10.0),
+}  # fmt: skip
+TTFT_BOUNDS["V1"] = (*TTFT_BOUNDS["V0"], 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BOUNDS: dict[str, tuple[float, ...]] = {
+    "V0": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+}
+ITL_BOUNDS["V1"] = (*ITL_BOUNDS["V0"], 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
 # A tally: (good, all) events per objective, in OBJECTIVES order, flattened.
 Tally = tuple[float, ...]
 EMPTY: Tally = (0.0,) * (2 * len(OBJECTIVES))

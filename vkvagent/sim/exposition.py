@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from vkvagent.engine.slo import ITL_BOUNDS, TTFT_BOUNDS
 from vkvagent.sim.stats import EngineStats, Observations, ServerInfo
 
 __all__ = ["CONTENT_TYPE", "build_1_2_5_buckets", "families", "histogram_bounds", "render"]
@@ -48,11 +49,8 @@ _P = "vllm:"
 # -- bucket lists --------------------------------------------------------------------------------
 
 # fmt: off
-TTFT_V0 = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-           10.0)
-TTFT_V1 = (*TTFT_V0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_V0 = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-TPOT_V1 = (*TPOT_V0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TTFT_V0, TTFT_V1 = TTFT_BOUNDS["V0"], TTFT_BOUNDS["V1"]  # the agent's facts (engine/slo.py)
+TPOT_V0, TPOT_V1 = ITL_BOUNDS["V0"], ITL_BOUNDS["V1"]
 REQUEST_LATENCY_V0 = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                       50.0, 60.0)
 REQUEST_LATENCY_V1 = (*REQUEST_LATENCY_V0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
