@@ -24,7 +24,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -36,10 +35,9 @@ from tests.httpserver import RawServer, free_port
 from tests.simproc import SimProcess, get
 from vkvagent import replay
 from vkvagent.cli import main
-from vkvagent.config import Config, load
+from vkvagent.config import Config
 from vkvagent.engine import ACTIONS, Settings
 from vkvagent.engine.diagnosis import CAUSES
-from vkvagent.engine.slo import SloSettings
 from vkvagent.processes import stop_process
 from vkvagent.sim.capacity import Cluster, EngineModel, Scenario, capacity
 from vkvagent.sim.exposition import histogram_bounds, render
@@ -543,12 +541,16 @@ TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 
 
-def slo_replay(tmp_path: Path, text: str, slo: SloSettings) -> replay.Result:
-    """A replay of ``text`` with ENFORCE's settings and the objectives ``slo``."""
-    settings = load(write(tmp_path / "config.toml", ENFORCE)).engine_settings()
-    store = replay.Store()
-    store.add(json.loads(text), "range.json")
-    return replay.run(replace(settings, slo=slo), store)
+def slo_replay(tmp_path: Path, text: str, slo: str) -> tuple[dict[str, Any], list[str]]:
+    """``vkvagent replay`` of ``text`` with ENFORCE and the [slo] table ``slo``: its
+    summary.slo (--json) and its text's lines."""
+    config = ENFORCE + "[slo]\n" + slo
+    summary = replay_json(tmp_path, text, config=config)["summary"]["slo"]
+    code, out, err = run_cli(
+        str(tmp_path / "range-0.json"), "--config", str(tmp_path / "config.toml")
+    )
+    assert (code, err) == (0, "")
+    return summary, out.splitlines()
 
 
 def by_hand(response: dict[str, Any], histogram: str) -> tuple[list[float], list[float]]:
@@ -582,9 +584,8 @@ def test_latency_attainment_over_a_replay_is_the_share_the_traces_buckets_give(
     scrape to its last, the target interpolated inside its bucket (within 0.005: the issue's
     bar). The engine counts it interval by interval; replay adds up what it counted."""
     text = history("uptime-decline", 3.75, onset=1800.0, step=30.0)
-    slo = SloSettings(ttft_seconds=0.3, ttft_share=0.9, itl_seconds=0.03, itl_share=0.8)
-    result = slo_replay(tmp_path, text, slo)
-    got = result.to_json()["summary"]["slo"]
+    slo = "ttft_seconds = 0.3\nttft_share = 0.9\nitl_seconds = 0.03\nitl_share = 0.8\n"
+    got, lines = slo_replay(tmp_path, text, slo)
     assert list(got) == ["ttft", "itl"]  # the declared objectives, no availability
     response = json.loads(text)
     for name, histogram, target, share in (("ttft", TTFT, 0.3, 0.9), ("itl", ITL, 0.03, 0.8)):
@@ -597,7 +598,6 @@ def test_latency_attainment_over_a_replay_is_the_share_the_traces_buckets_give(
         assert o["attainment"] == pytest.approx(expected, abs=0.005)
         assert o["budget_spent"] == pytest.approx((1 - o["attainment"]) / (1 - share))
     # The text ends with the same, a line per objective.
-    lines = replay.describe(result).splitlines()
     assert lines[-3].startswith("slo over the data as it was ")
     ttft, itl = got["ttft"], got["itl"]
     assert lines[-2] == (
@@ -647,8 +647,7 @@ def test_availability_over_a_replay_counts_the_5xx_vllm_answered(tmp_path: Path)
     kept = {(s.labels["status"], s.labels["instance"]) for s in store.series()
             if s.name == "http_requests_total"}  # fmt: skip
     assert kept == {("2xx", VLLM), ("5xx", VLLM), ("5xx", "10.0.0.7:9100")}  # POSTs, not 4xx
-    slo = SloSettings(availability=0.999)
-    o = slo_replay(tmp_path, text, slo).summary()["slo"]["availability"]
+    o = slo_replay(tmp_path, text, "availability = 0.999\n")[0]["availability"]
     assert o["events"] == answered + errors
     assert o["attainment"] == pytest.approx(answered / (answered + errors), abs=1e-9)
     assert o["budget_spent"] == pytest.approx(errors / ((answered + errors) * 0.001))
@@ -661,12 +660,13 @@ def test_availability_over_a_replay_counts_the_requests_refused_while_vllm_loade
     """A real restart in the data: the requests this host sends (2 a second) were refused for
     the four scrapes the new vLLM took to load, 30 s each. Without http_requests_total the
     requests served are the ones vLLM finished."""
-    text = history("healthy", 1.0, step=30.0, restart_at=0.5)
-    slo = SloSettings(availability=0.999)
-    o = slo_replay(tmp_path, text, slo).summary()["slo"]["availability"]
+    slo = "availability = 0.999\n"
+    got, lines = slo_replay(tmp_path, history("healthy", 1.0, step=30.0, restart_at=0.5), slo)
+    o = got["availability"]
     refused = o["events"] * (1 - o["attainment"])
     assert refused == pytest.approx(4 * 30 * 2.0, rel=0.2)
-    calm = slo_replay(tmp_path, history("healthy", 1.0, step=30.0), slo).summary()["slo"]
+    assert lines[-1].endswith(f", {o['budget_spent'] * 100:.0f} % of its error budget spent (over)")
+    calm, _lines = slo_replay(tmp_path, history("healthy", 1.0, step=30.0), slo)
     assert calm["availability"]["attainment"] == 1.0 and calm["availability"]["budget_spent"] == 0
 
 
