@@ -152,6 +152,17 @@ def test_buckets_older_than_their_ring_are_dropped_and_the_state_round_trips() -
     assert EngineState.from_json(old).slo == SloState()
 
 
+def test_counts_placed_late_keep_the_newer_buckets() -> None:
+    """A restart's cut-off requests arrive with its record, after samples newer than it."""
+    state = SloState().add(SLO, 1000.0, Counts(answered=10)).add(SLO, 1600.0, Counts(answered=50))
+    state = state.add(SLO, 1300.0, Counts(failed=3))
+    assert state.over(SLO, 3600, 1600.0)[:2] == (60.0, 63.0)
+    assert sorted(state.rings[0]) == [3, 4, 5]
+    # Older than a ring holds: that ring leaves it out, the coarser ones count it.
+    late = state.add(SLO, 1600.0 - 7 * 3600, Counts(failed=1))
+    assert late.rings[0] == state.rings[0] and late.over(SLO, 8 * 3600, 1600.0)[1] == 64.0
+
+
 def test_settings_are_checked() -> None:
     assert SLO.declared == ("availability", "ttft", "itl")
     assert SloSettings().declared == ()

@@ -245,10 +245,14 @@ class SloState:
         rings = []
         for (size, kept), ring in zip(self._sizes(settings), self.rings):
             index = math.floor(at / size)
+            newest = max(index, max(ring, default=index))
+            if index <= newest - kept:  # older than the ring holds (a late restart record)
+                rings.append(ring)
+                continue
             if index in ring:  # the bucket still filling: nothing to drop
                 new = dict(ring)
-            else:
-                new = {i: t for i, t in ring.items() if index - kept < i <= index}
+            else:  # kept relative to the newest bucket: a late record drops nothing newer
+                new = {i: t for i, t in ring.items() if newest - kept < i}
             new[index] = _plus(new.get(index, EMPTY), tally)
             rings.append(new)
         return replace(self, rings=tuple(rings), since=at if self.since is None else self.since)
