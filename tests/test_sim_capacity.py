@@ -71,6 +71,7 @@ def test_the_same_seed_gives_the_same_trajectory_however_time_is_advanced(scenar
     b.advance_to(1800.0)
     assert a.state() == b.state()
     assert a.engines[0].stats == b.engines[0].stats
+    assert a.http == b.http
     c = cluster(seed=4, scenario=scenario, onset=600)
     c.advance_to(1800.0)
     assert c.state() != a.state()
@@ -232,3 +233,20 @@ def test_heat_and_demand_follow_the_world_not_the_process() -> None:
     aged.world_offset = 3 * 3600.0  # the world's clock means nothing to uptime decline
     aged.advance_to(60)
     assert aged.state()["speed_factor"] == 1.0
+
+
+def test_finished_requests_are_answered_2xx_and_a_drain_refuses_with_5xx() -> None:
+    """The API server's http_requests_total: each finished request answered its client; while
+    it drains for a shutdown, what comes in is answered HTTP 500, and what is in flight still
+    finishes."""
+    completions = ("/v1/completions", "POST")
+    c = cluster(rate=4.0)
+    c.advance_to(300)
+    assert c.served > 0 and c.refused == 0
+    assert c.http.answered == {(*completions, "2xx"): c.served}
+    in_flight, served = c.in_flight, c.served
+    c.admitting = False
+    c.advance_to(330)
+    assert c.state()["admitting"] is False
+    assert c.refused > 0 and c.served > served and c.in_flight < in_flight
+    assert c.http.answered == {(*completions, "2xx"): c.served, (*completions, "5xx"): c.refused}

@@ -20,7 +20,7 @@ from vkvagent.sim.exposition import (
     histogram_bounds,
     render,
 )
-from vkvagent.sim.stats import EngineStats, Observations, ServerInfo
+from vkvagent.sim.stats import EngineStats, HttpStats, Observations, ServerInfo
 from vkvagent.vllm_metrics import FLAVORS, WANTED, Normaliser
 
 V0_07 = "v0-0.7-aibrix-doc-qwen2.5-coder-1.5b.prom"
@@ -99,6 +99,7 @@ class PageInputs:
     engines: dict[str, EngineStats] = field(default_factory=dict)
     lora_time: float = 0.0
     process_start: float = START
+    http: HttpStats | None = None  # None: the page has no http_requests_total
 
 
 def page_inputs(text: str) -> PageInputs:
@@ -110,6 +111,13 @@ def page_inputs(text: str) -> PageInputs:
     for family in text_string_to_metric_families(text):
         if family.name == "process_start_time_seconds":
             out.process_start = family.samples[0].value
+        if family.name == "http_requests":
+            out.http = HttpStats()
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name == "http_requests_total":
+                    answered = (labels["handler"], labels["method"], labels["status"])
+                    out.http.answered[answered] = sample.value
         if not family.name.startswith("vllm:") or family.name.endswith("_created"):
             continue
         name = family.name[len("vllm:") :]
@@ -161,7 +169,7 @@ def render_like(fixture: FixturePage) -> tuple[str, str]:
         start_time=inputs.process_start,
     )
     engines = [inputs.engines[k] for k in sorted(inputs.engines, key=int)]
-    return text, render(info, engines, now=inputs.lora_time).decode("utf-8")
+    return text, render(info, engines, now=inputs.lora_time, http=inputs.http).decode("utf-8")
 
 
 def parse(text: str) -> dict[str, Metric]:
@@ -185,8 +193,10 @@ def blocks(text: str) -> dict[str, list[str]]:
     return out
 
 
-def vllm_keys(text: str) -> list[str]:
-    return [name for name in blocks(text) if name.startswith("vllm:")]
+def simulated_keys(text: str) -> list[str]:
+    """The families the simulator prints as vLLM does: vLLM's own and, of the instrumentator's
+    families, http_requests_total (with its _created)."""
+    return [name for name in blocks(text) if name.startswith(("vllm:", "http_requests_"))]
 
 
 # -- fidelity ------------------------------------------------------------------------------------
@@ -202,21 +212,21 @@ def test_every_fixture_family_is_printed_with_its_type_and_labels(fixture: Fixtu
             # is two months after the page's lora timestamp); V0 behind its multiprocessing
             # front end prints no process families, as the whole 0.6 page shows.
             continue
-        if name.startswith("http_"):
-            continue  # prometheus_fastapi_instrumentator's families: optional, not simulated
+        if name.startswith("http_") and name not in ("http_requests", "http_requests_created"):
+            continue  # the instrumentator's families that nothing reads: not simulated
         assert name in ours, f"{fixture.name}: {name} missing"
         assert ours[name].type == family.type, name
         if family.samples:  # a cut page may declare a family and stop before its samples
             assert label_names(ours[name]) == label_names(family), name
-        if family.documentation and name.startswith("vllm:"):
+        if family.documentation and name.startswith(("vllm:", "http_requests")):
             assert ours[name].documentation == family.documentation, name
 
 
 @pytest.mark.parametrize("fixture", PAGES, ids=PAGE_IDS)
 def test_page_reproduces_the_fixture_lines(fixture: FixturePage) -> None:
-    """Fed the fixture's own values, the simulator prints the fixture's vllm: lines: HELP,
-    TYPE, label sets and order, float formatting, histogram layout. Only _created timestamps
-    and the derived families' values may differ."""
+    """Fed the fixture's own values, the simulator prints the fixture's vllm: and
+    http_requests_total lines: HELP, TYPE, label sets and order, float formatting, histogram
+    layout. Only _created timestamps and the derived families' values may differ."""
     text, sim = render_like(fixture)
     expected, ours = blocks(text), blocks(sim)
 
@@ -225,7 +235,7 @@ def test_page_reproduces_the_fixture_lines(fixture: FixturePage) -> None:
             return [line if line[0] == "#" else line.rsplit(" ", 1)[0] for line in lines]
         return lines
 
-    for name in vllm_keys(text):
+    for name in simulated_keys(text):
         want = comparable(name, expected[name])
         got = comparable(name, ours[name])
         if not want[0].startswith("# HELP"):  # the 0.7 page begins after a HELP line
@@ -235,10 +245,10 @@ def test_page_reproduces_the_fixture_lines(fixture: FixturePage) -> None:
         else:
             assert got[: len(want)] == want, name
     if fixture.same_families and not fixture.cut:
-        assert vllm_keys(sim) == vllm_keys(text)
+        assert simulated_keys(sim) == simulated_keys(text)
     else:  # the page's families appear in the page's order
-        ours_in_order = iter(vllm_keys(sim))
-        assert all(name in ours_in_order for name in vllm_keys(text))
+        ours_in_order = iter(simulated_keys(sim))
+        assert all(name in ours_in_order for name in simulated_keys(text))
 
 
 @pytest.mark.parametrize(
@@ -397,6 +407,40 @@ def test_round_trip_through_the_normaliser(flavor: str) -> None:
     elif flavor != "v0":
         assert m.prefix_cache_unit == "tokens"
         assert (m.prefix_cache_queries_total, m.prefix_cache_hits_total) == (1200.0, 420.0)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_http_requests_are_printed_where_that_version_counts_them(flavor: str) -> None:
+    """vLLM's API server counts its answers from 0.8.3 on (the instrumentator): declared before
+    the first answer, then a series per handler, method and status class as each first comes.
+    The agent reads POSTs not answered 4xx, and the 5xx among them."""
+    http = HttpStats()
+    engines = [engine(0, flavor)]
+    fresh = render(server(flavor), engines, now=START, http=http).decode()
+    http.count("/v1/completions", "POST", 200, times=5)
+    http.count("/v1/models", "GET", 200)
+    http.count("/v1/completions", "POST", 404)
+    http.count("/v1/completions", "POST", 500)
+    http.count("/v1/completions", "POST", 503)
+    http.count("/v1/completions", "POST", 500, times=0)  # no answer: no series
+    page = render(server(flavor), engines, now=START, http=http)
+    m, before = Normaliser().normalise(page.decode()), Normaliser().normalise(fresh)
+    without = Normaliser().normalise(render(server(flavor), engines, now=START).decode())
+    assert (without.http_requests_total, without.http_5xx_total) == (None, None)
+    if flavor in ("v0", "v1-0.8"):
+        assert b"http_" not in page
+        assert (m.http_requests_total, m.http_5xx_total) == (None, None)
+        return
+    assert "# TYPE http_requests_total counter" in fresh and "http_requests_total{" not in fresh
+    assert (before.http_requests_total, before.http_5xx_total) == (0.0, 0.0)
+    assert (m.http_requests_total, m.http_5xx_total) == (7.0, 2.0)
+    series = [dict(k) for k in samples(page, "http_requests_total")]
+    assert [(s["handler"], s["method"], s["status"]) for s in series] == [
+        ("/v1/completions", "POST", "2xx"),
+        ("/v1/models", "GET", "2xx"),
+        ("/v1/completions", "POST", "4xx"),
+        ("/v1/completions", "POST", "5xx"),
+    ]
 
 
 def test_four_engines_sum_and_average() -> None:

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get, post_json
 from vkvagent.gpu import reader_for
 from vkvagent.vllm import VllmClient
-from vkvagent.vllm_metrics import FLAVORS
+from vkvagent.vllm_metrics import FLAVORS, Normaliser
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -59,6 +64,80 @@ def test_each_flavour_is_read_by_the_agent_with_the_flags_in_cache_config(flavor
     assert metrics.cache_config["block_size"] == "32"
     assert int(metrics.cache_config["num_gpu_blocks"]) > 1000
     assert metrics.generation_tokens_total is not None and metrics.generation_tokens_total > 0
+
+
+def post(url: str, body: dict[str, Any]) -> int:
+    """POST ``body`` as JSON; the status answered, errors included."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=2.0) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def http_series(page: bytes) -> dict[tuple[str, str, str], float]:
+    """http_requests_total by (handler, method, status)."""
+    return {
+        (s.labels["handler"], s.labels["method"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(page.decode())
+        for s in family.samples
+        if s.name == "http_requests_total"
+    }
+
+
+COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
+
+
+def test_the_agent_reads_the_answers_consistently_with_the_finished_requests() -> None:
+    """http_requests_total counts the workload's finished requests (request_success_total)
+    as completions answered 2xx, plus the server's own answers on vLLM's API routes by their
+    status class; /metrics, /health, /version and the /sim/ endpoints are not counted."""
+    with SimProcess(MODEL, "--time-scale", "60", "--render-interval", "0") as sim:
+        time.sleep(0.3)
+        statuses = [post(sim.url + "/v1/completions", COMPLETION) for _ in range(3)]
+        statuses.append(post(sim.url + "/v1/completions", {**COMPLETION, "model": "other"}))
+        statuses += [get(sim.url + path)[0] for path in ("/v1/models", "/v1/models", "/nope")]
+        sim.state()
+        get(sim.url + "/version")
+        page = get(sim.url + "/metrics")[1]
+    assert statuses == [200, 200, 200, 404, 200, 200, 404]
+    m = Normaliser().normalise(page.decode())
+    assert m.request_success_total is not None and m.request_success_total > 0
+    assert m.http_requests_total == m.request_success_total + 3  # the POSTs not answered 4xx
+    assert m.http_5xx_total == 0
+    assert http_series(page) == {
+        ("/v1/completions", "POST", "2xx"): m.request_success_total + 3,
+        ("/v1/completions", "POST", "4xx"): 1,
+        ("/v1/models", "GET", "2xx"): 2,
+        ("none", "GET", "4xx"): 1,  # a path vLLM has no route for
+    }
+
+
+def test_a_drain_answers_500_and_they_show_as_5xx() -> None:
+    """On SIGTERM with --shutdown-timeout, what comes in while it drains is answered 500: the
+    probe's completions and the workload's requests alike, counted as 5xx on /metrics."""
+    with SimProcess(MODEL, "--time-scale", "60", "--rate", "4", "--shutdown-timeout", "3",
+                    "--render-interval", "0") as sim:  # fmt: skip
+        time.sleep(0.3)
+        # Stalled, what is in flight never finishes: the drain takes all its 3 s.
+        post_json(sim.url + "/sim/scenario", {"scenario": "stall", "after": 0})
+        assert sim.process is not None
+        sim.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while sim.state()["admitting"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        statuses = [post(sim.url + "/v1/completions", COMPLETION) for _ in range(3)]
+        refused_before = sim.state()["refused"]
+        m = Normaliser().normalise(get(sim.url + "/metrics")[1].decode())
+        refused_after = sim.state()["refused"]
+        assert sim.process.wait(timeout=10) == 0
+    assert statuses == [500, 500, 500]
+    assert m.http_5xx_total is not None
+    assert 3 + refused_before <= m.http_5xx_total <= 3 + refused_after
+    assert m.request_success_total is not None and m.http_requests_total is not None
+    assert m.http_requests_total - m.http_5xx_total == m.request_success_total
 
 
 def test_simulated_time_runs_time_scale_times_faster() -> None:

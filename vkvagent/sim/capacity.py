@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from vkvagent.sim.stats import EngineStats, Observations
+from vkvagent.sim.stats import COMPLETIONS, EngineStats, HttpStats, Observations
 from vkvagent.sim.workload import Request, Workload
 
 STEP = 0.5  # simulated seconds per step
@@ -314,7 +314,10 @@ class Cluster:
     now: float = 0.0  # simulated seconds since the process started (its uptime)
     world_offset: float = 0.0  # simulated seconds the world had run when the process started
     admitting: bool = True  # False while it drains for a shutdown: no new request comes in
+    http: HttpStats = field(default_factory=HttpStats)  # the API server's answers
+    refused: int = 0  # requests answered HTTP 500 because they came in while it drained
     _next_engine: int = 0
+    _answered: int = 0  # finished requests already counted in ``http``
 
     def scenario_time(self, uptime: float) -> float:
         """The time the scenario's effects follow: the world's for heat and demand, the
@@ -330,9 +333,13 @@ class Cluster:
         scenario, now = self.scenario, self.now
         t = self.scenario_time(now)
         arriving = self.workload.arrivals(now, now + STEP, scenario.demand_multiplier(t))
-        for request in arriving if self.admitting else ():
-            self.engines[self._next_engine].submit(request)
-            self._next_engine = (self._next_engine + 1) % len(self.engines)
+        if self.admitting:
+            for request in arriving:
+                self.engines[self._next_engine].submit(request)
+                self._next_engine = (self._next_engine + 1) % len(self.engines)
+        else:  # what vLLM answers a request that comes in while it drains
+            self.refused += len(arriving)
+            self.http.count(COMPLETIONS, "POST", 500, len(arriving))
         for engine in self.engines:
             engine.step(
                 now,
@@ -340,6 +347,10 @@ class Cluster:
                 scenario.leaked_fraction(t),
                 stalled=self.stalled,
             )
+        # Each finished request stands for a client's completion, answered 200.
+        served = self.served
+        self.http.count(COMPLETIONS, "POST", 200, served - self._answered)
+        self._answered = served
         self.now = now + STEP
 
     @property
@@ -380,6 +391,8 @@ class Cluster:
             "scenario": self.scenario.name,
             "scenario_starts_at": self.scenario.starts_at,
             "served": self.served,
+            "refused": self.refused,
+            "admitting": self.admitting,
             "running": sum(s.running for s in engines),
             "waiting": sum(s.waiting for s in engines),
             "kv_usage": sum(s.kv_usage for s in engines) / len(engines),

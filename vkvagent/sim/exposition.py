@@ -12,6 +12,11 @@ tests/fixtures/metrics/SOURCES.md and docs/metrics.md):
 * ``v1-latest``: a 2026 V1 build (0.12+ names plus waiting-by-reason, prompt tokens by
   source, ...).
 
+From 0.8.3 (vLLM PR #15657, #15894) the API server also counts its answers with
+prometheus_fastapi_instrumentator: ``http_requests_total{handler,method,status}`` follows
+vLLM's families on the ``v1-0.10`` and ``v1-latest`` pages (the V0 and early V1 ones predate
+it). Only that family of the instrumentator's is printed: it is the one the agent reads.
+
 The V1 flavours are single-process pages: prometheus_client's GC, platform and process
 collectors first, then vLLM's families, each counter and histogram followed by its
 ``_created`` gauge. The page is rendered by ``prometheus_client.generate_latest`` from
@@ -37,7 +42,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from vkvagent.engine.slo import ITL_BOUNDS, TTFT_BOUNDS
-from vkvagent.sim.stats import EngineStats, Observations, ServerInfo
+from vkvagent.sim.stats import EngineStats, HttpStats, Observations, ServerInfo
 
 __all__ = ["CONTENT_TYPE", "build_1_2_5_buckets", "families", "histogram_bounds", "render"]
 
@@ -533,6 +538,7 @@ class _Layout:
     engine_label: bool  # every engine metric (and cache_config_info) has engine="0", "1", ...
     single_process: bool  # _created series and the python/process families
     finish_reasons: tuple[str, ...]  # request_success series pre-created per engine (V1)
+    http: bool = False  # the API server's http_requests_total follows vLLM's families
 
 
 _LAYOUTS: Mapping[str, _Layout] = {
@@ -541,13 +547,18 @@ _LAYOUTS: Mapping[str, _Layout] = {
         _V1_08, engine_label=False, single_process=True, finish_reasons=("stop", "length", "abort")
     ),
     "v1-0.10": _Layout(
-        _V1_010, engine_label=True, single_process=True, finish_reasons=("stop", "length", "abort")
+        _V1_010,
+        engine_label=True,
+        single_process=True,
+        finish_reasons=("stop", "length", "abort"),
+        http=True,
     ),
     "v1-latest": _Layout(
         _V1_LATEST,
         engine_label=True,
         single_process=True,
         finish_reasons=("stop", "length", "abort", "error", "repetition"),
+        http=True,
     ),
 }
 
@@ -596,11 +607,17 @@ class _Page(Collector):
     """Builds one page's families from the engines' stats at collect time."""
 
     def __init__(
-        self, info: ServerInfo, engines: Sequence[EngineStats], now: float, layout: _Layout
+        self,
+        info: ServerInfo,
+        engines: Sequence[EngineStats],
+        now: float,
+        layout: _Layout,
+        http: HttpStats | None,
     ) -> None:
         self.info = info
         self.engines = engines
         self.layout = layout
+        self.http = http
         self.bounds = _bounds(info.flavor, info.max_model_len)
         try:
             block_size = int(info.cache_config.get("block_size", "16"))
@@ -622,6 +639,8 @@ class _Page(Collector):
             # MultiProcessCollector only knows families that have a value on file.
             if metric.samples or self.layout.single_process:
                 yield metric
+        if self.layout.http and self.http is not None:
+            yield self._http_requests(self.http)
 
     def _family(self, f: _Family) -> Metric:
         name = _P + f.name
@@ -676,6 +695,19 @@ class _Page(Collector):
             for reason in (*reasons, *dict.fromkeys(extra))
             for labels, engine in zip(self.labels, self.engines)
         ]
+
+    def _http_requests(self, http: HttpStats) -> Metric:
+        # Declared, without series, until the first answer: a labelled Counter with no child.
+        name = "http_requests"
+        metric = Metric(name, "Total number of requests by method, status and handler.", COUNTER)
+        total, created, start = name + "_total", name + "_created", self.info.start_time
+        for (handler, method, status), value in http.answered.items():
+            labels = {"handler": handler, "method": method, "status": status}
+            metric.samples.append(Sample(total, labels, value))
+            if self.layout.single_process:
+                # Really the time of the series' first answer; nothing reads it.
+                metric.samples.append(Sample(created, labels, start))
+        return metric
 
     def _cache_config(self, name: str, help_: str) -> Metric:
         metric = Metric(name, help_, GAUGE)
@@ -743,11 +775,18 @@ def _process_families(start_time: float) -> Iterable[Metric]:
         yield start
 
 
-def render(info: ServerInfo, engines: Sequence[EngineStats], now: float) -> bytes:
+def render(
+    info: ServerInfo,
+    engines: Sequence[EngineStats],
+    now: float,
+    http: HttpStats | None = None,
+) -> bytes:
     """The full ``/metrics`` page of ``info.flavor`` (text format 0.0.4, UTF-8; serve it as
     ``CONTENT_TYPE``). ``engines`` are the data-parallel engines in rank order; the flavours
     without an ``engine`` label (``v0``, ``v1-0.8``) take exactly one. ``now`` (Unix time)
-    stamps V0's ``lora_requests_info`` and its average-throughput gauges."""
+    stamps V0's ``lora_requests_info`` and its average-throughput gauges. ``http`` is what the
+    API server answered, for the flavours that print ``http_requests_total``; None prints no
+    such family, as an API server without the instrumentator (one 2026 build dropped it)."""
     layout = _layout(info.flavor)
     if not engines:
         raise ValueError("render needs at least one engine")
@@ -755,4 +794,4 @@ def render(info: ServerInfo, engines: Sequence[EngineStats], now: float) -> byte
         raise ValueError(
             f"flavor {info.flavor} has no engine label, so it prints one engine, not {len(engines)}"
         )
-    return generate_latest(_Page(info, engines, now, layout))
+    return generate_latest(_Page(info, engines, now, layout, http))

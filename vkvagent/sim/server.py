@@ -7,6 +7,9 @@ engine model, as the agent's probe asks; it waits while the engine stalls or han
 vLLM's does, and 404s a model it does not serve). The port refuses connections until the
 cold start is over, as vLLM's does while it loads the model. ``/sim/state`` (GET) and
 ``/sim/scenario`` (POST ``{"scenario": NAME, "after": SECONDS}``) let tests watch and steer it.
+
+Its answers on vLLM's API routes are counted in ``http_requests_total`` as vLLM's
+prometheus_fastapi_instrumentator counts them, beside the workload's requests (``Cluster.http``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, Callable
 from vkvagent.sim import exposition
 from vkvagent.sim.capacity import Capacity, Cluster, EngineModel, Scenario, capacity
 from vkvagent.sim.serve_args import ServeArgs, cache_config_labels
-from vkvagent.sim.stats import ServerInfo
+from vkvagent.sim.stats import COMPLETIONS, ServerInfo
 from vkvagent.sim.workload import Workload, azure_sizes, constant, servegen_week
 
 TICK = 0.1  # real seconds between background advances of the simulated clock
@@ -35,6 +38,11 @@ TICK = 0.1  # real seconds between background advances of the simulated clock
 # due on nearly every request, and rendering a four-engine page takes about 8 ms of CPU.
 RENDER_INTERVAL = 0.05
 MODEL_MAX_LEN = 32768  # the simulated model's context length (its max_position_embeddings)
+# What vLLM's instrumentator counts: its routes by path (these are the ones simulated), any
+# other path as "none" (untemplated, grouped), and nothing of the paths vLLM excludes. The
+# /sim/ control endpoints are the simulator's own, not vLLM's, so they are not counted.
+API_ROUTES = frozenset({("GET", "/v1/models"), ("POST", COMPLETIONS)})
+UNCOUNTED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,9 @@ class Simulation:
             ),
             start_time=time.time(),
         )
-        self._page: tuple[float, float, bytes] = (-1.0, -math.inf, b"")  # step, real time, page
+        self._answers = 0  # HTTP answers counted: a page showing fewer is out of date
+        # step and answers it shows, real time rendered, page
+        self._page: tuple[float, int, float, bytes] = (-1.0, 0, -math.inf, b"")
         self._leak: list[bytes] = []
         self._leaked = 0
         self._leak_from = 0
@@ -124,22 +134,35 @@ class Simulation:
             self._grow_memory()
 
     def metrics_page(self) -> bytes:
-        """The current /metrics page: rendered again once the simulated clock has moved and
-        ``render_interval`` (real seconds, RENDER_INTERVAL by default) has passed, so a page
-        is never more than that stale: at a time scale X, X times that in simulated time."""
+        """The current /metrics page: rendered again once the simulated clock has moved or an
+        HTTP answer was counted, and ``render_interval`` (real seconds, RENDER_INTERVAL by
+        default) has passed, so a page is never more than that stale: at a time scale X, X
+        times that in simulated time."""
         self.advance()
         with self.lock:
-            step, rendered, page = self._page
+            step, answers, rendered, page = self._page
             now = self._clock()
-            if step != self.cluster.now and now - rendered >= self.options.render_interval:
-                page = exposition.render(self.info, self.cluster.published(), time.time())
-                self._page = (self.cluster.now, now, page)
+            shown = (self.cluster.now, self._answers)
+            if (step, answers) != shown and now - rendered >= self.options.render_interval:
+                page = exposition.render(
+                    self.info, self.cluster.published(), time.time(), self.cluster.http
+                )
+                self._page = (*shown, now, page)
             return page
+
+    def answered(self, method: str, path: str, status: int) -> None:
+        """Count an answer of the HTTP server in ``http_requests_total``, as vLLM would."""
+        if path in UNCOUNTED or path.startswith("/sim/"):
+            return
+        handler = path if (method, path) in API_ROUTES else "none"
+        with self.lock:
+            self.cluster.http.count(handler, method, status)
+            self._answers += 1
 
     def drain(self, timeout: float, log: Callable[[str], None]) -> None:
         """vLLM 0.18+'s SIGTERM with ``--shutdown-timeout``: admit nothing more (a completion
-        gets HTTP 500), let what is in flight finish for up to ``timeout`` real seconds while
-        /metrics still answers, then go."""
+        gets HTTP 500, counted as 5xx), let what is in flight finish for up to ``timeout`` real
+        seconds while /metrics still answers, then go."""
         with self.lock:
             self.cluster.admitting = False
             left = self.cluster.in_flight
@@ -360,6 +383,8 @@ def _handler(simulation: Simulation) -> type[http.server.BaseHTTPRequestHandler]
             self._send(status, json.dumps(value).encode(), "application/json")
 
         def _send(self, status: int, body: bytes, kind: str) -> None:
+            # Counted before the client has it, so a scrape right after the answer shows it.
+            simulation.answered(self.command, self.path.split("?", 1)[0], status)
             self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))

@@ -2,7 +2,9 @@
 
 The engine model (``capacity.py``) fills these; the exposition (``exposition.py``) renders them
 in a chosen vLLM version's format. Histograms use the version's bucket bounds, so the engine
-asks the exposition for them (``exposition.histogram_bounds``).
+asks the exposition for them (``exposition.histogram_bounds``). ``HttpStats`` is the API
+server's own counter (prometheus_fastapi_instrumentator's), which the cluster and the HTTP
+server (``server.py``) both fill.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import bisect
 from dataclasses import dataclass, field
 
 FINISH_REASONS = ("stop", "length", "abort")
+# The handler the simulated workload's clients call: each request it finishes answered one.
+COMPLETIONS = "/v1/completions"
 
 
 @dataclass
@@ -69,3 +73,19 @@ class ServerInfo:
     max_model_len: int
     cache_config: dict[str, str]  # vllm:cache_config_info labels (without engine)
     start_time: float  # Unix time the process started (process_start_time_seconds, _created)
+
+
+@dataclass
+class HttpStats:
+    """``http_requests_total`` as vLLM's API server holds it: answers by (handler, method,
+    status class such as "2xx"), each series in the order it was first counted, the order
+    prometheus_client prints them in. The instrumentator creates a series on its first
+    answer, so none has a zero count."""
+
+    answered: dict[tuple[str, str, str], float] = field(default_factory=dict)
+
+    def count(self, handler: str, method: str, status: int, times: float = 1.0) -> None:
+        if times <= 0:
+            return
+        key = (handler, method, f"{status // 100}xx")
+        self.answered[key] = self.answered.get(key, 0.0) + times
