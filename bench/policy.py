@@ -27,14 +27,18 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path as FilePath
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from bench.policy_model import (
     COLD_STEPS,
     DAY_STEPS,
     HOUR,
+    ITL_SIGMA,
     START,
     STEP,
+    TTFT_SIGMA,
     VARIANTS,
     WEEK_STEPS,
     WORLDS,
@@ -45,12 +49,16 @@ from bench.policy_model import (
     Server,
     Values,
     World,
+    attained,
     episodes,
     optima,
+    slo_optima,
     walk,
+    when,
     window_mask,
+    within,
 )
-from vkvagent.config import Config
+from vkvagent.config import Config, SloConfig
 from vkvagent.engine import (
     Decision,
     EngineState,
@@ -67,6 +75,7 @@ from vkvagent.engine import (
 )  # fmt: skip
 from vkvagent.engine.diagnosis import FIXABLE
 from vkvagent.engine.policy import PolicySettings, RestartRecord, window_state
+from vkvagent.engine.slo import SloSettings
 from vkvagent.flags import shown
 from vkvagent.gpu import GpuReader, RecordedBackend
 from vkvagent.reconcile import Change, FlagState, flags_key
@@ -84,9 +93,24 @@ SLOW_FLAGS: Mapping[str, FlagValue] = MappingProxyType({"max-num-seqs": 24})
 OLD_ARGV = ("vllm", "serve", MODEL)
 
 
-def vkvagent_settings() -> Settings:
-    """vkvagent's default configuration (``Config()``), in enforce mode."""
-    return Config().engine_settings("enforce")
+# The operator's objectives of ``--slo``: 99.9 % of requests served, 95 % of first tokens within
+# 2 s, 95 % of output tokens within 100 ms of the one before, over the simulated week. Without
+# ``--slo`` the columns are measured against them too, and nothing optimises them.
+BENCH_SLO_CONFIG = SloConfig(
+    availability=0.999, period_days=7.0, ttft_seconds=2.0, itl_seconds=0.1
+)  # fmt: skip
+BENCH_SLO = BENCH_SLO_CONFIG.settings()
+
+
+def vkvagent_settings(slo: bool = False) -> Settings:
+    """vkvagent's default configuration (``Config()``), in enforce mode; with ``slo``, the
+    operator's [slo] (``BENCH_SLO_CONFIG``) and opt-in to cross the windows within its budget
+    (``[policy] outside_windows = "when_cheaper"``)."""
+    config = Config()
+    if slo:
+        policy = replace(config.policy, outside_windows="when_cheaper")
+        config = replace(config, slo=BENCH_SLO_CONFIG, policy=policy)
+    return config.engine_settings("enforce")
 
 
 # -- the timer and alert policies --------------------------------------------------------------
@@ -137,12 +161,6 @@ class Alert:
 
 
 # -- vkvagent in closed loop -------------------------------------------------------------------
-
-
-def _lognormal_cumulative(bounds: Sequence[float], mean: float, sigma: float) -> list[float]:
-    """Share of a lognormal with this mean at or below each bound."""
-    mu = math.log(mean) - sigma * sigma / 2
-    return [0.5 * (1 + math.erf((math.log(b) - mu) / (sigma * math.sqrt(2)))) for b in bounds]
 
 
 def _gpu_readings() -> dict[str, tuple[GpuReading, ...]]:
@@ -252,10 +270,10 @@ class Synth:
             c.prefix_queries += prompt
             c.prefix_hits += prompt * s.prefix_hit
             itl = float(v.itl) * (1 + rng.gauss(0, 0.02))
-            _fill(c.itl, ITL_BOUNDS, tokens, itl, 0.3)
+            _fill(c.itl, ITL_BOUNDS, tokens, itl, ITL_SIGMA)
             c.itl_sum += tokens * itl
             ttft = float(v.ttft) * (1 + rng.gauss(0, 0.05))
-            _fill(c.ttft, TTFT_BOUNDS, finished, ttft, 0.5)
+            _fill(c.ttft, TTFT_BOUNDS, finished, ttft, TTFT_SIGMA)
             c.ttft_sum += finished * ttft
             c.steps += dt / float(v.itl)
             preempted = float(v.preemptions) * dt
@@ -279,6 +297,9 @@ class Synth:
             generation_tokens_total=c.generation,
             prompt_tokens_total=c.prompt,
             request_success_total=c.success,
+            # Every request the model serves is answered 200; it has no 5xx.
+            http_requests_total=c.success,
+            http_5xx_total=0.0,
             prefix_cache_queries_total=c.prefix_queries,
             prefix_cache_hits_total=c.prefix_hits,
             prefix_cache_unit="tokens",
@@ -301,9 +322,25 @@ def _fill(cumulative: list[float], bounds: Sequence[float], count: float, mean: 
           sigma: float) -> None:  # fmt: skip
     if count <= 0 or mean <= 0:
         return
-    for i, share in enumerate(_lognormal_cumulative(bounds, mean, sigma)):
-        cumulative[i] += count * share
+    for i, share in enumerate(within(np.array(bounds), mean, sigma)):
+        cumulative[i] += count * float(share)
     cumulative[-1] += count
+
+
+class EngineRestart(NamedTuple):
+    """A restart vkvagent decided: the step it began at, its cause, whether a window was open,
+    and the decision's reason."""
+
+    step: int
+    cause: str
+    inside: bool
+    reason: str
+
+    @property
+    def words(self) -> str:
+        """Where the reason says it went: "in window", "emergency", "outside window, cheaper
+        now", ... (its words after "restart: ", up to the details)."""
+        return self.reason.removeprefix("restart: ").split(";")[0].split(":")[0]
 
 
 @dataclass
@@ -313,7 +350,10 @@ class EngineRun:
     path: Path
     decisions: int = 0
     cpu_ns: list[int] = field(default_factory=list)  # decide()'s CPU time per tick
-    restarts: list[tuple[int, str, bool]] = field(default_factory=list)  # step, cause, in window
+    restarts: list[EngineRestart] = field(default_factory=list)
+    # The restart history it was given, as the daemon's ledger keeps it: the operator's apply,
+    # each restart's verdict and the requests it cut off.
+    ledger: list[RestartRecord] = field(default_factory=list)
     detected: list[int] = field(default_factory=list)  # steps a run's first fixable cause came
     causes: dict[str, float] = field(default_factory=dict)  # minutes per named cause
     # The flags loop's verdicts: step, verdict, the new run's fresh speed over the previous's.
@@ -346,7 +386,7 @@ def run_vkvagent(
     out = EngineRun(path)
     synth = Synth(model, seed)
     recent = Recent(settings.baseline, 2 * SAMPLE_EVERY)
-    restarts: list[RestartRecord] = []
+    restarts = out.ledger
     state = EngineState()
     flags = FlagState()
     configured: Mapping[str, FlagValue] = {}  # the flags in effect, as the daemon passes them
@@ -354,7 +394,10 @@ def run_vkvagent(
     restart_next, drained, rollback, named = False, False, False, False
     per_step = round(STEP / SAMPLE_EVERY)
     for k in range(model.steps):
+        before = path.cut_off
         values = path.advance(restart_next, drained, rollback)
+        if restart_next and path.cut_off > before:  # the actuator counts what it cut off
+            restarts[-1] = replace(restarts[-1], cut_off=path.cut_off - before)
         if path.u == 0:  # a restart (the policy's, an OOM kill, the operator's): a new process
             started = START.timestamp() + k * STEP
             named = False
@@ -403,7 +446,11 @@ def run_vkvagent(
                 named = True
             if decision.action == "restart" and not restart_next:
                 restarts.append(RestartRecord(sample.time, decision.cause or "?"))
-                out.restarts.append((k + 1, decision.cause or "?", decision.window_open))
+                out.restarts.append(
+                    EngineRestart(
+                        k + 1, decision.cause or "?", decision.window_open, decision.reason
+                    )
+                )
                 # vLLM drains by its --shutdown-timeout ([restart] graceful_shutdown), except
                 # in an emergency.
                 restart_next, drained = True, decision.drain_max_in_flight is not None
@@ -447,6 +494,28 @@ def _judge(restarts: list[RestartRecord], decision: Decision) -> None:
 # -- the report --------------------------------------------------------------------------------
 
 POLICIES = ("oracle", "windowed oracle", "never", "every 6 h", "daily 04:00", "alert", "vkvagent")
+# Where vkvagent's restart reasons say it crossed a window on the operator's opt-in ([policy]
+# outside_windows = "when_cheaper"): within the budget of an [slo], or cheaper now without one,
+# or at the end of this host's quiet hours.
+OPT_IN = (
+    "outside window, within the error budget",
+    "outside window, cheaper now",
+    "outside window, at the end of this host's quiet hours",
+)
+# The one crossing allowed by default: a memory leak restarted, drained, before the kernel's
+# OOM kill at MemoryMax.
+BEFORE_HARM = ("host_memory_growth", "outside window, before the harm")
+
+
+def unexplained(policy: PolicySettings, restart: EngineRestart) -> bool:
+    """Whether vkvagent's ``restart`` crossed the windows with nothing to allow it: no cause
+    in ``emergency``, no leak about to reach MemoryMax, no opt-in."""
+    if restart.inside or restart.cause in policy.emergency:
+        return False
+    cause, words = BEFORE_HARM
+    if restart.cause == cause and restart.words.startswith(words):
+        return False
+    return not (policy.outside_windows == "when_cheaper" and restart.words.startswith(OPT_IN))
 
 
 @dataclass
@@ -454,7 +523,7 @@ class Row:
     world: str
     policy: str
     score: float  # quality-weighted goodput
-    of_oracle: float
+    of_oracle: float  # against the declared [slo] where there is one (``slo_score``)
     restarts: int
     outside: int  # restarts outside the default restart windows
     wrong: int
@@ -469,13 +538,30 @@ class Row:
     # first day (a learning policy's first run), and over the week.
     short_day_one: float = 0.0
     short_week: float = 0.0
-    of_windowed: float = 0.0  # score over the windowed oracle's
+    of_windowed: float = 0.0  # score over the windowed oracle's, as ``of_oracle``
     detected_min: float | None = None  # vkvagent: median minutes to its first fixable cause
     detected: int = 0  # vkvagent: degraded runs in which it named a fixable cause
     degraded: int = 0  # degraded runs
+    # Per objective of the declared [slo] (else of BENCH_SLO's targets): its attainment over
+    # the week, and the share of its error budget that spent (above 1: missed).
+    attainment: dict[str, float] = field(default_factory=dict)
+    spent: dict[str, float] = field(default_factory=dict)
+    slo_score: float = 0.0  # the mean of the latency objectives' attainments
+    # What ``of_oracle`` compares: goodput (no [slo]); with one, latency attainment
+    # (``slo_score``) where the oracle meets availability, else availability (no schedule
+    # meets it: the oracle has the most).
+    scored_by: str = "goodput"
+    # Scored by latency, but its availability objective missed: the comparison is marked.
+    flagged: bool = False
+    # The SLO oracles: at most how much more latency attainment a schedule that meets
+    # availability may have (``Optimum.bound``).
+    bound: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def missed_objectives(self) -> list[str]:
+        return [o for o, spent in self.spent.items() if spent > 1]
 
 
 def _outside(policy: PolicySettings, steps: Sequence[int]) -> int:
@@ -494,6 +580,19 @@ def _detected(episode: Episode, detected: Sequence[int]) -> int | None:
     return None
 
 
+def _wrong(
+    world: World, path: Path, policy: PolicySettings, decided: Mapping[int, EngineRestart]
+) -> int:
+    """The path's restarts where nothing a restart cures (in slow-flags, a rollback is the one
+    that is right), and those of vkvagent's (``decided``, by step) that crossed the windows
+    with nothing to allow it."""
+    rollbacks = set(path.rollbacks)
+    return sum(
+        (world.wrong and k not in rollbacks) or (k in decided and unexplained(policy, decided[k]))
+        for k in path.restarts
+    )
+
+
 def score_world(
     world: World,
     settings: Settings,
@@ -502,16 +601,22 @@ def score_world(
     window: Mask | None = None,
 ) -> tuple[list[Row], EngineRun]:
     """Every policy's row in ``world``, and vkvagent's run; ``window``: ``window_mask`` of
-    ``settings.policy`` for the week, if already computed."""
+    ``settings.policy`` for the week, if already computed. With an [slo] in ``settings`` the
+    oracles optimise it and every policy is scored against it; else the oracles optimise
+    quality-weighted goodput, and the objective columns are against ``BENCH_SLO``'s targets."""
     model = Model(world, server)
     if window is None or len(window) != model.steps:
         window = window_mask(settings.policy, model.steps)
-    best, windowed = optima(model, (None, window))
+    slo = settings.slo if settings.slo.declared else None
+    targets = slo or BENCH_SLO
+    if slo is None:
+        best, windowed = optima(model, (None, window))
+    else:
+        best, windowed = slo_optima(model, slo, (None, window))
+    chosen = slo is not None  # the oracles drain or cut off as their objective prefers
     paths: dict[str, Path] = {
-        "oracle": walk(model, best.restarts, drained=None, rollbacks=best.rollbacks),
-        "windowed oracle": walk(
-            model, windowed.restarts, drained=None, rollbacks=windowed.rollbacks
-        ),
+        "oracle": walk(model, best.restarts, None, best.rollbacks, chosen),
+        "windowed oracle": walk(model, windowed.restarts, None, windowed.rollbacks, chosen),
         "never": walk(model, []),
         "every 6 h": walk(model, every_6h(model)),
         "daily 04:00": walk(model, daily_0400(model)),
@@ -519,10 +624,31 @@ def score_world(
     }
     engine = run_vkvagent(model, settings, seed)
     paths["vkvagent"] = engine.path
-    top, top_windowed = paths["oracle"].score(), paths["windowed oracle"].score()
-    assert abs(top - best.score(model)) < 1e-9, "the oracle's walk must score its DP value"
-    assert abs(top_windowed - windowed.score(model)) < 1e-9
-    assert window[list(windowed.restarts)].all() and top_windowed <= top + 1e-12
+    got = {name: attained(model, path, targets) for name, path in paths.items()}
+    assert window[list(windowed.restarts)].all()
+    if slo is None:
+        assert abs(paths["oracle"].score() - best.score(model)) < 1e-9, (
+            "the oracle's walk must score its DP value"
+        )
+        assert abs(paths["windowed oracle"].score() - windowed.score(model)) < 1e-9
+        assert paths["windowed oracle"].score() <= paths["oracle"].score() + 1e-12
+    else:
+        for name, optimum in (("oracle", best), ("windowed oracle", windowed)):
+            assert math.isclose(got[name].unavailable, optimum.unavailable, rel_tol=1e-9), (
+                "the oracle's walk must spend the availability its programme counted"
+            )
+
+    scored_by = "goodput"
+    if slo is not None:
+        meets = "availability" not in slo.declared or got["oracle"].spent(slo, "availability") <= 1
+        scored_by = "latency" if meets else "availability"
+
+    def score(name: str) -> float:
+        if slo is None:
+            return paths[name].score()
+        return got[name].score(slo) if scored_by == "latency" else got[name].share(scored_by)
+
+    top, top_windowed = score("oracle"), score("windowed oracle")
     rows = []
     demand = model.total_demand()
 
@@ -530,6 +656,8 @@ def score_world(
         """How far ``path``'s reward trails the oracle's by the end of ``step``."""
         return float(paths["oracle"].cumulative[step] - path.cumulative[step]) / demand
 
+    decided = {r.step: r for r in engine.restarts}
+    optimal = {"oracle": best, "windowed oracle": windowed}
     for name in POLICIES:
         path = paths[name]
         found = episodes(model, path)
@@ -538,11 +666,10 @@ def score_world(
             world=world.name,
             policy=name,
             score=path.score(),
-            of_oracle=path.score() / top,
+            of_oracle=score(name) / top,
             restarts=len(path.restarts),
             outside=_outside(settings.policy, path.restarts),
-            # A rollback cures the slow flags: the one restart that is right there.
-            wrong=len(path.restarts) - len(path.rollbacks) if world.wrong else 0,
+            wrong=_wrong(world, path, settings.policy, decided if name == "vkvagent" else {}),
             kills=len(path.kills),
             delay_min=_median(done),
             missed=len(found) - len(done),
@@ -550,8 +677,15 @@ def score_world(
             in_flight=path.in_flight_lost / demand,
             short_day_one=behind(path, min(DAY_STEPS, model.steps) - 1),
             short_week=behind(path, model.steps - 1),
-            of_windowed=path.score() / top_windowed,
+            of_windowed=score(name) / top_windowed,
+            attainment={o: got[name].share(o) for o in targets.declared},
+            spent={o: got[name].spent(targets, o) for o in targets.declared},
+            slo_score=got[name].score(targets),
+            scored_by=scored_by,
         )
+        row.flagged = scored_by == "latency" and "availability" in row.missed_objectives()
+        if slo is not None and name in optimal:
+            row.bound = optimal[name].bound
         if name == "vkvagent":
             named = [d for d in (_detected(e, engine.detected) for e in found) if d is not None]
             row.detected_min = _median([float(d) for d in named])
@@ -573,42 +707,126 @@ def _share(value: float) -> str:
     return "0" if abs(value) < 5e-6 else f"{value * 100:.3f} %"
 
 
-def table(rows: Sequence[Row]) -> str:
+def objective_names(slo: SloSettings) -> dict[str, str]:
+    """Each declared objective's column head."""
+    heads = {
+        "availability": "availability",
+        "ttft": f"TTFT <= {slo.ttft_seconds or 0:g} s",
+        "itl": f"ITL <= {(slo.itl_seconds or 0) * 1000:g} ms",
+    }
+    return {o: heads[o] for o in slo.declared}
+
+
+def _attainment(objective: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.5f}" if objective == "availability" else f"{value:.4f}"
+
+
+def _meets(row: Row) -> str:
+    missed = row.missed_objectives()
+    return "no: " + ", ".join(missed) if missed else "yes"
+
+
+def _of(value: float, flagged: bool) -> str:
+    """A score over the oracle's, marked where the policy misses the availability objective."""
+    return f"{value:.3f}{'*' if flagged else ''}"
+
+
+def _notes(rows: Sequence[Row]) -> list[str]:
+    """What the marks and the scores of ``rows`` need said under the table."""
+    notes = []
+    if any(r.flagged for r in rows):
+        notes.append(
+            "*: misses the availability objective; its score over the oracle's compares "
+            "latency attainment alone."
+        )
+    if any(r.bound is not None for r in rows):
+        notes.append(
+            "The oracle's bound: no schedule that meets availability has more latency "
+            "attainment than the oracle by more than this (the Lagrangian duality gap, at most)."
+        )
+    unmet = sorted({r.world for r in rows if r.scored_by == "availability"})
+    if unmet:
+        notes.append(
+            f"No schedule meets availability in {', '.join(unmet)}: there the oracles have "
+            "the most, and the score over the oracle's compares availability."
+        )
+    return ["", *notes] if notes else []
+
+
+def table(rows: Sequence[Row], slo: SloSettings) -> str:
+    """Every policy's row; the objective columns are ``slo``'s. The shortfall of goodput
+    against the oracle's only where that is what the oracle optimises."""
+    heads = objective_names(slo)
+    spent = " / ".join(heads)
+    shortfall = all(r.scored_by == "goodput" for r in rows)
     lines = [
-        "| scenario | policy | goodput | of oracle | restarts | outside window | wrong "
-        "| OOM kills | requests cut off | in-flight cost | short of oracle: day 1 / week "
-        "| degraded -> restart (median) | still degraded at end |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| scenario | policy | goodput | "
+        + " | ".join(heads.values())
+        + f" | budget spent: {spent} | meets | of oracle | restarts | outside window | wrong "
+        "| OOM kills | requests cut off | in-flight cost "
+        + ("| short of oracle: day 1 / week " if shortfall else "")
+        + "| degraded -> restart (median) | still degraded at end |",
+        "|---" * (14 + shortfall + len(heads)) + "|",
     ]
     for r in rows:
+        attainments = " | ".join(_attainment(o, r.attainment.get(o)) for o in heads)
+        budgets = " / ".join(f"{r.spent[o]:.2f}" if o in r.spent else "-" for o in heads)
+        short = f"| {_share(r.short_day_one)} / {_share(r.short_week)} " if shortfall else ""
         lines.append(
-            f"| {r.world} | {r.policy} | {r.score:.4f} | {r.of_oracle:.3f} | {r.restarts} | "
+            f"| {r.world} | {r.policy} | {r.score:.4f} | {attainments} | {budgets} "
+            f"| {_meets(r)} | {_of(r.of_oracle, r.flagged)} | {r.restarts} | "
             f"{r.outside} | {r.wrong} | {r.kills} | {r.cut_off:.0f} | {_share(r.in_flight)} "
-            f"| {_share(r.short_day_one)} / {_share(r.short_week)} "
-            f"| {_minutes(r.delay_min)} | {r.missed} |"
+            f"{short}| {_minutes(r.delay_min)} | {r.missed} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _notes(rows))
 
 
 def summary(rows: Sequence[Row]) -> str:
+    """Each scenario's scores over the oracle's; with an [slo], the oracles' duality bound."""
     worlds = list(dict.fromkeys(r.world for r in rows))
+    bounds = any(r.bound is not None for r in rows)
     head = (
         "| scenario | "
         + " | ".join(POLICIES)
         + " | vkvagent of windowed oracle"
         + " | vkvagent names a fixable cause after (in degraded runs) |"
+        + (" oracle's bound: oracle / windowed |" if bounds else "")
     )
-    lines = [head, "|---" * (len(POLICIES) + 3) + "|"]
+    lines = [head, "|---" * (len(POLICIES) + 3 + bounds) + "|"]
     for w in worlds:
         mine = {r.policy: r for r in rows if r.world == w}
-        cells = [f"{mine[p].of_oracle:.3f}" if p in mine else "-" for p in POLICIES]
-        cells.append(f"{mine['vkvagent'].of_windowed:.3f}" if "vkvagent" in mine else "-")
+        cells = [_of(mine[p].of_oracle, mine[p].flagged) if p in mine else "-" for p in POLICIES]
+        cells.append(
+            _of(mine["vkvagent"].of_windowed, mine["vkvagent"].flagged)
+            if "vkvagent" in mine
+            else "-"
+        )
         detected = "-"
         if "vkvagent" in mine and mine["vkvagent"].degraded:
             ours = mine["vkvagent"]
             detected = f"{_minutes(ours.detected_min)} ({ours.detected} of {ours.degraded})"
+        if bounds:
+            detected += " | " + " / ".join(
+                f"{mine[p].bound:.4f}" if p in mine and mine[p].bound is not None else "-"
+                for p in ("oracle", "windowed oracle")
+            )
         lines.append(f"| {w} | " + " | ".join(cells) + f" | {detected} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _notes(rows))
+
+
+def restart_words(engine: EngineRun, policy: PolicySettings) -> str:
+    """vkvagent's restarts: when, for what, and where its reason says it went (marked where
+    nothing allowed it outside the windows)."""
+    return (
+        ", ".join(
+            f"{when(r.step):%a %H:%M} {r.cause} ({r.words})"
+            + (" [not allowed]" if unexplained(policy, r) else "")
+            for r in engine.restarts
+        )
+        or "none"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -619,6 +837,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-variants", action="store_true", help="skip the slower and faster degradations"
     )
+    parser.add_argument(
+        "--slo",
+        action="store_true",
+        help="declare the [slo] of availability 0.999, TTFT <= 2 s for 95 %% and ITL <= 100 ms "
+        'for 95 %%, with [policy] outside_windows = "when_cheaper": vkvagent decides by it, '
+        "the oracles optimise it, and every policy is scored against it",
+    )
     args = parser.parse_args(argv)
     every = (*WORLDS, *VARIANTS)
     worlds = [w for w in every if w.name in args.scenario] if args.scenario else list(WORLDS)
@@ -626,29 +851,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         worlds += VARIANTS
     if not worlds:
         parser.error(f"no such scenario (have: {', '.join(w.name for w in every)})")
-    settings = vkvagent_settings()
+    settings = vkvagent_settings(args.slo)
+    targets = settings.slo if settings.slo.declared else BENCH_SLO
+    words = "; ".join(targets.words(o) for o in targets.declared)
+    if args.slo:
+        print(f"Objective: the [slo] ({words}); vkvagent with outside_windows = when_cheaper.")
+    else:
+        print(f"Objective: quality-weighted goodput; no [slo]. The columns are against: {words}.")
+    print()
     began = time.monotonic()
     window = window_mask(settings.policy, WEEK_STEPS)
     rows: list[Row] = []
     cpu: list[int] = []
+    restarts: list[str] = []
     for world in worlds:
         t0 = time.monotonic()
         found, engine = score_world(world, settings, args.seed, window=window)
         rows += found
         cpu += engine.cpu_ns
         causes = ", ".join(f"{c} {m / 60:.1f} h" for c, m in sorted(engine.causes.items()))
-        restarts = ", ".join(
-            f"{(START + timedelta(minutes=k)):%a %H:%M} {cause}{'' if inside else ' (outside)'}"
-            for k, cause, inside in engine.restarts
-        )
+        listed = restart_words(engine, settings.policy)
+        restarts.append(f"- {world.name}: {listed}")
         verdicts = "".join(
-            f"; flag change judged {verdict} ({ratio or 0:.2f}) "
-            f"{(START + timedelta(minutes=k)):%a %H:%M}"
+            f"; flag change judged {verdict} ({ratio or 0:.2f}) {when(k):%a %H:%M}"
             for k, verdict, ratio in engine.verdicts
         )
         print(
             f"{world.name}: {time.monotonic() - t0:.0f} s; vkvagent named {causes or 'nothing'};"
-            f" restarted {restarts or 'never'}{verdicts}",
+            f" restarted {listed}{verdicts}",
             file=sys.stderr,
         )
     variants = {w.name for w in VARIANTS}
@@ -656,11 +886,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if main_rows:
         print(summary(main_rows))
         print()
-        print(table(main_rows))
+        print(table(main_rows, targets))
         print()
     if len(main_rows) < len(rows):
         print(summary([r for r in rows if r.world in variants]))
         print()
+    print("vkvagent's restarts: when, the cause, and where the reason says it went:")
+    print("\n".join(restarts))
+    print()
     cpu_ms = sorted(n / 1e6 for n in cpu)
     print(
         f"decide() CPU time per tick over {len(cpu_ms)} ticks: median "

@@ -45,17 +45,18 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from functools import cache
 from pathlib import Path as FilePath
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from vkvagent.engine.policy import PolicySettings, window_state
+from vkvagent.engine.slo import SloSettings
 from vkvagent.sim.capacity import Scenario
 from vkvagent.sim.server import SimOptions
 from vkvagent.sim.workload import azure_sizes, servegen_week
@@ -402,6 +403,59 @@ class Values:
     killed: Mask  # the kernel OOM-kills the process in this step
 
 
+class RestartCost(NamedTuple):
+    """What a restart costs (arrays, or scalars, like ``Values``)."""
+
+    lost: Any  # reward: the tokens its cut-off requests had streamed, or the drain's demand
+    cut_off: Any  # requests in flight it cut off
+    refused: Any  # requests refused while it drained the ones in flight
+
+    @property
+    def unavailable(self) -> Any:
+        """Requests it made unavailable, as an availability objective counts them."""
+        return self.cut_off + self.refused
+
+
+# The spread of requests' latency around the model's mean (lognormal sigma): TTFT per request,
+# inter-token latency per output token. The histograms of the samples vkvagent reads
+# (bench/policy.py's ``Synth``) have the same.
+TTFT_SIGMA = 0.5
+ITL_SIGMA = 0.3
+# The standard normal CDF, from math.erf every 0.001 of z over +-9 (interpolated linearly: within
+# 3e-8): numpy has no erf, and the oracle asks for it at millions of points.
+Z_STEP = 0.001
+Z_MAX = 9.0
+
+
+@cache
+def _normal_cdf() -> Array:
+    z = np.arange(-round(Z_MAX / Z_STEP), round(Z_MAX / Z_STEP) + 1) * Z_STEP
+    return np.array([0.5 * (1 + math.erf(x / math.sqrt(2))) for x in z])
+
+
+def within(target: Any, mean: Any, sigma: float) -> Array:
+    """The share of a lognormal with this ``mean`` and ``sigma`` at or below ``target``
+    (arrays or scalars, broadcast)."""
+    mean = np.maximum(np.asarray(mean, dtype=np.float64), 1e-300)
+    z = (np.log(target) - np.log(mean)) / sigma + sigma / 2  # mu = log(mean) - sigma^2 / 2
+    at = (np.clip(z, -Z_MAX, Z_MAX) + Z_MAX) / Z_STEP
+    low = np.minimum(at.astype(np.int64), len(_normal_cdf()) - 2)
+    cdf = _normal_cdf()
+    share: Array = cdf[low] + (at - low) * (cdf[low + 1] - cdf[low])
+    return share
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What the requests of some steps got (arrays, like ``Values``), as an SLO counts them."""
+
+    demanded: Array  # requests
+    tokens: Array  # the output tokens they asked for
+    refused: Array  # requests refused: vLLM down (its cold start) or hung (it never answers)
+    ttft_good: Array  # requests served whose first token came within the target
+    itl_good: Array  # output tokens served within the target of the one before
+
+
 class Model:
     """One world over ``steps`` minutes; ``evaluate(k, u)`` is the whole model."""
 
@@ -535,10 +589,10 @@ class Model:
     def total_demand(self) -> float:
         return float(self.demand.sum() * STEP)
 
-    def restart_cost(self, values: Values, drained: Any) -> tuple[Any, Any]:
-        """(reward lost, requests cut off) by a restart that finds ``values`` (arrays, or
-        scalars): its requests in flight cut off, or ``drained`` (where the engine works: a
-        stalled one cannot finish them, so they are cut off whatever was asked)."""
+    def restart_cost(self, values: Values, drained: Any) -> RestartCost:
+        """What a restart that finds ``values`` (arrays, or scalars) costs: its requests in
+        flight cut off, or ``drained`` (where the engine works: a stalled one cannot finish
+        them, so they are cut off whatever was asked)."""
         s = self.server
         working = values.up & ~values.stalled
         drained = np.asarray(drained) & working
@@ -548,7 +602,31 @@ class Model:
         refused = np.where(
             drained, values.demand * drain_seconds * values.speed * values.flags, 0.0
         )
-        return wasted + refused, cut_off
+        return RestartCost(
+            wasted + refused, cut_off, np.where(drained, values.rate * drain_seconds, 0.0)
+        )
+
+    def events(self, values: Values, slo: SloSettings) -> Requests:
+        """What the requests of the steps of ``values`` got, against ``slo``'s latency targets
+        (an undeclared one: nothing good). A request's TTFT, and an output token's inter-token
+        latency, are lognormal around the step's mean (``TTFT_SIGMA``, ``ITL_SIGMA``); what
+        was demanded beyond capacity waited, and missed both."""
+        working = values.up & ~values.stalled
+        demanded = values.rate * STEP
+        served = values.served * STEP  # tokens
+        ttft = itl = np.zeros(np.shape(demanded))
+        if slo.ttft_seconds is not None:
+            within_ttft = within(slo.ttft_seconds, values.ttft, TTFT_SIGMA)
+            ttft = served / self.server.output_tokens * within_ttft
+        if slo.itl_seconds is not None:
+            itl = served * within(slo.itl_seconds, values.itl, ITL_SIGMA)
+        return Requests(
+            demanded=demanded,
+            tokens=values.demand * STEP,
+            refused=np.where(working, 0.0, demanded),
+            ttft_good=ttft,
+            itl_good=itl,
+        )
 
 
 # -- walking a schedule ------------------------------------------------------------------------
@@ -558,10 +636,12 @@ class Path:
     """A run through the model, one step at a time: restart at a step (a cold start begins
     there), or continue. The kernel's OOM kill restarts the process whatever the policy says,
     and so does the operator's flag change (``slow_flags``). The first step finds a server
-    that has just come up (or started ``World.initial_uptime_h`` before)."""
+    that has just come up (or started ``World.initial_uptime_h`` before). A restart left to
+    choose (``advance``'s ``drained`` None) drains or cuts off whichever loses less reward, or
+    with ``slo`` whichever makes fewer requests unavailable (the SLO oracle's choice)."""
 
-    def __init__(self, model: Model) -> None:
-        self.model = model
+    def __init__(self, model: Model, slo: bool = False) -> None:
+        self.model, self.slo = model, slo
         self.k = 0  # the next step
         self.u = model.first_uptime - 1  # the uptime of the step before
         self.reward = 0.0
@@ -575,6 +655,7 @@ class Path:
         self.uptime = np.zeros(model.steps, dtype=np.int64)
         self.slowed = np.zeros(model.steps, dtype=bool)  # per step: the slow flags in effect
         self.cut_off = 0.0  # requests in flight that restarts and kills cut off
+        self.refused = 0.0  # requests refused while its restarts drained
         self.in_flight_lost = 0.0  # reward their restarts lost to the requests in flight
 
     def advance(
@@ -613,11 +694,15 @@ class Path:
         return values
 
     def _pay(self, values: Values, drained: bool | None) -> None:
-        choices = (False, True) if drained is None else (drained,)
-        lost, cut_off = min(self.model.restart_cost(values, d) for d in choices)
-        self.reward -= float(lost)
-        self.in_flight_lost += float(lost)
-        self.cut_off += float(cut_off)
+        costs = [
+            self.model.restart_cost(values, d)
+            for d in ((False, True) if drained is None else (drained,))
+        ]
+        cost = min(costs, key=lambda c: float(c.unavailable) if self.slo else float(c.lost))
+        self.reward -= float(cost.lost)
+        self.in_flight_lost += float(cost.lost)
+        self.cut_off += float(cost.cut_off)
+        self.refused += float(cost.refused)
 
     def score(self) -> float:
         """Quality-weighted goodput: reward over the tokens demanded, all week."""
@@ -629,11 +714,12 @@ def walk(
     restarts: Sequence[int] | Callable[[Path], bool],
     drained: bool | None = False,
     rollbacks: Sequence[int] = (),
+    slo: bool = False,
 ) -> Path:
     """The path of a fixed schedule (restart steps, of which ``rollbacks`` put the old flags
     back) or of a policy asked at every step (it never rolls back), each restart ``drained``
-    or not (``Path.advance``)."""
-    path = Path(model)
+    or not (``Path.advance``; ``slo``: how it chooses)."""
+    path = Path(model, slo)
     wanted = set(restarts) if not callable(restarts) else None
     back = set(rollbacks)
     while path.k < model.steps:
@@ -645,14 +731,74 @@ def walk(
     return path
 
 
+# -- a week against an SLO ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attainment:
+    """A path's week against an SLO's targets: its events, good and all, per objective. An
+    unavailable request misses availability: refused while vLLM was down or hung, cut off by a
+    restart or refused while it drained. Latency is counted over the requests that were not
+    refused while down or hung. The fluid model serves every other step's demand whole, so
+    the requests a restart cut off or refused in its drain count in latency as the step
+    before it served them, and against availability on top."""
+
+    requests: float  # demanded
+    unavailable: float
+    ttft_good: float
+    ttft_all: float
+    itl_good: float
+    itl_all: float
+
+    def share(self, objective: str) -> float:
+        """The share of ``objective``'s events that were good (its attainment)."""
+        if objective == "availability":
+            return 1 - self.unavailable / self.requests
+        if objective == "ttft":
+            return self.ttft_good / self.ttft_all
+        return self.itl_good / self.itl_all
+
+    def spent(self, slo: SloSettings, objective: str) -> float:
+        """The share of ``objective``'s error budget (its bad events allowed: 1 - target of the
+        week's events) that the bad events spent; above 1, the objective is missed."""
+        return (1 - self.share(objective)) / (1 - slo.target(objective))
+
+    def score(self, slo: SloSettings) -> float:
+        """The mean of the declared latency objectives' attainments (availability's, where
+        none is declared)."""
+        latency = [o for o in slo.declared if o != "availability"] or ["availability"]
+        return sum(self.share(o) for o in latency) / len(latency)
+
+
+def attained(model: Model, path: Path, slo: SloSettings) -> Attainment:
+    """What ``path``'s week attained against ``slo``'s targets."""
+    k = np.arange(model.steps)
+    got = model.events(model.evaluate(k, path.uptime, path.slowed), slo)
+    refused = float(got.refused.sum())
+    requests = float(got.demanded.sum())
+    return Attainment(
+        requests=requests,
+        unavailable=refused + path.refused + path.cut_off,
+        ttft_good=float(got.ttft_good.sum()),
+        ttft_all=requests - refused,
+        itl_good=float(got.itl_good.sum()),
+        itl_all=float(got.tokens.sum()) - refused * model.server.output_tokens,
+    )
+
+
 # -- the oracle --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Optimum:
-    value: float  # the best reward (token x speed) over the whole run
+    value: float  # the programme's best: reward (token x speed), or with an SLO its Lagrangian
     restarts: tuple[int, ...]  # the steps the best schedule restarts at
     rollbacks: tuple[int, ...] = ()  # those of them that put the old flags back
+    price: float = 0.0  # with an SLO: lambda, the availability budget's price it was found at
+    unavailable: float = 0.0  # with an SLO: the requests its schedule makes unavailable
+    # With an SLO: how much more latency attainment (the mean of the objectives') a schedule
+    # that meets availability may have, at most: the duality gap's bound (``slo_optima``).
+    bound: float = 0.0
 
     def score(self, model: Model) -> float:
         return self.value / model.total_demand()
@@ -664,128 +810,347 @@ def window_mask(policy: PolicySettings, steps: int) -> Mask:
     return np.array([window_state(policy, when(k))[0] for k in range(steps)], dtype=bool)
 
 
-def oracle(model: Model, allowed: Mask | None = None) -> Optimum:
-    """The best schedule with full knowledge of the future, by dynamic programming; with
-    ``allowed``, the best whose own restarts all begin at steps where it is true (the
-    windowed oracle; OOM kills and the operator's flag change come when they come).
+class Prices(Protocol):
+    """An objective, as the dynamic programme reads it: per step ``k`` and arriving uptime
+    0..n-1, rows (one per schedule sought; or one for all) of the step's reward, and of what
+    a restart there costs."""
 
-    ``A[k][v]``: the best reward from step ``k`` on, arriving with uptime ``v`` (the previous
+    def step(self, k: int, n: int, slow: bool) -> tuple[Array, Array, Mask]:
+        """The step's reward at uptimes 0..n-1 (the slow flags in effect or not), what a
+        restart that arrives at each costs (an OOM kill's: cut off), and where the kernel
+        OOM-kills the process."""
+
+    def applied(self, k: int, n: int) -> Array:
+        """What the operator's flag change at step ``k`` (a drained restart) costs."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One row's best schedule, followed from step 0: its own restarts (not the OOM kills),
+    the rollbacks among them, and the uptime of each step (0: a restart began there)."""
+
+    restarts: tuple[int, ...]
+    rollbacks: tuple[int, ...]
+    uptime: npt.NDArray[np.int64]
+
+
+def programme(
+    model: Model, prices: Prices, allowed: Sequence[Mask | None]
+) -> tuple[Array, list[Schedule]]:
+    """The best schedule of each row of ``prices``, with full knowledge of the future, by
+    dynamic programming; its restarts begin only where its row of ``allowed`` is true (None:
+    anywhere). OOM kills and the operator's flag change come when they come. Returns each
+    row's best value and schedule.
+
+    ``A[k][v]``: the best value from step ``k`` on, arriving with uptime ``v`` (the previous
     step's plus one); the choice at ``k`` is to keep ``v`` or restart (uptime 0, less the
-    restart's cost: drained or not, whichever is cheaper), unless the process is OOM-killed at
-    ``v`` (cut off). Uptimes beyond ``k`` plus the first step's cannot be reached by step
-    ``k``, so each step's vector is only as long as that (ties keep the process running)."""
+    restart's cost), unless the process is OOM-killed at ``v``. Uptimes beyond ``k`` plus the
+    first step's cannot be reached by step ``k``, so each step's vector is only as long as
+    that. Ties keep the process running, and keep the flags.
+
+    Where the operator applies the slow flags (``Model.flag_step``), the programme has two
+    layers from there: ``new`` (the slow flags in effect) and ``old`` (rolled back). A restart
+    in ``new`` either keeps the flags or rolls them back, at the same cost; in ``old`` it keeps
+    them (the operator does not apply them again). ``World`` refuses OOM kills there."""
+    rows, steps, first, change = len(allowed), model.steps, model.first_uptime, model.flag_step
+    free = np.array([np.ones(steps, dtype=bool) if m is None else m[:steps] for m in allowed])
+    old = np.zeros((rows, steps + first + 1))  # A[steps][v] = 0
+    new = np.zeros((rows, steps + first + 1))
+    # Per step (reversed until the end): restart bits per row in old, and in new; whether a
+    # restart in new rolls back (per row: the same for every uptime, as the cost is).
+    bits_old: list[npt.NDArray[np.uint8] | None] = []
+    bits_new: list[npt.NDArray[np.uint8] | None] = []
+    backs: list[Mask | None] = []
+    for k in range(steps - 1, -1, -1):
+        n = k + first + 1
+        if k == change:
+            reward, _, _ = prices.step(k, 1, True)  # the step in new, fresh
+            old = reward + new[:, 1:2] - prices.applied(k, n)
+            bits_old.append(None)
+            bits_new.append(None)
+            backs.append(None)
+            continue
+        reward, cost, killed = prices.step(k, n, False)
+        keep = reward + old[:, 1 : n + 1]
+        restarted = keep[:, :1] - cost
+        restart = ((restarted > keep) & free[:, k : k + 1]) | killed
+        bits_old.append(np.packbits(restart, axis=1))
+        if change is not None and k > change:
+            reward, cost, _ = prices.step(k, n, True)
+            keep_new = reward + new[:, 1 : n + 1]
+            back = keep[:, 0] > keep_new[:, 0]
+            restarted_new = np.where(back, keep[:, 0], keep_new[:, 0])[:, None] - cost
+            restart_new = (restarted_new > keep_new) & free[:, k : k + 1]
+            new = np.where(restart_new, restarted_new, keep_new)
+            bits_new.append(np.packbits(restart_new, axis=1))
+            backs.append(back)
+        else:
+            bits_new.append(None)
+            backs.append(None)
+        old = np.where(restart, restarted, keep)
+    bits_old.reverse()
+    bits_new.reverse()
+    backs.reverse()
+    schedules = []
+    for row in range(rows):
+        restarts, rollbacks = [], []
+        uptime = np.zeros(steps, dtype=np.int64)
+        v, slow = first, False
+        for k in range(steps):
+            if k == change:
+                v, slow = 0, True
+            else:
+                bits = bits_new[k] if slow else bits_old[k]
+                assert bits is not None
+                if np.unpackbits(bits[row], count=k + first + 1)[v]:
+                    if slow or not bool(model.evaluate(k, v).killed):
+                        restarts.append(k)
+                    rolled = backs[k]
+                    if slow and rolled is not None and bool(rolled[row]):
+                        rollbacks.append(k)
+                        slow = False
+                    v = 0
+            uptime[k] = v
+            v += 1
+        schedules.append(Schedule(tuple(restarts), tuple(rollbacks), uptime))
+    return old[:, first], schedules
+
+
+class Goodput:
+    """Quality-weighted goodput's prices: a step's reward, and a restart's cost, drained or
+    cut off as loses less (an OOM kill's: cut off); one row for every schedule."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+
+    def step(self, k: int, n: int, slow: bool) -> tuple[Array, Array, Mask]:
+        values = self.model.evaluate(k, np.arange(n), slow)
+        cut = self.model.restart_cost(values, False).lost
+        drained = self.model.restart_cost(values, True).lost
+        return (
+            values.reward * STEP,
+            np.where(values.killed, cut, np.minimum(cut, drained)),
+            values.killed,
+        )
+
+    def applied(self, k: int, n: int) -> Array:
+        cost: Array = self.model.restart_cost(self.model.evaluate(k, np.arange(n)), True).lost
+        return cost
+
+
+def oracle(model: Model, allowed: Mask | None = None) -> Optimum:
+    """The best schedule for quality-weighted goodput, with full knowledge of the future
+    (``programme``); with ``allowed``, the best whose own restarts all begin at steps where it
+    is true (the windowed oracle)."""
     return optima(model, (allowed,))[0]
 
 
 def optima(model: Model, masks: Sequence[Mask | None]) -> list[Optimum]:
     """``oracle`` for each of ``masks`` (None: unrestricted), in one pass over the model."""
-    if model.flag_step is not None:
-        return [_oracle_with_flags(model, model.flag_step, m) for m in masks]
-    steps, first = model.steps, model.first_uptime
-    afters = [np.zeros(steps + first + 1) for _ in masks]  # A[steps][v] = 0
-    chosen: list[list[npt.NDArray[np.uint8]]] = [[] for _ in masks]
-    for k in range(steps - 1, -1, -1):
-        n = k + first + 1  # arriving uptimes 0..k+first
-        values = model.evaluate(k, np.arange(n))
-        cut, _ = model.restart_cost(values, False)
-        drained, _ = model.restart_cost(values, True)
-        cost = np.where(values.killed, cut, np.minimum(cut, drained))
-        for i, mask in enumerate(masks):
-            keep = values.reward * STEP + afters[i][1 : n + 1]
-            restarted = keep[0] - cost
-            if mask is None or mask[k]:
-                restart = (restarted > keep) | values.killed
+    values, schedules = programme(model, Goodput(model), masks)
+    return [Optimum(float(v), s.restarts, s.rollbacks) for v, s in zip(values, schedules)]
+
+
+class SloPrices:
+    """An SLO's prices, a Lagrangian relaxation of "meet availability, then the most latency
+    attainment": per step, the declared latency objectives' good events, each over its week's
+    demand (requests for TTFT, output tokens for ITL), less ``price`` (lambda, per row) x the
+    requests made unavailable over the availability budget ((1 - target) x the week's
+    requests). A request refused while vLLM is down or hung leaves the latency objectives'
+    denominators: the programme counts it in latency as one at ``attainment`` would (per row
+    and objective; Dinkelbach's linearisation of the attainment's ratio). A restart drains or
+    cuts off whichever makes fewer requests unavailable (an OOM kill: cut off). The programme
+    runs once per price, so what does not depend on it is worked out once, per (k, u)."""
+
+    def __init__(self, model: Model, slo: SloSettings) -> None:
+        self.model = model
+        self.requests = model.rate * STEP
+        total = float(self.requests.sum())
+        self.budget = math.inf if slo.availability is None else (1 - slo.availability) * total
+        tokens = float(model.demand.sum() * STEP)
+        ttft = 0.0 if slo.ttft_seconds is None else 1 / total
+        itl = 0.0 if slo.itl_seconds is None else 1 / tokens
+        self.weights = (ttft, itl * model.server.output_tokens)  # per request
+        self.good: list[Array] = []  # per step: the weighted good events at each uptime
+        self.good_slow: dict[int, Array] = {}  # the same with the slow flags in effect
+        self.unavailable: list[Array] = []  # per step: what a restart makes unavailable
+        self.killed: list[Mask] = []
+        for k in range(model.steps):
+            u = np.arange(k + model.first_uptime + 1)
+            values = model.evaluate(k, u)
+            got = model.events(values, slo)
+            self.good.append(ttft * got.ttft_good + itl * got.itl_good)
+            cut, drained = (model.restart_cost(values, d) for d in (False, True))
+            fewer = np.minimum(cut.unavailable, drained.unavailable)
+            self.unavailable.append(np.where(values.killed, cut.unavailable, fewer))
+            self.killed.append(values.killed)
+            if model.flag_step is not None and k >= model.flag_step:
+                got = model.events(model.evaluate(k, u, True), slo)
+                self.good_slow[k] = ttft * got.ttft_good + itl * got.itl_good
+        self.price = np.zeros(1)
+        self.refund = np.zeros(1)
+
+    def set(self, price: Sequence[float], attainment: Sequence[tuple[float, float]]) -> None:
+        """The rows: each one's price, and the (TTFT, ITL) attainment at which it counts a
+        refused request."""
+        ttft, itl = self.weights
+        self.price = np.array(price, dtype=np.float64)
+        self.refund = np.array([a * ttft + b * itl for a, b in attainment])
+
+    def step(self, k: int, n: int, slow: bool) -> tuple[Array, Array, Mask]:
+        good = self.good_slow[k] if slow else self.good[k]
+        price = (self.price / self.budget)[:, None]
+        reward = np.repeat(good[None, :n], len(self.price), axis=0)
+        refused = self.requests[k] * (self.refund[:, None] - price)
+        reward[:, :COLD_STEPS] += refused
+        hung = self.model.hang[k]
+        if hung > -math.inf:  # the runs begun before the hang are stalled
+            reward[:, max(COLD_STEPS, k - int(hung) + 1) :] += refused
+        return reward, self.unavailable[k][:n] * price, self.killed[k][:n]
+
+    def applied(self, k: int, n: int) -> Array:
+        cost = self.model.restart_cost(self.model.evaluate(k, np.arange(n)), True)
+        out: Array = cost.unavailable * (self.price / self.budget)[:, None]
+        return out
+
+    def spent(self, schedule: Schedule) -> float:
+        """The requests ``schedule`` makes unavailable: refused while down or hung, and by
+        its restarts (and the OOM kills, and the operator's drained flag change)."""
+        model, u = self.model, schedule.uptime
+        k = np.arange(model.steps)
+        down = (u < COLD_STEPS) | (k - u < model.hang[k])
+        total = float(self.requests[down].sum())
+        arriving = np.concatenate(([model.first_uptime], u[:-1] + 1))
+        for step in np.flatnonzero(u == 0):
+            v = int(arriving[step])
+            if step == model.flag_step:
+                total += float(model.restart_cost(model.evaluate(step, v), True).unavailable)
             else:
-                restart = values.killed
-            afters[i] = np.where(restart, restarted, keep)
-            chosen[i].append(np.packbits(restart))
-    out = []
-    for i, after in enumerate(afters):
-        bits = chosen[i][::-1]
-        restarts, v = [], first
-        for k in range(steps):
-            if np.unpackbits(bits[k], count=k + first + 1)[v]:
-                if not bool(model.evaluate(k, v).killed):
-                    restarts.append(k)
-                v = 0
-            v += 1
-        out.append(Optimum(float(after[first]), tuple(restarts)))
-    return out
+                total += float(self.unavailable[step][v])
+        return total
 
 
-def _oracle_with_flags(model: Model, change: int, allowed: Mask | None = None) -> Optimum:
-    """``oracle`` in a world whose operator applies the slow flags at step ``change`` (a
-    drained restart no schedule can refuse). From there the programme has two layers: ``new``
-    (the slow flags in effect) and ``old`` (rolled back). A restart in ``new`` either keeps
-    the flags or rolls them back, at the same cost; in ``old`` it keeps them (the operator does
-    not apply them again). Ties keep the process running, and keep the flags. With
-    ``allowed``, the schedule restarts (and rolls back) only where it is true."""
-    assert not model.world.memory_growth  # World refuses it: no OOM kill to choose around
-    steps, first = model.steps, model.first_uptime
-    old = np.zeros(steps + first + 1)
-    new = np.zeros(steps + first + 1)
-    # Per step (reversed until the end): restart bits in old, and in new; whether a restart
-    # in new rolls back (the same for every uptime: the cost does not depend on the choice).
-    restart_old: list[npt.NDArray[np.uint8] | None] = []
-    restart_new: list[npt.NDArray[np.uint8] | None] = []
-    roll_back: list[bool] = []
-    for k in range(steps - 1, -1, -1):
-        n = k + first + 1
-        u = np.arange(n)
-        free = allowed is None or bool(allowed[k])
-        at_old = model.evaluate(k, u)
-        keep_old = at_old.reward * STEP + old[1 : n + 1]
-        if k == change:
-            first_new = model.evaluate(k, 0, True)
-            lost, _ = model.restart_cost(at_old, True)
-            old = float(first_new.reward) * STEP + new[1] - lost
-            restart_old.append(None)
-            restart_new.append(None)
-            roll_back.append(False)
-            continue
-        restarted = keep_old[0] - _cheaper_cost(model, at_old)
-        restart = (restarted > keep_old) & free
-        next_old = np.where(restart, restarted, keep_old)
-        restart_old.append(np.packbits(restart))
-        if k > change:
-            at_new = model.evaluate(k, u, True)
-            keep_new = at_new.reward * STEP + new[1 : n + 1]
-            back = bool(keep_old[0] > keep_new[0])
-            restarted_new = (keep_old[0] if back else keep_new[0]) - _cheaper_cost(model, at_new)
-            restart = (restarted_new > keep_new) & free
-            new = np.where(restart, restarted_new, keep_new)
-            restart_new.append(np.packbits(restart))
-            roll_back.append(back)
+# The availability budget's price (lambda), in latency attainment per budget: tried first once
+# 0 spends too much, the factor it moves by to bracket the cheapest price that keeps within the
+# budget, the most it is raised to (beyond it the schedule with the fewest unavailable
+# requests), the least it is lowered to (below it, what the budget left unused could buy is
+# under a ten-thousandth of attainment: the bound in ``slo_optima``), and how narrow the
+# bisection leaves the bracket.
+PRICE_FIRST = 0.1
+PRICE_FACTOR = 10.0
+PRICE_MOST = 1e6
+PRICE_LEAST = 1e-4
+PRICE_RATIO = 1.02
+
+
+class Trial(NamedTuple):
+    price: float
+    unavailable: float
+    optimum: Optimum
+
+
+def cheapest(budget: float, start: float, factor: float) -> Generator[float, Trial, Trial]:
+    """The search for the smallest price whose schedule keeps within ``budget``: it yields the
+    prices to try and is sent each one's trial. From ``start`` (0: first 0, then
+    ``PRICE_FIRST``, by ``PRICE_FACTOR``) down or up by ``factor`` to bracket that price, then
+    bisected (in log) until the bracket is ``PRICE_RATIO`` wide; the trial at its top is the
+    result. Where no price up to ``PRICE_MOST`` keeps within the budget, the trial at that
+    price."""
+    if start == 0:
+        trial = yield 0.0
+        if trial.unavailable <= budget:
+            return trial
+        start, factor = PRICE_FIRST, PRICE_FACTOR
+    trial = yield start
+    low: float | None = None
+    high: Trial | None = None
+    while high is None:
+        if trial.unavailable <= budget:
+            high = trial
+        elif trial.price >= PRICE_MOST:
+            return trial
         else:
-            restart_new.append(None)
-            roll_back.append(False)
-        old = next_old
-    restart_old.reverse()
-    restart_new.reverse()
-    roll_back.reverse()
-    restarts, rollbacks = [], []
-    v, slow = first, False
-    for k in range(steps):
-        if k == change:
-            v, slow = 0, True
+            low = trial.price
+            trial = yield trial.price * factor
+    while low is None:
+        if high.price <= PRICE_LEAST:
+            return high
+        trial = yield high.price / factor
+        if trial.unavailable <= budget:
+            high = trial
         else:
-            bits = restart_new[k] if slow else restart_old[k]
-            assert bits is not None
-            if np.unpackbits(bits, count=k + first + 1)[v]:
-                restarts.append(k)
-                if slow and roll_back[k]:
-                    rollbacks.append(k)
-                    slow = False
-                v = 0
-        v += 1
-    return Optimum(float(old[first]), tuple(restarts), tuple(rollbacks))
+            low = trial.price
+    while high.price / low > PRICE_RATIO:
+        trial = yield math.sqrt(low * high.price)
+        if trial.unavailable <= budget:
+            high = trial
+        else:
+            low = trial.price
+    return high
 
 
-def _cheaper_cost(model: Model, values: Values) -> Any:
-    """What a restart that finds ``values`` loses, drained or cut off, whichever is less."""
-    cut, _ = model.restart_cost(values, False)
-    drained, _ = model.restart_cost(values, True)
-    return np.minimum(cut, drained)
+# Dinkelbach's rounds, at most: each counts a refused request at the attainment of the last
+# round's schedule (the first at the declared shares), and searches again from its price, by
+# this factor, until the schedule stays the same.
+ROUNDS = 4
+ROUND_FACTOR = 1.25
+
+
+def slo_optima(model: Model, slo: SloSettings, masks: Sequence[Mask | None]) -> list[Optimum]:
+    """The best schedule for ``slo`` for each of ``masks`` (None: unrestricted; else the
+    windowed oracle's), with full knowledge of the future: the one that meets availability
+    and, within that, attains the most latency (the mean of the declared latency objectives'
+    attainments), or with the most availability where no schedule meets it.
+
+    The programme of ``SloPrices`` at the cheapest price of the availability budget that
+    keeps its schedule within it (``cheapest``, every mask's search in the same passes), over
+    Dinkelbach's ``ROUNDS``. A Lagrangian relaxation: a schedule that no price makes optimal
+    (one inside the duality gap) is not found; nor, the attainments being ratios, may one
+    that no round's linearisation does. In the last round's linearisation, no schedule that
+    meets availability is better by more than the price x the share of the budget the
+    schedule found leaves unused (``Optimum.bound``, over the latency objectives: their
+    mean)."""
+    prices = SloPrices(model, slo)
+    latency = len([o for o in slo.declared if o != "availability"]) or 1
+    rows = len(masks)
+    attainment = [(slo.ttft_share, slo.itl_share)] * rows
+    found: list[Trial | None] = [None] * rows
+    for _ in range(ROUNDS):
+        searches = [
+            cheapest(prices.budget, 0.0 if f is None else f.price, ROUND_FACTOR) for f in found
+        ]
+        asks = [next(search) for search in searches]
+        done: list[Trial | None] = [None] * rows
+        while None in done:
+            active = [i for i, d in enumerate(done) if d is None]
+            prices.set([asks[i] for i in active], [attainment[i] for i in active])
+            values, schedules = programme(model, prices, [masks[i] for i in active])
+            for i, value, schedule in zip(active, values, schedules):
+                spent = prices.spent(schedule)
+                optimum = Optimum(
+                    float(value), schedule.restarts, schedule.rollbacks, asks[i], spent
+                )
+                try:
+                    asks[i] = searches[i].send(Trial(asks[i], spent, optimum))
+                except StopIteration as stop:
+                    done[i] = stop.value
+        settled = all(
+            f is not None and d is not None and f.optimum.restarts == d.optimum.restarts
+            for f, d in zip(found, done)
+        )
+        found = done
+        if settled:
+            break
+        for i, trial in enumerate(done):
+            assert trial is not None
+            path = walk(model, trial.optimum.restarts, None, trial.optimum.rollbacks, slo=True)
+            got = attained(model, path, slo)
+            attainment[i] = (got.share("ttft"), got.share("itl"))
+    return [
+        replace(f.optimum, bound=f.price * max(0.0, 1 - f.unavailable / prices.budget) / latency)
+        for f in found
+        if f is not None
+    ]
 
 
 # -- ground truth for the report ---------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
@@ -14,10 +15,13 @@ pytest.importorskip("numpy")
 
 import numpy as np
 
+from bench import policy_model
 from bench.policy import (
+    BENCH_SLO,
     POLICIES,
     SAMPLE_EVERY,
     Alert,
+    EngineRestart,
     Row,
     Synth,
     daily_0400,
@@ -26,6 +30,7 @@ from bench.policy import (
     run_vkvagent,
     summary,
     table,
+    unexplained,
     vkvagent_settings,
 )
 from bench.policy_model import (
@@ -33,24 +38,33 @@ from bench.policy_model import (
     DAY_STEPS,
     GIB,
     HOUR,
+    ITL_SIGMA,
     START,
     STEP,
+    TTFT_SIGMA,
     WORLDS,
+    Attainment,
     Model,
     Path,
     Server,
+    SloPrices,
     World,
+    attained,
     burst,
     episodes,
     optima,
     oracle,
+    programme,
+    slo_optima,
     walk,
     when,
     window_mask,
+    within,
 )
 from vkvagent.engine import Settings
 from vkvagent.engine.baseline import window_stats
 from vkvagent.engine.policy import PolicySettings, window_state
+from vkvagent.engine.slo import SloSettings
 
 # Small worlds whose effects move within minutes, so that ten steps hold real choices.
 FAST = (
@@ -182,14 +196,14 @@ def test_a_score_is_the_reward_of_its_restart_times_over_the_demand() -> None:
     model = Model(World("steady", ""), steps=6)
     assert walk(model, []).score() == pytest.approx(1.0)
     path = walk(model, [2])
-    lost, _ = model.restart_cost(model.evaluate(2, COLD_STEPS + 2), False)
+    lost, _, _ = model.restart_cost(model.evaluate(2, COLD_STEPS + 2), False)
     assert path.score() == pytest.approx(3 / 6 - float(lost) / model.total_demand())
     assert list(path.uptime) == [COLD_STEPS, COLD_STEPS + 1, 0, 1, 2, 3]
     assert path.restarts == [2] and path.served[2:5].sum() == 0
     # Speed weighs the reward: throttled (0.6) for the first minute.
     hot = Model(World("hot", "", hot=((0.0, 1 / 60),)), steps=6)
     assert walk(hot, []).score() == pytest.approx((0.6 + 5) / 6)
-    lost, _ = hot.restart_cost(hot.evaluate(0, COLD_STEPS), False)
+    lost, _, _ = hot.restart_cost(hot.evaluate(0, COLD_STEPS), False)
     assert walk(hot, [0]).score() == pytest.approx(3 / 6 - float(lost) / hot.total_demand())
 
 
@@ -200,13 +214,13 @@ def test_a_path_keeps_its_reward_by_step_for_the_first_days_shortfall() -> None:
     assert path.cumulative[-1] == pytest.approx(path.reward)
     assert path.cumulative[1] == pytest.approx(never.cumulative[1])  # before the restart
     # From the restart on, it trails by the cold start and what the restart cut off.
-    lost, _ = model.restart_cost(model.evaluate(2, COLD_STEPS + 2), False)
+    lost, _, _ = model.restart_cost(model.evaluate(2, COLD_STEPS + 2), False)
     per_step = never.cumulative[0]
     assert never.cumulative[4] - path.cumulative[4] == pytest.approx(3 * per_step + float(lost))
     row = Row("w", "p", 0.99, 0.997, 1, 0, 0, 0, None, 0, short_day_one=0.00114,
               short_week=0.003)  # fmt: skip
-    assert "| 0.114 % / 0.300 % |" in table([row])
-    assert "| 0 / -0.005 % |" in table([replace(row, short_day_one=0, short_week=-5e-5)])
+    assert "| 0.114 % / 0.300 % |" in table([row], BENCH_SLO)
+    assert "| 0 / -0.005 % |" in table([replace(row, short_day_one=0, short_week=-5e-5)], BENCH_SLO)
 
 
 def test_a_restart_pays_for_its_requests_in_flight_cut_off_or_drained() -> None:
@@ -312,11 +326,12 @@ def test_vkvagent_restarts_a_hung_engine_within_minutes_in_closed_loop() -> None
     settings = Settings(policy=PolicySettings(mode="enforce"))
     model = Model(World("hang", "", hangs=(1.0,)), steps=90)
     run = run_vkvagent(model, settings, seed=2)
-    assert [step for step, _cause, _inside in run.restarts] == run.path.restarts
+    assert [r.step for r in run.restarts] == run.path.restarts
     assert len(run.path.restarts) == 1
     restart = run.restarts[0]
-    assert restart[1] == "stall" and not restart[2]  # 01:00 is outside the window
-    assert 60 + 2 <= restart[0] <= 60 + 4  # stall_after is 120 s
+    assert restart.cause == "stall" and not restart.inside  # 01:00 is outside the window
+    assert restart.words.startswith("emergency")
+    assert 60 + 2 <= restart.step <= 60 + 4  # stall_after is 120 s
     assert run.decisions == 2 * model.steps and len(run.cpu_ns) == run.decisions
 
 
@@ -350,7 +365,7 @@ def test_vkvagent_rolls_slow_flags_back_once_cheaper_and_the_timers_do_not() -> 
     model = Model(world, steps=3 * DAY_STEPS + 5 * HOUR)
     change = model.flag_step
     assert change == 2 * DAY_STEPS + 10 * HOUR
-    settings = vkvagent_settings()
+    settings = opted_in()
     run = run_vkvagent(model, settings, seed=1)
     # Judged once, against the run before at the loads both learned fresh: 0.7, worse.
     [(judged_at, verdict, ratio)] = run.verdicts
@@ -359,7 +374,7 @@ def test_vkvagent_rolls_slow_flags_back_once_cheaper_and_the_timers_do_not() -> 
     # One restart, the rollback, and no other (a restart alone is wrong). It goes outside the
     # window: 0.3 of the speed lost until Thu 02:00 is worth far more than one outage, as
     # soon as the cooldown after the operator's own restart (Wed 10:00) lets it, at 16:00.
-    [(step, cause, inside)] = run.restarts
+    [(step, cause, inside, _reason)] = run.restarts
     assert cause == "flags" and not inside
     assert run.path.restarts == run.path.rollbacks == [step]
     assert not window_state(settings.policy, when(step))[0] and step > judged_at
@@ -394,6 +409,14 @@ def test_idle_nights_leave_the_restart_window_idle_from_the_hour_they_begin() ->
     assert later.rate[DAY_STEPS + 60] == pytest.approx(plain.rate[DAY_STEPS + 60] * 0.01)
 
 
+def opted_in() -> Settings:
+    """vkvagent's default configuration with the operator's opt-in to cross the windows when
+    waiting for one costs more than the restart ([policy] outside_windows = "when_cheaper"),
+    and no [slo]."""
+    settings = vkvagent_settings()
+    return replace(settings, policy=replace(settings.policy, outside_windows="when_cheaper"))
+
+
 def world_named(name: str) -> World:
     return next(w for w in WORLDS if w.name == name)
 
@@ -425,7 +448,7 @@ def test_busy_window_puts_the_days_busiest_hours_in_the_restart_window() -> None
     # for them more, cut off (the timers') or drained (vkvagent's).
     values = busy.evaluate(np.arange(busy.steps), COLD_STEPS + HOUR)
     for drained in (False, True):
-        cost, _ = busy.restart_cost(values, drained)
+        cost, _, _ = busy.restart_cost(values, drained)
         assert cost[window].mean() > 1.1 * cost[~window].mean()
     assert values.running[window].mean() > 1.1 * values.running[~window].mean()
     # Every policy pays it: each restart of the path, at what it found there.
@@ -434,9 +457,11 @@ def test_busy_window_puts_the_days_busiest_hours_in_the_restart_window() -> None
         path = walk(model, daily_0400(model), drained=drained)
         found = [model.evaluate(k, path.uptime[k - 1] + 1) for k in path.restarts]
         paid = [model.restart_cost(v, drained) for v in found]
-        assert path.in_flight_lost == pytest.approx(sum(float(lost) for lost, _ in paid))
-        assert path.cut_off == pytest.approx(sum(float(n) for _, n in paid))
+        assert path.in_flight_lost == pytest.approx(sum(float(c.lost) for c in paid))
+        assert path.cut_off == pytest.approx(sum(float(c.cut_off) for c in paid))
+        assert path.refused == pytest.approx(sum(float(c.refused) for c in paid))
         assert path.in_flight_lost > 0 and (path.cut_off > 0) != drained
+        assert (path.refused > 0) == drained
 
 
 def slowed_decline() -> World:
@@ -513,11 +538,10 @@ def test_vkvagent_installed_on_a_degraded_server_learns_from_that_first_run() ->
     # fresh speed shows the restart cured it, which scales the first run's speed to fresh:
     # its 20 to 26 h of uptime then time the second run's restart, before it declines.
     model = Model(world_named("installed-degraded"), steps=20 * HOUR)
-    run = run_vkvagent(model, vkvagent_settings())
-    (first, _cause, _inside), (second, cause, _inside2) = run.restarts[:2]
-    assert run.restarts[0][1] == "uptime_decline"
-    assert cause == "prevention"
-    uptime_h = (second - first) / HOUR
+    run = run_vkvagent(model, opted_in())
+    first, second = run.restarts[:2]
+    assert first.cause == "uptime_decline" and second.cause == "prevention"
+    uptime_h = (second.step - first.step) / HOUR
     assert 5.0 <= uptime_h <= 7.0, uptime_h  # the decline begins at 5 h of uptime
 
 
@@ -571,9 +595,9 @@ def test_vkvagent_restarts_a_memory_leak_in_the_last_window_before_memory_max() 
     # Each run after it, started at 02:00, would reach it the next afternoon.
     model = Model(world_named("memory-growth"), steps=2 * DAY_STEPS + 4 * HOUR)
     run = run_vkvagent(model, vkvagent_settings())
-    assert [cause for _k, cause, _inside in run.restarts] == ["host_memory_growth"] * 2
-    assert all(inside for _k, _cause, inside in run.restarts)
-    assert [k // DAY_STEPS for k, _cause, _inside in run.restarts] == [1, 2]  # Tue, Wed
+    assert [r.cause for r in run.restarts] == ["host_memory_growth"] * 2
+    assert all(r.inside for r in run.restarts)
+    assert [r.step // DAY_STEPS for r in run.restarts] == [1, 2]  # Tue, Wed
     assert run.path.kills == []
 
 
@@ -582,9 +606,9 @@ def test_vkvagent_restarts_a_kv_leak_before_the_days_peak_not_the_next_night() -
     # has served 7 requests/s cleanly; the leak fills the cache at that load from about
     # 13:30, and waiting for the 02:00 window would cost the afternoon's and evening's peaks.
     model = Model(world_named("kv-pressure"), steps=16 * HOUR)
-    run = run_vkvagent(model, vkvagent_settings())
+    run = run_vkvagent(model, opted_in())
     assert run.restarts, "the leak waited for the window"
-    step, cause, inside = run.restarts[0]
+    step, cause, inside, _reason = run.restarts[0]
     assert (cause, inside) == ("kv_pressure", False)
     assert 12 * HOUR <= step <= 15 * HOUR, step / HOUR
 
@@ -594,14 +618,14 @@ def test_vkvagent_keeps_preventing_on_idle_nights_after_a_late_first_baseline() 
     # run showed how much faster fresh is, that run's track is rescaled, and prevention holds
     # through Tuesday instead of losing its plan and letting a run decline again.
     model = Model(world_named("idle-nights"), steps=DAY_STEPS + 20 * HOUR)
-    run = run_vkvagent(model, vkvagent_settings())
-    causes = [cause for _k, cause, _inside in run.restarts]
+    run = run_vkvagent(model, opted_in())
+    causes = [r.cause for r in run.restarts]
     assert causes[0] == "uptime_decline" and len(causes) >= 5
     assert set(causes[1:]) == {"prevention"}, causes
     # Once a day of traffic is known, the night's restart goes at its end, not in its
     # window (02:00-05:00): the decline of the quiet hours costs nothing, and the next run
     # begins the busy day fresh.
-    nights = [k * STEP / 3600 % 24 for k, _c, _i in run.restarts if k >= DAY_STEPS]
+    nights = [r.step * STEP / 3600 % 24 for r in run.restarts if r.step >= DAY_STEPS]
     assert nights and all(not h < 6.5 for h in nights), nights
     assert any(6.5 <= h < 7 for h in nights), nights
 
@@ -611,8 +635,259 @@ def test_vkvagent_tells_the_first_runs_decline_by_its_trend_before_a_quarter_is_
     # says 10 % lost by about 8 h (trend_loss), where the speed alone (enter_ratio 0.75)
     # waited to 10.5 h; waiting for the 02:00 window would cost far more than the restart.
     model = Model(world_named("uptime-decline"), steps=12 * HOUR)
-    run = run_vkvagent(model, vkvagent_settings())
+    run = run_vkvagent(model, opted_in())
     assert run.restarts, "the decline was not told"
-    step, cause, inside = run.restarts[0]
+    step, cause, inside, _reason = run.restarts[0]
     assert (cause, inside) == ("uptime_decline", False)
     assert 7 * HOUR <= step <= 9 * HOUR, step / HOUR
+
+
+# -- the operator's objectives -----------------------------------------------------------------
+
+# The small instances' objectives: a restart's cold start is 3 of their 10 minutes, so the
+# availability budget is set to hold one or two; ITL 40 ms, where their declines cross it.
+SMALL_SLO = SloSettings(availability=0.55, ttft_seconds=2.0, itl_seconds=0.04)
+PRICES = (0.0, 0.05, 0.5, 5.0)
+
+
+def test_within_is_the_lognormal_cdf() -> None:
+    for mean, sigma in ((0.03, 0.3), (1.4, 0.5)):
+        mu = math.log(mean) - sigma * sigma / 2
+        targets = np.array([mean / 20, mean / 2, mean, 2 * mean, 20 * mean])
+        exact = [0.5 * (1 + math.erf((math.log(t) - mu) / (sigma * math.sqrt(2)))) for t in targets]
+        assert within(targets, mean, sigma) == pytest.approx(exact, abs=1e-7)
+        assert float(within(mean, np.array([mean]), sigma)[0]) == pytest.approx(exact[2], abs=1e-7)
+
+
+def test_a_steps_requests_are_served_within_the_targets_by_the_models_speed() -> None:
+    # A hang at step 4: from there nothing is served, and everything demanded is refused.
+    model = Model(World("hang", "", hangs=(4 / 60,)), steps=8)
+    path = walk(model, [6])
+    values = model.evaluate(np.arange(8), path.uptime)
+    got = model.events(values, BENCH_SLO)
+    demanded = model.rate * STEP
+    assert got.demanded == pytest.approx(demanded)
+    assert got.refused == pytest.approx(np.where(np.arange(8) >= 4, demanded, 0.0))
+    served = values.served * STEP
+    assert got.ttft_good == pytest.approx(
+        served / model.server.output_tokens * within(2.0, values.ttft, TTFT_SIGMA)
+    )
+    assert got.itl_good == pytest.approx(served * within(0.1, values.itl, ITL_SIGMA))
+    assert (got.ttft_good[:4] > 0.99 * demanded[:4]).all() and not got.itl_good[4:].any()
+    # Demand beyond capacity waits: it misses both, whatever the latency of the rest.
+    leak = Model(World("leak", "", uptime="kv-pressure", onset_h=0.0, stretch=0.01),
+                 Server(kv_blocks=2500), steps=4)  # fmt: skip
+    values = leak.evaluate(np.arange(4), COLD_STEPS + 4)
+    got = leak.events(values, BENCH_SLO)
+    assert (values.served < 0.6 * values.demand).all()
+    assert (got.itl_good <= values.served * STEP).all()
+    assert (got.ttft_good < 0.6 * got.demanded).all()
+    # An objective not declared counts nothing good.
+    assert not model.events(values, SloSettings(availability=0.999)).ttft_good.any()
+
+
+def test_a_weeks_attainment_counts_restarts_against_availability() -> None:
+    model = Model(World("steady", ""), Server(peak_rate=120.0), steps=6)
+    per_step = float(model.rate[0]) * STEP  # the first ten minutes have one rate
+    at = model.evaluate(2, COLD_STEPS + 2)  # what the restart at step 2 finds
+    never = attained(model, walk(model, []), BENCH_SLO)
+    assert never.share("availability") == 1.0 and never.requests == pytest.approx(6 * per_step)
+    cut = attained(model, walk(model, [2]), BENCH_SLO)
+    # Its cold start refuses three steps' requests, and it cuts off those running.
+    assert cut.unavailable == pytest.approx(3 * per_step + float(at.running))
+    assert cut.ttft_all == pytest.approx(3 * per_step)  # latency: the requests not refused
+    assert cut.itl_all == pytest.approx(3 * per_step * model.server.output_tokens)
+    drained = attained(model, walk(model, [2], drained=True), BENCH_SLO)
+    drain_seconds = 451 * float(at.itl)
+    assert drained.unavailable == pytest.approx(3 * per_step + float(at.rate) * drain_seconds)
+    # The fluid model served the step before whole: a drain's refusal counts in availability.
+    assert drained.ttft_all == cut.ttft_all and drained.ttft_good == cut.ttft_good
+    # The budget spent: the bad events over (1 - target) of all.
+    share = cut.share("availability")
+    assert share == pytest.approx(1 - cut.unavailable / cut.requests)
+    assert cut.spent(BENCH_SLO, "availability") == pytest.approx((1 - share) / 0.001)
+    assert cut.score(BENCH_SLO) == pytest.approx((cut.share("ttft") + cut.share("itl")) / 2)
+    assert cut.score(SloSettings(availability=0.999)) == share
+    # Ten times the peak rate: more than the server can take, so most of it waited.
+    assert 0 <= cut.share("ttft") < 0.01 and 0 < cut.share("itl") < 0.5
+
+
+def lagrangian(
+    model: Model, got: Attainment, slo: SloSettings, price: float, shares: tuple[float, float]
+) -> float:
+    """What the SLO programme maximises, worked out from a walk's attainment: the latency
+    objectives' good events over their week's demand, a request refused while vLLM was down
+    counted at ``shares``, less ``price`` x the requests unavailable over the budget."""
+    tokens = float(model.demand.sum()) * STEP
+    refused = got.requests - got.ttft_all
+    value = 0.0
+    if slo.ttft_seconds is not None:
+        value += (got.ttft_good + shares[0] * refused) / got.requests
+    if slo.itl_seconds is not None:
+        value += (got.itl_good + shares[1] * refused * model.server.output_tokens) / tokens
+    if slo.availability is not None and price:
+        value -= price * got.unavailable / ((1 - slo.availability) * got.requests)
+    return value
+
+
+def every_schedule(model: Model, slo: SloSettings) -> list[tuple[list[int], Attainment]]:
+    """Every schedule of the small instance, with its week's attainment (a restart drained
+    or cut off as makes fewer requests unavailable)."""
+    out = []
+    for pattern in itertools.product((False, True), repeat=model.steps):
+        restarts = [k for k, on in enumerate(pattern) if on]
+        out.append((restarts, attained(model, walk(model, restarts, None, slo=True), slo)))
+    return out
+
+
+@pytest.mark.parametrize("world", FAST, ids=lambda w: w.name)
+def test_the_slo_programme_is_the_best_lagrangian_of_every_schedule(world: World) -> None:
+    model = Model(world, Server(kv_blocks=2500), steps=10)
+    schedules = every_schedule(model, SMALL_SLO)
+    prices = SloPrices(model, SMALL_SLO)
+    shares = (0.9, 0.6)
+    for masks in ((None,), (SMALL_WINDOW,)):
+        for price in PRICES:
+            prices.set([price], [shares])
+            [value], [schedule] = programme(model, prices, masks)
+            allowed = [s for s in schedules if masks[0] is None or all(masks[0][s[0]])]
+            best = max(lagrangian(model, got, SMALL_SLO, price, shares) for _r, got in allowed)
+            assert value == pytest.approx(best, rel=1e-9, abs=1e-12)
+            got = attained(model, walk(model, schedule.restarts, None, slo=True), SMALL_SLO)
+            assert lagrangian(model, got, SMALL_SLO, price, shares) == pytest.approx(value)
+            assert prices.spent(schedule) == pytest.approx(got.unavailable)
+
+
+def test_the_slo_programme_counts_oom_kills_and_rolls_slow_flags_back() -> None:
+    # The kernel OOM-kills the process at step 4 unless a restart comes first.
+    memory = Model(World("memory", "", memory_growth=True),
+                   Server(memory_max=6 * GIB + 50 * 2**20, leak_per_request=64 * 1024),
+                   steps=10)  # fmt: skip
+    schedules = every_schedule(memory, SMALL_SLO)
+    prices = SloPrices(memory, SMALL_SLO)
+    for price in PRICES:
+        prices.set([price], [(0.95, 0.95)])
+        [value], _ = programme(memory, prices, (None,))
+        best = max(lagrangian(memory, got, SMALL_SLO, price, (0.95, 0.95)) for _r, got in schedules)
+        assert value == pytest.approx(best, rel=1e-9)
+    # The operator applies flags at step 2 that make every request wait: TTFT beyond 2 s.
+    flags = Model(World("flags", "", slow_flags=(2 / 60, 0.05)), Server(kv_blocks=2500), steps=8)
+    slo = SloSettings(availability=0.5, ttft_seconds=2.0)
+    prices = SloPrices(flags, slo)
+    for price in PRICES:
+        prices.set([price], [(0.95, 0.95)])
+        [value], [schedule] = programme(flags, prices, (None,))
+        best = -math.inf
+        for pattern in itertools.product((None, "restart", "rollback"), repeat=flags.steps):
+            if pattern[2] is not None or "rollback" in pattern[:2]:
+                continue  # the operator's step is not the schedule's; nothing to roll back before
+            restarts = [k for k, on in enumerate(pattern) if on]
+            rollbacks = [k for k, on in enumerate(pattern) if on == "rollback"]
+            got = attained(flags, walk(flags, restarts, None, rollbacks, slo=True), slo)
+            best = max(best, lagrangian(flags, got, slo, price, (0.95, 0.95)))
+        assert value == pytest.approx(best, rel=1e-9)
+        if price == 0:  # latency alone: roll back at once
+            assert schedule.rollbacks == (3,)
+
+
+@pytest.mark.parametrize("world", FAST, ids=lambda w: w.name)
+def test_the_slo_oracle_meets_availability_within_its_lagrangian_bound(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One round: a refused request counts at the declared shares, as the bound below does.
+    monkeypatch.setattr(policy_model, "ROUNDS", 1)
+    model = Model(world, Server(kv_blocks=2500), steps=10)
+    schedules = every_schedule(model, SMALL_SLO)
+    budget = (1 - 0.55) * float(model.rate.sum()) * STEP
+    shares = (SMALL_SLO.ttft_share, SMALL_SLO.itl_share)
+    for mask in (None, SMALL_WINDOW):
+        [best] = slo_optima(model, SMALL_SLO, (mask,))
+        assert mask is None or all(mask[list(best.restarts)])
+        got = attained(model, walk(model, best.restarts, None, slo=True), SMALL_SLO)
+        assert got.unavailable == pytest.approx(best.unavailable)
+        allowed = [g for r, g in schedules if mask is None or all(mask[r])]
+        meeting = [g for g in allowed if g.unavailable <= budget]
+        if not meeting:  # none can: the fewest unavailable requests
+            assert got.unavailable == pytest.approx(min(g.unavailable for g in allowed))
+            continue
+        assert got.unavailable <= budget
+        # No schedule that meets availability is better by more than the price of the budget
+        # it leaves unused (Lagrangian duality: the gap is at most that).
+        mine = lagrangian(model, got, SMALL_SLO, 0.0, shares)
+        bound = best.price * (1 - got.unavailable / budget)
+        assert max(lagrangian(model, g, SMALL_SLO, 0.0, shares) for g in meeting) <= (
+            mine + bound + 1e-12
+        )
+
+
+def test_the_slo_oracle_finds_the_best_schedule_where_the_budget_holds_one_restart() -> None:
+    # A decline from the first minute, and a budget that holds one restart, not two: the
+    # best is the one restart that buys the most latency, as every schedule shows.
+    model = Model(FAST[0], Server(kv_blocks=2500), steps=10)
+    slo = SloSettings(availability=0.6, itl_seconds=0.04)
+    schedules = every_schedule(model, slo)
+    budget = 0.4 * float(model.rate.sum()) * STEP
+    top = max(g.score(slo) for _r, g in schedules if g.unavailable <= budget)
+    [best] = slo_optima(model, slo, (None,))
+    got = attained(model, walk(model, best.restarts, None, slo=True), slo)
+    assert len(best.restarts) == 1 and got.unavailable <= budget
+    assert got.score(slo) == pytest.approx(top, rel=1e-9)
+
+
+def test_an_slo_is_scored_and_marked_in_the_tables() -> None:
+    ofs = (1.0, 0.95, 0.6, 1.02, 1.01, 0.9, 0.99)
+    availability = (0.9995, 0.9995, 0.9995, 0.992, 0.998, 0.999, 0.9991)
+    rows = [
+        Row("w", p, 0.9, of, 0, 0, 0, 0, None, 0, attainment={"availability": a},
+            spent={"availability": (1 - a) / 0.001}, scored_by="latency", flagged=a < 0.999)
+        for p, of, a in zip(POLICIES, ofs, availability)
+    ]  # fmt: skip
+    rows[0].bound, rows[1].bound = 0.0021, 0.0
+    text = summary(rows)
+    assert "| w | 1.000 | 0.950 | 0.600 | 1.020* | 1.010* | 0.900 | 0.990 |" in text
+    assert text.splitlines()[2].endswith("| 0.0021 / 0.0000 |")
+    assert "*: misses the availability objective" in text and "The oracle's bound" in text
+    slo = SloSettings(availability=0.999)
+    lines = table(rows, slo).splitlines()
+    assert "short of oracle" not in lines[0] and "| availability |" in lines[0]
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
+    assert "| 0.99200 | 8.00 | no: availability | 1.020* |" in lines[5]
+    # Where no schedule meets availability, the scores compare it.
+    unmet = [replace(r, scored_by="availability", flagged=False) for r in rows]
+    assert "No schedule meets availability in w" in summary(unmet)
+    assert "*" not in summary(unmet).splitlines()[2]
+
+
+def test_a_restart_outside_the_windows_needs_an_emergency_the_leak_or_the_opt_in() -> None:
+    never = vkvagent_settings().policy
+    opted = opted_in().policy
+    assert never.outside_windows == "never" and opted.outside_windows == "when_cheaper"
+
+    def restart(cause: str, reason: str, inside: bool = False) -> EngineRestart:
+        return EngineRestart(100, cause, inside, reason)
+
+    stall = restart("stall", "restart: emergency, any time; stall: no token for 120 s")
+    leak = restart("host_memory_growth", "restart: outside window, before the harm: ...")
+    cheaper = restart("uptime_decline", "restart: outside window, cheaper now: waiting ...")
+    budget = restart("prevention", "restart: outside window, within the error budget: ...")
+    window = restart("uptime_decline", "restart: in window; uptime_decline: ...", inside=True)
+    assert cheaper.words == "outside window, cheaper now" and window.words == "in window"
+    for policy in (never, opted):
+        assert not unexplained(policy, stall) and not unexplained(policy, leak)
+        assert not unexplained(policy, window)
+        assert unexplained(policy, cheaper) == unexplained(policy, budget) == (policy is never)
+    # The harm's exception is the memory leak's alone.
+    assert unexplained(never, restart("kv_pressure", "restart: outside window, before the harm"))
+
+
+def test_vkvagents_ledger_counts_the_requests_an_emergency_cut_off() -> None:
+    model = Model(World("hang", "", hangs=(1.0,)), steps=90)
+    run = run_vkvagent(model, Settings(policy=PolicySettings(mode="enforce")), seed=2)
+    [record] = run.ledger
+    assert record.cause == "stall" and record.cut_off == pytest.approx(run.path.cut_off)
+    assert run.path.cut_off > 0
+    # The samples answer every request served 200 (http_requests_total), none 5xx.
+    synth = Synth(model, seed=1)
+    sample, _memory = synth.sample(SAMPLE_EVERY, model.evaluate(0, COLD_STEPS), 0.0)
+    assert sample.vllm is not None and sample.vllm.http_5xx_total == 0
+    assert sample.vllm.http_requests_total == sample.vllm.request_success_total > 0
