@@ -162,9 +162,11 @@ bench: dev
 	$(BIN)/python bench/sim.py
 	$(BIN)/python bench/daemon.py
 
-# Decision quality: every restart policy against the oracle over simulated weeks (bench/README.md).
+# Decision quality: every restart policy against the oracle over simulated weeks (bench/README.md):
+# with the example config, then with an [slo] that the oracles optimise and every policy is scored by.
 bench-policy: dev
 	$(BIN)/python -m bench.policy
+	$(BIN)/python -m bench.policy --slo
 
 # What vkvagent adds to a restart of the real vLLM 0.32 (bench/README.md). Root, ~6 minutes.
 bench-restart: dev vllm-real
