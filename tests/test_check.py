@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from tests.test_daemon import write_config
-from tests.test_status import GONE, full_report
+from tests.test_status import GONE, SLO, full_report
 from vkvagent import status
 from vkvagent.cli import main
-from vkvagent.status import SourceFailure, StatusReport, Verdict
+from vkvagent.status import SloStatus, SourceFailure, StatusReport, Verdict
 
 NAGIOS = "/usr/sbin/nagios4"
 CHECK = f"{sys.executable} -m vkvagent status --config {{config}} -w 0.8: -c 0.6:"
@@ -41,6 +41,10 @@ def written(report: StatusReport, state_dir: Path) -> None:
     status.path(state_dir).write_text(json.dumps(report.to_json()))
 
 
+# The operator's objectives, none burning: a healthy check stays OK, with their perfdata.
+QUIET_OBJECTIVES = [{**o, "burning": None} for o in SLO["objectives"]]
+
+
 def current(**changes: object) -> StatusReport:
     """A status written just now by a daemon that runs (this process)."""
     healthy = replace(
@@ -52,6 +56,7 @@ def current(**changes: object) -> StatusReport:
         failing=(),
         stale_after=None,
         progress=None,
+        slo=SloStatus.from_json({**SLO, "objectives": QUIET_OBJECTIVES}),
     )
     return replace(healthy, **changes)  # type: ignore[arg-type]
 
@@ -195,7 +200,11 @@ def test_nagios_runs_it_as_a_check_in_every_state(tmp_path: Path) -> None:
         fields = checked[name]
         return int(fields["current_state"]), fields["plugin_output"], fields["performance_data"]
 
-    perf = "kv_usage=40.0%;;;0;100 throughput=5000.0;;;0 restarts_left=2;;;0"
+    perf = (
+        "kv_usage=40.0%;;;0;100 throughput=5000.0;;;0 restarts_left=2;;;0 "
+        "slo_availability=99.855%;;;0;100 slo_availability_budget=-45.0%;;;;100 "
+        "slo_ttft=96.000%;;;0;100 slo_ttft_budget=20.0%;;;;100"
+    )
     assert seen("healthy") == (
         0, "vkvagent 0.1.0: HEALTHY", f"speed_ratio=0.980;0.8:;0.6:;0 {perf}",
     )  # fmt: skip
