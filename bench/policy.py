@@ -96,9 +96,7 @@ OLD_ARGV = ("vllm", "serve", MODEL)
 # The operator's objectives of ``--slo``: 99.9 % of requests served, 95 % of first tokens within
 # 2 s, 95 % of output tokens within 100 ms of the one before, over the simulated week. Without
 # ``--slo`` the columns are measured against them too, and nothing optimises them.
-BENCH_SLO_CONFIG = SloConfig(
-    availability=0.999, period_days=7.0, ttft_seconds=2.0, itl_seconds=0.1
-)  # fmt: skip
+BENCH_SLO_CONFIG = SloConfig(availability=0.999, period_days=7.0, ttft_seconds=2.0, itl_seconds=0.1)
 BENCH_SLO = BENCH_SLO_CONFIG.settings()
 
 
@@ -504,7 +502,7 @@ OPT_IN = (
 )
 # The one crossing allowed by default: a memory leak restarted, drained, before the kernel's
 # OOM kill at MemoryMax.
-BEFORE_HARM = ("host_memory_growth", "outside window, before the harm")
+BEFORE_OOM_KILL = ("host_memory_growth", "outside window, before the OOM kill")
 
 
 def unexplained(policy: PolicySettings, restart: EngineRestart) -> bool:
@@ -512,7 +510,7 @@ def unexplained(policy: PolicySettings, restart: EngineRestart) -> bool:
     in ``emergency``, no leak about to reach MemoryMax, no opt-in."""
     if restart.inside or restart.cause in policy.emergency:
         return False
-    cause, words = BEFORE_HARM
+    cause, words = BEFORE_OOM_KILL
     if restart.cause == cause and restart.words.startswith(words):
         return False
     return not (policy.outside_windows == "when_cheaper" and restart.words.startswith(OPT_IN))

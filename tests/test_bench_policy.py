@@ -867,7 +867,7 @@ def test_a_restart_outside_the_windows_needs_an_emergency_the_leak_or_the_opt_in
         return EngineRestart(100, cause, inside, reason)
 
     stall = restart("stall", "restart: emergency, any time; stall: no token for 120 s")
-    leak = restart("host_memory_growth", "restart: outside window, before the harm: ...")
+    leak = restart("host_memory_growth", "restart: outside window, before the OOM kill: ...")
     cheaper = restart("uptime_decline", "restart: outside window, cheaper now: waiting ...")
     budget = restart("prevention", "restart: outside window, within the error budget: ...")
     window = restart("uptime_decline", "restart: in window; uptime_decline: ...", inside=True)
@@ -876,8 +876,9 @@ def test_a_restart_outside_the_windows_needs_an_emergency_the_leak_or_the_opt_in
         assert not unexplained(policy, stall) and not unexplained(policy, leak)
         assert not unexplained(policy, window)
         assert unexplained(policy, cheaper) == unexplained(policy, budget) == (policy is never)
-    # The harm's exception is the memory leak's alone.
-    assert unexplained(never, restart("kv_pressure", "restart: outside window, before the harm"))
+    # The exception is the memory leak's alone.
+    other = restart("kv_pressure", "restart: outside window, before the OOM kill")
+    assert unexplained(never, other)
 
 
 def test_vkvagents_ledger_counts_the_requests_an_emergency_cut_off() -> None:
