@@ -21,7 +21,7 @@ from vkvagent.engine import (
     VllmMetrics,
     decide,
 )
-from vkvagent.engine.policy import Controls, evaluate
+from vkvagent.engine.policy import Controls, TrafficProfile, evaluate, rate_bin
 from vkvagent.engine.rates import quantile
 from vkvagent.engine.slo import (
     Budget,
@@ -306,3 +306,34 @@ def test_a_restart_goes_only_while_the_budget_covers_it_and_it_saves_more_than_i
     assert verdict(ENFORCE, out, budget(late, out, rate=1.0), cause="stall").action == "restart"
     # Nothing counted yet (a new install): the objectives cannot weigh it; the windows decide.
     assert verdict(ENFORCE, IN, budget(SloState(), IN)).action == "restart"
+
+
+def test_a_young_period_spends_its_budget_paced_and_at_the_quietest_hour() -> None:
+    # A day counted of a 28-day period may spend a quarter of the period's budget at once.
+    went = day_to(IN, 0.1, failed=0.5)  # 720 failed of the 4,032 allowed: 18 %
+    assert verdict(ENFORCE, IN, budget(went, IN)).action == "restart"  # 4.5 % of 7 % left
+    spent = day_to(IN, 0.1, failed=0.7)  # 25 %: nothing left to spend yet
+    held = verdict(ENFORCE, IN, budget(spent, IN))
+    assert held.reason.startswith("error budget: ") and "the budget left does not cover it" in (
+        held.reason
+    )
+    # This host is quiet at 04:00, an hour still in the window: a restart waits for it.
+    quiet = {h: {rate_bin(0.05 if h == 4 else 1.0): 60.0} for h in range(24)}
+    traffic = TrafficProfile(quiet)
+    day = day_to(IN, 0.1)
+    waits = evaluate(
+        ENFORCE, cause="uptime_decline", wanted=True, uptime=20 * 3600.0, request_rate=1.0,
+        history=(), controls=Controls(), now=IN, budget=budget(day, IN), traffic=traffic,
+    )  # fmt: skip
+    assert waits.action == "hold"
+    assert waits.reason.startswith(
+        "error budget: a restart at 2025-03-05T04:00:00Z, this host's quieter hour, spends"
+    )
+    # A quieter hour outside the windows is no reason to wait, unless the operator opted in.
+    late = {h: {rate_bin(0.05 if h == 9 else 1.0): 60.0} for h in range(24)}
+    goes = evaluate(
+        ENFORCE, cause="uptime_decline", wanted=True, uptime=20 * 3600.0, request_rate=1.0,
+        history=(), controls=Controls(), now=IN, budget=budget(day, IN),
+        traffic=TrafficProfile(late),
+    )  # fmt: skip
+    assert goes.action == "restart"

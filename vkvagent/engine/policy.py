@@ -29,7 +29,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from vkvagent.engine.diagnosis import FIXABLE, VETOED
 from vkvagent.engine.prevention import DEFAULT_OUTAGE, Plan
 from vkvagent.engine.samples import utc_text
-from vkvagent.engine.slo import Budget
+from vkvagent.engine.slo import Budget, Spend
 
 MODES = ("off", "observe", "enforce")
 # How a verdict held back only by observe mode begins: replay counts those restarts.
@@ -539,7 +539,7 @@ def evaluate(
         elif not_yet := _not_yet(harm_in, upcoming, now):
             return verdict("hold", not_yet)
         if budget is not None and not cheaper.startswith("outside window, before"):
-            spent = _budget_holds(cause, budget, upcoming, now)
+            spent = _budget_holds(settings, cause, budget, upcoming, now, traffic)
             if spent:
                 return verdict("hold", spent)
         if settings.max_request_rate > 0:
@@ -743,12 +743,18 @@ def _cheaper_now(
 
 
 def _budget_holds(
-    cause: str | None, budget: Budget, upcoming: datetime | None, now: datetime
+    settings: PolicySettings,
+    cause: str | None,
+    budget: Budget,
+    upcoming: datetime | None,
+    now: datetime,
+    traffic: TrafficProfile | None,
 ) -> str:
     """Why the operator's objectives hold a restart the windows allow: the availability
-    budget left does not cover it, or, for a cause diagnosed (a planned one has no latency
-    to show yet), it would save no more latency budget before the next window than it
-    spends. "" to go, and when nothing is counted yet."""
+    budget left to spend does not cover it; for a cause diagnosed (a planned one has no
+    latency to show yet), it would save no more latency budget before the next window than
+    it spends; or a quieter hour to come costs less, the latency lost waiting for it
+    included (``_quieter_later``). "" to go, and when nothing is counted yet."""
     wait = (upcoming - now).total_seconds() if upcoming is not None else DAY
     spend = budget.spend(wait)
     if spend is None:
@@ -757,7 +763,47 @@ def _budget_holds(
         return f"error budget: {spend.words()}; the budget left does not cover it"
     if cause not in PLANNED and spend.saving is not None and spend.saving <= spend.cost:
         return f"error budget: {spend.words()}; no more than it spends"
-    return ""
+    return _quieter_later(settings, spend, now, traffic)
+
+
+# A later hour is worth waiting for when it costs at most this share of a restart now.
+QUIETER = 0.8
+
+
+def _quieter_later(
+    settings: PolicySettings, spend: Spend, now: datetime, traffic: TrafficProfile | None
+) -> str:
+    """Why a restart waits for a later hour of this day (the next 23 starts of an hour) that
+    this host's traffic makes cheaper: its usual rate's outage, plus the latency budget lost
+    meanwhile, at most QUIETER of a restart now. Only hours where one may go: in a window,
+    unless the operator opted in to any time. "" when none is, or the profile knows none."""
+    if traffic is None:
+        return ""
+    top = now.replace(minute=0, second=0, microsecond=0)
+    anywhere = settings.outside_windows == "when_cheaper"
+    spans = [] if anywhere else _window_spans(settings, now)
+    best: tuple[float, datetime] | None = None
+    for ahead in range(1, 24):
+        at = top + timedelta(hours=ahead)
+        rate = traffic.median(at.astimezone(settings.zone).hour)
+        if rate is None or not (anywhere or any(a <= at < b for a, b in spans)):
+            continue
+        total = rate * spend.per_rate + spend.losing * (at - now).total_seconds()
+        if best is None or total < best[0]:
+            best = (total, at)
+    if best is None or best[0] > QUIETER * spend.cost:
+        return ""
+    return (
+        f"error budget: a restart at {utc_text(best[1].timestamp())}, this host's quieter "
+        f"hour, spends {best[0] * 100:.2g} % of the budgets (waiting included) against "
+        f"{spend.cost * 100:.2g} % now"
+    )
+
+
+def _window_spans(settings: PolicySettings, now: datetime) -> list[tuple[datetime, datetime]]:
+    """The windows' occurrences around ``now`` (UTC instants)."""
+    local = now.astimezone(settings.zone).date()
+    return [span for w in settings.parsed for span in w.occurrences(local, settings.zone)]
 
 
 def _busier_than_usual(

@@ -439,20 +439,37 @@ def _with(c: Counts, **values: float) -> Counts:
     return Counts(**{**c.__dict__, **values})
 
 
+def _busy_hours(hourly: Mapping[int, Tally], day: Tally, now: float) -> list[Tally]:
+    """The last day's hours that carried at least their share of its requests (1/24)."""
+    first = math.floor(now / 3600.0) - 23
+    return [t for i, t in hourly.items() if i >= first and t[1] * 24 >= day[1] > 0]
+
+
+# Before a whole period is counted, a restart may spend this share of the period's budget at
+# once, and more as the period goes by: a first week cannot spend a month's budget.
+UP_FRONT = 0.25
+
+
 @dataclass(frozen=True)
 class Spend:
     """What a restart now would cost and save, each a share of its objective's budget over
     the period."""
 
-    cost: float  # availability budget a restart spends (its outage and cut-offs)
-    left: float  # availability budget left before it
+    cost: float  # availability budget a restart now spends (its outage, drain and cut-offs)
+    per_rate: float  # what it spends for each request/s the host is asked at its time
+    left: float  # availability budget it may still spend: the period's so far, paced
     saving: float | None  # latency budget it saves until ``horizon``; None: cannot tell
     horizon: float  # seconds the saving is counted over
+
+    @property
+    def losing(self) -> float:
+        """Latency budget lost for each second a restart waits."""
+        return (self.saving or 0.0) / self.horizon if self.horizon > 0 else 0.0
 
     def words(self) -> str:
         return (
             f"a restart spends {self.cost * 100:.2g} % of the availability budget "
-            f"({self.left * 100:.0f} % left)"
+            f"({self.left * 100:.0f} % left to spend)"
             + (
                 ""
                 if self.saving is None
@@ -465,40 +482,46 @@ class Spend:
 @dataclass(frozen=True)
 class Budget:
     """What the policy weighs a restart by, with an [slo]: the objectives' tallies, this
-    host's request rate now and the restart's outage."""
+    host's request rate now and how long a restart refuses requests."""
 
     settings: SloSettings
     state: SloState
     now: float  # UTC
     rate: float | None  # requests/s a restart now would refuse
-    outage: float  # seconds vLLM takes to start again
+    outage: float  # seconds it refuses them: vLLM's start, and the drain before it
 
     def spend(self, horizon: float, in_flight: float = 0.0) -> Spend | None:
         """A restart now: its cost (the requests refused in its outage, and ``in_flight``
-        cut off) over the period's availability budget (``SloState.scale``), and what it saves
-        of the latency objectives' budgets over ``horizon`` seconds (the last hour's miss rate
-        down to the last fresh run's). None without an availability objective, or before any
-        request was counted."""
+        cut off) over the period's availability budget (``SloState.scale``), what is left to
+        spend (paced: ``UP_FRONT`` of it at once, the rest as the period is counted), and
+        what it saves of the latency objectives' budgets over ``horizon`` seconds (the last
+        hour's or day's miss rate, the higher, down to the last fresh run's). None without an
+        availability objective, or before any request was counted."""
         s, state, now = self.settings, self.state, self.now
         if s.availability is None:
             return None
         period = state.over(s, s.period, now)
         good, total = period[0], period[1]
-        allowed = total * state.scale(s, now) * (1 - s.availability)
+        scale = state.scale(s, now)
+        allowed = total * scale * (1 - s.availability)
         if not allowed:
             return None
-        cost = ((self.rate or 0.0) * self.outage + in_flight) / allowed
+        per_rate = self.outage / allowed
+        cost = (self.rate or 0.0) * per_rate + in_flight / allowed
+        left = max(UP_FRONT, 1 / scale) - (total - good) / allowed
         # The latency budget saved: the share of events a fresh run would not miss, for the
         # ``horizon``'s share of the period, over the share the objective may miss. The miss
-        # rate now is the last hour's or the last day's, the higher: a quiet hour hides
-        # what the busy ones will miss.
+        # rate now is the worst of the last hour's, the last day's and its busiest hours':
+        # a quiet hour hides what the busy ones miss, and a server that slows with uptime
+        # misses more at its next peak than on average at its last.
         saving: float | None = None
         fresh = state.fresh_miss()
-        recent = (state.over(s, 3600.0, now), state.over(s, DAY, now))
+        recent = [state.over(s, 3600.0, now), day := state.over(s, DAY, now)]
+        recent += _busy_hours(state.rings[1], day, now)
         for i, name in enumerate(OBJECTIVES):
             shares = [x for x in (_share(t, i) for t in recent) if x is not None]
             if name == "availability" or name not in fresh or not shares:
                 continue
             excess = max(0.0, 1 - min(shares) - fresh[name])
             saving = (saving or 0.0) + excess * horizon / (s.period * (1 - s.target(name)))
-        return Spend(cost, 1 - (total - good) / allowed, saving, horizon)
+        return Spend(cost, per_rate, left, saving, horizon)

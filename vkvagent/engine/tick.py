@@ -805,9 +805,14 @@ def _budget(
     settings: Settings, state: EngineState, stats: WindowStats | None, now: datetime
 ) -> Budget:
     """What a restart now would cost in the objectives' budgets: the requests this host sends
-    now (the window's rate, else this hour's usual one) refused for the restart's outage."""
+    now (the window's rate, else this hour's usual one) refused for the restart's outage and
+    drain."""
     rate = stats.requests_per_s if stats is not None else None
     outage = state.plan.outage if state.plan is not None else DEFAULT_OUTAGE
+    # A drain refuses new requests until the longest in flight is done: about twice the
+    # mean answer at this ITL, up to the drain's default limit.
+    if stats is not None and stats.output_per_request and stats.itl:
+        outage += min(DRAIN_LIMIT, 2 * stats.output_per_request * stats.itl)
     return Budget(
         settings.slo,
         state.slo,
@@ -815,6 +820,9 @@ def _budget(
         rate if rate is not None else _expected_rate(settings.policy, state, now),
         outage,
     )
+
+
+DRAIN_LIMIT = 120.0  # seconds: [restart] drain_timeout's default
 
 
 # The plan is made again every hour on the hour (evidence ages), and whenever the past runs
