@@ -150,13 +150,23 @@ def test_without_slo_nothing_is_reported(tmp_path: Path, vllm: HttpServer) -> No
 
 
 def test_a_restarts_cut_off_requests_go_from_the_ledger_to_the_engine(tmp_path: Path) -> None:
-    """The actuator's costs, as the ledger keeps them, are each restart record's cut_off."""
+    """The actuator's costs, as the ledger keeps them, are each restart record's cut_off and
+    refused: the daemon's own restart leaves no sample of its outage, so the actuator's
+    estimate of the requests that arrived meanwhile is what the budget is charged."""
     path = write_config(tmp_path, "http://127.0.0.1:9")
     now = time.time()
     with Ledger(tmp_path / "state") as ledger:
         for reason, costs, minutes_ago in (
-            ("stall: restart: emergency", {"drain_mode": "none", "aborted": 4.0}, 30),
-            ("uptime_decline: restart: in window", {"drain_mode": "vllm", "aborted": 0.0}, 20),
+            (
+                "stall: restart: emergency",
+                {"drain_mode": "none", "aborted": 4.0, "missed": 90.0},
+                30,
+            ),
+            (
+                "uptime_decline: restart: in window",
+                {"drain_mode": "vllm", "aborted": 0.0, "missed": float("nan")},
+                20,
+            ),
             ("kv_pressure: restart", None, 10),  # aborted before vLLM was stopped: no costs
         ):
             action = ledger.begin("restart", reason, now - minutes_ago * 60, {})
@@ -164,7 +174,11 @@ def test_a_restarts_cut_off_requests_go_from_the_ledger_to_the_engine(tmp_path: 
             ledger.end(action, "done", now - minutes_ago * 60 + 5, notes=notes)
     daemon = Daemon.offline(path, io.StringIO())
     try:
-        found = [(r.cause, r.cut_off) for r in daemon._restarts(now, 1000.0)]
+        found = [(r.cause, r.cut_off, r.refused) for r in daemon._restarts(now, 1000.0)]
     finally:
         daemon.close()
-    assert found == [("stall", 4.0), ("uptime_decline", 0.0), ("kv_pressure", None)]
+    assert found == [
+        ("stall", 4.0, 90.0),
+        ("uptime_decline", 0.0, None),
+        ("kv_pressure", None, None),
+    ]

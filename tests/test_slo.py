@@ -155,11 +155,11 @@ def test_buckets_older_than_their_ring_are_dropped_and_the_state_round_trips() -
 def test_counts_placed_late_keep_the_newer_buckets() -> None:
     """A restart's cut-off requests arrive with its record, after samples newer than it."""
     state = SloState().add(SLO, 1000.0, Counts(answered=10)).add(SLO, 1600.0, Counts(answered=50))
-    state = state.add(SLO, 1300.0, Counts(failed=3))
+    state = state.add(SLO, 1300.0, Counts(failed=3), late=True)
     assert state.over(SLO, 3600, 1600.0)[:2] == (60.0, 63.0)
     assert sorted(state.rings[0]) == [3, 4, 5]
     # Older than a ring holds: that ring leaves it out, the coarser ones count it.
-    late = state.add(SLO, 1600.0 - 7 * 3600, Counts(failed=1))
+    late = state.add(SLO, 1600.0 - 7 * 3600, Counts(failed=1), late=True)
     assert late.rings[0] == state.rings[0] and late.over(SLO, 8 * 3600, 1600.0)[1] == 64.0
 
 
@@ -224,17 +224,18 @@ def test_the_engine_counts_answers_5xx_latency_and_the_requests_refused_while_do
     state, settings = run_ticks([*samples, *down, back])
     tally = state.slo.over(settings.slo, 3600, back.time)
     assert tally[:2] == (990.0 + 50.0, 1000.0 + 200.0 + 50.0)
-    assert state.slo.last_rate == 5.0  # the rate of the last interval: 50 in the 10 s
+    # The rate of the last interval between two answers: 50 in the 30 s since the last one.
+    assert state.slo.last_rate == pytest.approx(50 / 30)
 
 
 def test_requests_a_restart_cut_off_are_counted_once() -> None:
     start = T0.timestamp() - 3600
     samples = [Sample(T0.timestamp() + 10 * i, 1000.0 + 10 * i, metrics(100 * i, start=start))
                for i in range(5)]  # fmt: skip
-    cut = RestartRecord(T0.timestamp() - 60, "stall", cut_off=7.0)
+    cut = RestartRecord(T0.timestamp() - 60, "stall", cut_off=7.0, refused=90.0)
     state, settings = run_ticks(samples, restarts=(cut, RestartRecord(T0.timestamp() - 90, "x")))
     tally = state.slo.over(settings.slo, 3600, samples[-1].time)
-    assert tally[1] - tally[0] == 7.0  # counted on the first tick, never again
+    assert tally[1] - tally[0] == 97.0  # counted on the first tick, never again
     assert state.slo.counted == cut.time
 
 
@@ -337,3 +338,46 @@ def test_a_young_period_spends_its_budget_paced_and_at_the_quietest_hour() -> No
         traffic=TrafficProfile(late),
     )  # fmt: skip
     assert goes.action == "restart"
+
+
+def test_a_leak_about_to_reach_memorymax_goes_whatever_the_budget_says() -> None:
+    """The one slowdown that crosses the windows also goes in one the budget would hold: the
+    kernel's OOM kill would cut off every request."""
+    spent = day_to(IN, 0.1, failed=2.9)  # the whole budget spent
+    leak = evaluate(
+        ENFORCE, cause="host_memory_growth", wanted=True, uptime=20 * 3600.0,
+        request_rate=1.0, history=(), controls=Controls(), now=IN, budget=budget(spent, IN),
+        harm_in=3600.0,
+    )  # fmt: skip
+    assert (leak.action, leak.reason) == ("restart", "restart: in window")
+    growth = evaluate(
+        ENFORCE, cause="host_memory_growth", wanted=True, uptime=20 * 3600.0,
+        request_rate=1.0, history=(), controls=Controls(), now=IN, budget=budget(spent, IN),
+    )  # fmt: skip
+    assert growth.action == "hold" and growth.reason.startswith("error budget: ")
+
+
+def test_a_scrape_that_timed_out_loses_no_answer_and_refuses_nothing() -> None:
+    start = T0.timestamp() - 3600
+    samples = [Sample(T0.timestamp() + 10 * i, 1000.0 + 10 * i, metrics(100 * i, start=start))
+               for i in range(6)]  # fmt: skip
+    samples[3] = Sample(samples[3].time, samples[3].mono, None, "timed out", vllm_silent=True)
+    state, settings = run_ticks(samples)
+    tally = state.slo.over(settings.slo, 3600, samples[-1].time)
+    assert tally[:2] == (500.0, 500.0)  # every answer since the first look, none failed
+    # Refused outright (nothing listens): the interval's requests count as failed.
+    samples[3] = Sample(samples[3].time, samples[3].mono, None, "connection refused")
+    state, settings = run_ticks(samples)
+    assert state.slo.over(settings.slo, 3600, samples[-1].time)[:2] == (500.0, 600.0)
+
+
+def test_a_wall_clock_set_back_far_does_not_blind_the_tallies() -> None:
+    ahead = SloState().add(SLO, T0.timestamp() + 86400, Counts(answered=5))  # a day ahead
+    state = ahead.add(SLO, T0.timestamp(), Counts(answered=10))
+    assert state.over(SLO, 3600, T0.timestamp())[:2] == (10.0, 10.0)
+    # A state file holding what no state can: refused in one line, never read.
+    data = state.to_json()
+    with pytest.raises(ValueError, match=r"^slo state: "):
+        SloState.from_json({**data, "counted": float("nan")})
+    with pytest.raises(ValueError, match=r"^slo state: "):
+        SloState.from_json({**data, "rings": [{"1": [1, 1, 0, 0, float("inf"), 0]}, {}, {}]})

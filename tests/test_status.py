@@ -573,6 +573,9 @@ def test_an_old_document_reads_with_what_it_lacked_as_unknown() -> None:
         ({"slo": {"period_days": 28, "objectives": [
             {**SLO["objectives"][0], "attainment": {"1h": "high"}}]}},
          "slo.objectives[0].attainment.1h: expected a number, got text"),
+        ({"slo": {"period_days": 28, "objectives": [
+            {**SLO["objectives"][0], "attainment": {"1h": float("nan")}}]}},
+         "slo.objectives[0].attainment.1h: expected a finite number, got nan"),
         ({"last_restart": {"kind": "restart", "reason": "r", "started": NOW,
                            "costs": {"drain_seconds": "2 s"}}},
          "last_restart.costs.drain_seconds: expected a number, got text"),

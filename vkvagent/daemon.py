@@ -635,7 +635,8 @@ class Daemon:
                 self.judged.get(a.id),
                 aborted=a.outcome == "aborted",
                 mono=placed[a.id],
-                cut_off=_cut_off(a.detail),
+                cut_off=_cost(a.detail, "aborted"),
+                refused=_cost(a.detail, "missed"),
             )
             for a in reversed(actions)
             if a.kind in RESTART_KINDS
@@ -1225,12 +1226,16 @@ class Daemon:
         )
 
 
-def _cut_off(detail: dict[str, Any]) -> float | None:
-    """The requests in flight a restart cut off, as the actuator's costs in the ledger say
-    (None: vLLM was never stopped, or did not say)."""
+def _cost(detail: dict[str, Any], name: str) -> float | None:
+    """One of a restart's costs to the clients as the actuator wrote them in the ledger:
+    ``aborted``, the requests in flight it cut off, or ``missed``, those estimated to have
+    arrived while vLLM was down (None: vLLM was never stopped, or it did not say; a value
+    that is not a finite count reads as None)."""
     costs = detail.get("costs")
-    aborted = costs.get("aborted") if isinstance(costs, dict) else None
-    return float(aborted) if isinstance(aborted, (int, float)) else None
+    value = costs.get(name) if isinstance(costs, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
 
 
 def _rates_since(first: Sample | None, sample: Sample) -> Rates | None:

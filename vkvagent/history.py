@@ -283,7 +283,11 @@ class History:
 
     def _connect(self, busy_timeout: float) -> sqlite3.Connection:
         if self.readonly:
-            if not self.path.is_file():
+            try:
+                found = self.path.is_file()
+            except OSError as exc:  # a directory this user may not enter
+                raise HistoryError(f"{self.path}: cannot read: {exc.strerror}") from None
+            if not found:
                 raise HistoryError(f"{self.path}: no history database (has the daemon run?)")
             return sqlite3.connect(
                 f"file:{quote(str(self.path))}?mode=ro",

@@ -385,8 +385,8 @@ class RecentEvent(_Part):
 def _figures(figures: dict[str, Any], where: str) -> None:
     """An objective's figures by window: each a number, or null (no events in it)."""
     for window, value in figures.items():
-        if value is not None:
-            _read("float", value, f"{where}.{window}")
+        if value is not None and not math.isfinite(_read("float", value, f"{where}.{window}")):
+            raise StatusError(f"{where}.{window}: expected a finite number, got {value!r}")
 
 
 @dataclass(frozen=True)

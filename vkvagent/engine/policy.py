@@ -318,9 +318,11 @@ class RestartRecord:
     # The monotonic time it began, when taken on this boot's clock (the ledger keeps it with
     # the boot's id): ages are then immune to steps of the wall clock.
     mono: float | None = None
-    # Requests in flight it cut off (the actuator's count): availability spent. None: none
-    # counted (drained, or not known).
+    # What it cost the clients, availability spent: the requests in flight it cut off, and
+    # those estimated to have arrived while vLLM was down (the actuator's counts; the
+    # daemon's own restarts leave no sample of that time). None: not known.
     cut_off: float | None = None
+    refused: float | None = None
 
     def age(self, at: float, mono: float | None) -> float:
         """Seconds since it began: on the monotonic clock when both ends have it, else on
@@ -538,7 +540,7 @@ def evaluate(
                 return verdict("hold", f"outside window{following}")
         elif not_yet := _not_yet(harm_in, upcoming, now):
             return verdict("hold", not_yet)
-        if budget is not None and not cheaper.startswith("outside window, before"):
+        if budget is not None and harm_in is None:  # a foretold OOM kill goes regardless
             spent = _budget_holds(settings, cause, budget, upcoming, now, traffic)
             if spent:
                 return verdict("hold", spent)
@@ -714,17 +716,21 @@ def _cheaper_now(
     budget: Budget | None,
 ) -> str:
     """Why a restart goes outside the windows where the operator opted in (``when_cheaper``):
-    with an [slo], it saves more latency budget until the next window than it spends of the
-    availability budget, which the budget left covers; without one, a slowdown's waiting
-    would lose more service (speed lost x time) than the restart's outage. "" to wait."""
+    with an [slo], only while the availability budget left covers it, and, with a latency
+    objective, when it saves more latency budget until the next window than it spends;
+    without one, when a slowdown's waiting would lose more service (speed lost x time) than
+    the restart's outage. "" to wait."""
     if settings.outside_windows != "when_cheaper" or upcoming is None:
         return ""  # the windows hold (without windows, only emergencies restart)
     wait = (upcoming - now).total_seconds()
     spend = budget.spend(wait) if budget is not None else None
-    if spend is not None:
-        if spend.saving is None or spend.cost > spend.left or spend.saving <= spend.cost:
+    if spend is not None and spend.cost > spend.left:
+        return ""
+    if spend is not None and spend.saving is not None:
+        if spend.saving <= spend.cost:
             return ""
         return f"outside window, within the error budget: {spend.words()}"
+    # No latency objective to weigh (or nothing counted yet): service lost against the outage.
     if cause not in SLOWDOWNS or uptime is None:
         return ""
     outage = plan.outage if plan is not None else DEFAULT_OUTAGE
@@ -795,8 +801,8 @@ def _quieter_later(
         return ""
     return (
         f"error budget: a restart at {utc_text(best[1].timestamp())}, this host's quieter "
-        f"hour, spends {best[0] * 100:.2g} % of the budgets (waiting included) against "
-        f"{spend.cost * 100:.2g} % now"
+        f"hour, spends {best[0] * 100:.1f} % of the budgets (waiting included) against "
+        f"{spend.cost * 100:.1f} % now"
     )
 
 

@@ -237,14 +237,22 @@ class SloState:
     fresh: Tally = EMPTY
     last_fresh: Tally = EMPTY
 
-    def add(self, settings: SloSettings, at: float, counts: Counts) -> SloState:
-        """The state with ``counts`` in the buckets holding ``at`` (UTC), old buckets dropped."""
+    def add(
+        self, settings: SloSettings, at: float, counts: Counts, *, late: bool = False
+    ) -> SloState:
+        """The state with ``counts`` in the buckets holding ``at`` (UTC), old buckets dropped.
+        A sample's ``at`` far behind the newest bucket means the wall clock was set back: the
+        buckets ahead of it go. ``late``: counts placed after newer ones (a restart's, with
+        its record), which drop nothing newer."""
         if counts == _NOTHING:
             return self
         tally = counts.tally()
         rings = []
-        for (size, kept), ring in zip(self._sizes(settings), self.rings):
+        for (size, kept), held in zip(self._sizes(settings), self.rings):
             index = math.floor(at / size)
+            ring = held
+            if not late and max(held, default=index) > index + kept:
+                ring = {i: t for i, t in held.items() if i <= index}
             newest = max(index, max(ring, default=index))
             if index <= newest - kept:  # older than the ring holds (a late restart record)
                 rings.append(ring)
@@ -348,12 +356,11 @@ class SloState:
             )
             if len(rings) != 3:
                 raise ValueError(f"expected 3 rings, got {len(rings)}")
-            last, counted, since = data["last_rate"], data["counted"], data["since"]
             return cls(
                 rings,
-                None if since is None else float(since),
-                None if last is None else float(last),
-                None if counted is None else float(counted),
+                _time(data["since"]),
+                _time(data["last_rate"]),
+                _time(data["counted"]),
                 str(data["run"]),
                 _tally(data["fresh"]),
                 _tally(data["last_fresh"]),
@@ -369,9 +376,18 @@ _NOTHING = Counts()
 
 def _tally(values: Any) -> Tally:
     tally = tuple(float(v) for v in values)
-    if len(tally) != len(EMPTY) or not all(v >= 0 for v in tally):
+    if len(tally) != len(EMPTY) or not all(0 <= v < math.inf for v in tally):
         raise ValueError(f"bad tally {values!r}")
     return tally
+
+
+def _time(value: Any) -> float | None:
+    """A finite number or None from the state file; ValueError otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"expected a finite number or null, got {value!r}")
+    return float(value)
 
 
 def _sum(ring: Mapping[int, Tally], size: float, start: float, end: float) -> Tally:
@@ -428,15 +444,11 @@ def counts(settings: SloSettings, interval: Interval) -> Counts:
     out = Counts(answered=max(0.0, interval.answered or 0.0), failed=max(0.0, failed))
     if settings.ttft_seconds is not None and interval.ttft is not None:
         good = share_within(interval.ttft, settings.ttft_seconds)
-        out = _with(out, ttft_good=good, ttft_all=interval.ttft.count)
+        out = replace(out, ttft_good=good, ttft_all=interval.ttft.count)
     if settings.itl_seconds is not None and interval.itl is not None:
         good = share_within(interval.itl, settings.itl_seconds)
-        out = _with(out, itl_good=good, itl_all=interval.itl.count)
+        out = replace(out, itl_good=good, itl_all=interval.itl.count)
     return out
-
-
-def _with(c: Counts, **values: float) -> Counts:
-    return Counts(**{**c.__dict__, **values})
 
 
 def _busy_hours(hourly: Mapping[int, Tally], day: Tally, now: float) -> list[Tally]:
@@ -468,12 +480,12 @@ class Spend:
 
     def words(self) -> str:
         return (
-            f"a restart spends {self.cost * 100:.2g} % of the availability budget "
+            f"a restart spends {self.cost * 100:.1f} % of the availability budget "
             f"({self.left * 100:.0f} % left to spend)"
             + (
                 ""
                 if self.saving is None
-                else f" and saves {self.saving * 100:.2g} % of the latency budget over the "
+                else f" and saves {self.saving * 100:.1f} % of the latency budget over the "
                 f"next {self.horizon / 3600:.1f} h"
             )
         )
@@ -490,9 +502,9 @@ class Budget:
     rate: float | None  # requests/s a restart now would refuse
     outage: float  # seconds it refuses them: vLLM's start, and the drain before it
 
-    def spend(self, horizon: float, in_flight: float = 0.0) -> Spend | None:
-        """A restart now: its cost (the requests refused in its outage, and ``in_flight``
-        cut off) over the period's availability budget (``SloState.scale``), what is left to
+    def spend(self, horizon: float) -> Spend | None:
+        """A restart now: its cost (the requests refused in its outage and drain) over the
+        period's availability budget (``SloState.scale``), what is left to
         spend (paced: ``UP_FRONT`` of it at once, the rest as the period is counted), and
         what it saves of the latency objectives' budgets over ``horizon`` seconds (the last
         hour's or day's miss rate, the higher, down to the last fresh run's). None without an
@@ -507,7 +519,7 @@ class Budget:
         if not allowed:
             return None
         per_rate = self.outage / allowed
-        cost = (self.rate or 0.0) * per_rate + in_flight / allowed
+        cost = (self.rate or 0.0) * per_rate
         left = max(UP_FRONT, 1 / scale) - (total - good) / allowed
         # The latency budget saved: the share of events a fresh run would not miss, for the
         # ``horizon``'s share of the period, over the share the objective may miss. The miss

@@ -411,6 +411,7 @@ def decide(
                 observed,
                 fresh,
                 stalled=diagnosis.cause == "stall",
+                unresponsive=diagnosis.cause == "unresponsive",
                 down_rate=_expected_rate(settings.policy, state, now),
                 fresh_run=_fresh(b, baseline, uptime) and baseline.busy_from is not None,
                 rate=stats.requests_per_s if stats else None,
@@ -733,42 +734,53 @@ def _slo_counted(
     fresh: Sequence[Sample],
     *,
     stalled: bool,
+    unresponsive: bool,
     down_rate: float | None,
     fresh_run: bool,
     rate: float | None,
 ) -> SloState:
     """The objectives' tallies with the samples not read before, and the requests restarts
-    cut off: each interval between two samples of one run by its counters' and histograms'
-    deltas; one in which vLLM was down, loading or stalled as the requests this host sends
-    then (``down_rate``); a new run's first sample from its process start, when that came
-    after the sample before (else its counters hold what vLLM served before the agent
-    looked). ``fresh_run``: this run is fresh, its latency is what a restart brings back."""
+    cut off or refused: each interval between two answers of one run by its counters' and
+    histograms' deltas; one in which vLLM was down, loading, stalled or unresponsive as the
+    requests this host sends then (``down_rate``); a new run's first answer from its process
+    start, when that came after the answer before (else its counters hold what vLLM served
+    before the agent looked). ``fresh_run``: this run is fresh, its latency is what a
+    restart brings back."""
     for record in sorted(observed.restarts, key=lambda r: r.time):
-        if record.cut_off and (slo.counted is None or record.time > slo.counted):
-            slo = replace(slo.add(settings, record.time, Counts(failed=record.cut_off)),
+        failed = (record.cut_off or 0.0) + (record.refused or 0.0)
+        if failed > 0 and (slo.counted is None or record.time > slo.counted):
+            slo = replace(slo.add(settings, record.time, Counts(failed=failed), late=True),
                           counted=record.time)  # fmt: skip
     if not fresh:
         return slo
     first, seen = fresh[0].mono, None
     before = next((x for x in reversed(observed.samples) if x.mono < first), None)
+    valid = next((x for x in reversed(observed.samples) if x.mono < first and x.vllm), None)
     for sample in fresh:
-        seconds = sample.mono - before.mono if before is not None else 0.0
         found: Interval | None = None
-        old = before.vllm if before is not None else None
-        if sample.vllm is None or observed.unit_active is False or stalled:
-            found = Interval(seconds, refused_rate=down_rate)
-        elif old is not None and not is_reset(old, sample.vllm):
-            found = _interval(old, sample.vllm, seconds)
-        elif before is not None and (sample.vllm.process_start_time or 0) >= before.time:
-            found = _interval(None, sample.vllm, seconds)  # vLLM started after the last look
-        if found is not None and found.answered is not None and seconds > 0:
-            seen = (found.answered + found.errors) / seconds
+        metrics = sample.vllm
+        if metrics is None or observed.unit_active is False or stalled:
+            # Down, loading, stalled or hung: what this host's clients send meanwhile is
+            # refused. A scrape that only timed out (vLLM silent) is not, until vLLM is
+            # unresponsive: the next answer's counters say what it served meanwhile.
+            if metrics is not None or not sample.vllm_silent or unresponsive:
+                gap = sample.mono - before.mono if before is not None else 0.0
+                found = Interval(gap, refused_rate=down_rate)
+        elif valid is not None and valid.vllm and not is_reset(valid.vllm, metrics):
+            found = _interval(valid.vllm, metrics, sample.mono - valid.mono)
+        elif valid is not None and (metrics.process_start_time or 0) >= valid.time:
+            # vLLM started after the last look: its counters hold only this run's.
+            found = _interval(None, metrics, sample.mono - valid.mono)
+        if found is not None and found.answered is not None and found.seconds > 0:
+            seen = (found.answered + found.errors) / found.seconds
         if found is not None:
             tally = counts(settings, found)
             slo = slo.add(settings, sample.time, tally)
-            if fresh_run and sample.vllm is not None and sample.vllm.process_start_time:
-                slo = slo.counted_fresh(f"{sample.vllm.process_start_time:.3f}", tally)
+            if fresh_run and metrics is not None and metrics.process_start_time:
+                slo = slo.counted_fresh(f"{metrics.process_start_time:.3f}", tally)
         before = sample
+        if metrics is not None:
+            valid = sample
     rate = rate if rate is not None else seen
     return slo if rate is None else replace(slo, last_rate=rate)
 
