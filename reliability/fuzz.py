@@ -282,8 +282,10 @@ def _toml(value: Any) -> str:
 
 def _near(spec: dataclasses.Field[Any]) -> st.SearchStrategy[Any]:
     """Values around what the key allows: its type within and just past its limits, its
-    choices, and its default."""
+    choices, and its default (or example)."""
     meta, default = spec.metadata, spec.default
+    if default is None:  # unset by default ([slo]'s targets): typed as its example
+        default = meta["example"]
     low, high = meta.get("min"), meta.get("max")
     options: list[st.SearchStrategy[Any]] = [st.just(default)]
     if isinstance(default, bool):
