@@ -1299,6 +1299,7 @@ def _verdict(sample: Sample, decision: Decision, failed: tuple[str, ...]) -> sta
         ratio=decision.ratio,
         enter_ratio=decision.band[0] if decision.band else None,
         leave_ratio=decision.band[1] if decision.band else None,
+        stalled_s=decision.stalled_s,
         evidence=dict(decision.evidence),
         suggestion=dict(decision.suggestion),
         reasons=dict(decision.suggestion_reasons),

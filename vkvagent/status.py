@@ -229,6 +229,9 @@ class Verdict(_Part):
     # The band ``ratio`` is judged by: slow below enter_ratio, back above leave_ratio.
     enter_ratio: float | None = None
     leave_ratio: float | None = None
+    # How long vLLM has had work without making progress (no token, no engine step); 0 when
+    # it progresses or has nothing to do. A stall is diagnosed once it reaches stall_after.
+    stalled_s: float = 0.0
     evidence: dict[str, Any] = field(default_factory=dict)
     suggestion: dict[str, Any] = field(default_factory=dict)  # vLLM flags to review
     reasons: dict[str, Any] = field(default_factory=dict)  # why each suggested flag (text)

@@ -115,6 +115,33 @@ class UnitState:
     active_enter_timestamp: int = 0
     # MemoryMax: the cgroup's hard limit, where the kernel OOM-kills; None when unlimited.
     memory_max: int | None = None
+    restart_policy: str = ""  # Restart=: no, on-success, on-failure, on-abnormal, always, ...
+    unit_file_state: str = ""  # enabled, disabled, static, masked, ...; "" when unknown
+    # The units that want or require it (a target it is enabled in, or a Requires=/Wants=).
+    wanted_by: tuple[str, ...] = ()
+    # How the main process last ended: code (1 exited, 2 killed, 3 dumped core; 0 never
+    # ended) and status (the exit status, or the signal's number).
+    exec_main_code: int = 0
+    exec_main_status: int = 0
+    # When the unit last left the active state (CLOCK_REALTIME, µs since the epoch); 0: never.
+    inactive_enter_timestamp: int = 0
+
+    @property
+    def wanted(self) -> bool:
+        """Enabled, or wanted or required by another unit: meant to run, unless masked."""
+        return self.load_state != "masked" and (
+            bool(self.wanted_by) or self.unit_file_state in ("enabled", "enabled-runtime")
+        )
+
+    @property
+    def exit_text(self) -> str:
+        """How the main process last ended, as systemd logs it ("status=0", "signal 9")."""
+        if self.exec_main_code == 1:
+            return f"exited with status {self.exec_main_status}"
+        if self.exec_main_code in (2, 3):
+            what = "dumped core on" if self.exec_main_code == 3 else "killed by"
+            return f"{what} signal {self.exec_main_status}"
+        return ""
 
 
 class Systemd:
@@ -182,11 +209,28 @@ class Systemd:
             control_group=service.get("ControlGroup", ""),
             active_enter_timestamp=unit.get("ActiveEnterTimestamp", 0),
             memory_max=None if limit == UINT64_MAX else limit,
+            restart_policy=service.get("Restart", ""),
+            unit_file_state=unit.get("UnitFileState", ""),
+            wanted_by=tuple(unit.get("WantedBy", ())) + tuple(unit.get("RequiredBy", ())),
+            exec_main_code=service.get("ExecMainCode", 0),
+            exec_main_status=service.get("ExecMainStatus", 0),
+            inactive_enter_timestamp=unit.get("InactiveEnterTimestamp", 0),
         )
 
     def reload(self, timeout: float | None = None) -> None:
         """Reload every unit file (``systemctl daemon-reload``); returns once systemd has."""
         self._call("reload", None, _manager("Reload"), timeout)
+
+    def start(
+        self,
+        name: str,
+        timeout: float = 90.0,
+        *,
+        tick: Callable[[], None] | None = None,
+        every: float = 0.5,
+    ) -> str:
+        """Start the unit (mode "replace"), as ``restart`` does for a unit that is down."""
+        return self._job("start", "StartUnit", name, timeout, tick, every)
 
     def restart(
         self,
@@ -203,7 +247,17 @@ class Systemd:
         that the service is ready. Raises ``SystemdError`` (reason ``timeout``) when the job
         has not ended within ``timeout`` seconds; the job itself goes on. ``tick`` is called
         about every ``every`` seconds while the job runs (a stop that drains takes long)."""
-        operation = "restart"
+        return self._job("restart", "RestartUnit", name, timeout, tick, every)
+
+    def _job(
+        self,
+        operation: str,
+        method: str,
+        name: str,
+        timeout: float,
+        tick: Callable[[], None] | None,
+        every: float,
+    ) -> str:
         deadline = time.monotonic() + timeout
         connection = self._connect(operation, name)
         if not self._subscribed:
@@ -214,7 +268,7 @@ class Systemd:
         self._call(operation, name, _bus("AddMatch", rule.serialise()))
         try:
             with connection.filter(rule, queue=deque()) as removed:
-                job = self._call(operation, name, _manager("RestartUnit", "ss", (name, "replace")))
+                job = self._call(operation, name, _manager(method, "ss", (name, "replace")))
                 return self._wait_job(
                     operation, name, job[0], removed, deadline, timeout, tick, every
                 )

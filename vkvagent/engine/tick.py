@@ -240,6 +240,10 @@ class Decision:
     # The engine's counters have not moved for probe_after: only a request can tell idle from
     # hung, so the caller should send the active probe (replay, which has none, says so).
     probe_wanted: bool = False
+    # How long the engine has had work without progress (``Stall.seconds``); 0 when it
+    # progresses or is idle. The stall is a cause only from stall_after; readiness uses it
+    # at once.
+    stalled_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The decision as replay's JSON prints it (the state is persisted separately)."""
@@ -463,6 +467,7 @@ def decide(
         recovered=recovered,
         drain_max_in_flight=verdict.drain_max_in_flight if action == "restart" else None,
         probe_wanted=_probe_wanted(d, dstate, observed, latest, mono),
+        stalled_s=situation.stall.seconds,
     )
 
 
