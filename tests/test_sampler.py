@@ -97,11 +97,16 @@ def test_the_units_state_goes_into_the_sample_and_its_failure_too() -> None:
         "vllm.service", "loaded", "active", "running", "success", 42, "ab" * 16, 1, 0,
         3 * 2**30, (ExecCommand("/usr/bin/vllm", ("vllm", "serve", "m"), False),),
         "/etc/systemd/system/vllm.service", (), 5, 10_000_000,
+        restart_policy="on-failure", unit_file_state="enabled",
+        exec_main_code=1, exec_main_status=0,
     )  # fmt: skip
     routes = {"/metrics": lambda h: h.reply(200, PAGE)}
     with HttpServer(routes) as server:
         sample = Sampler(VllmClient(server.url), unit=lambda: state).take()
-    assert sample.unit == UnitFacts("active", "running", "ab" * 16, 42, 3 * 2**30, 0)
+    assert sample.unit == UnitFacts(
+        "active", "running", "ab" * 16, 42, 3 * 2**30, 0,
+        restart_policy="on-failure", wanted=True, last_exit="exited with status 0",
+    )  # fmt: skip
     assert sample.to_json()["unit"]["invocation_id"] == "ab" * 16
 
     def no_bus() -> UnitState:

@@ -83,4 +83,7 @@ def unit_facts(state: UnitState, cgroup_root: str | Path = CGROUP_ROOT) -> UnitF
         read_anon(state.control_group, cgroup_root),
         state.active_enter_timestamp / 1e6 if state.active_enter_timestamp else None,
         state.memory_max,
+        state.restart_policy,
+        state.wanted,
+        state.exit_text,
     )

@@ -194,6 +194,10 @@ class UnitFacts:
     memory_anon_bytes: int | None = None
     active_since: float | None = None  # UTC when the unit last became active
     memory_max_bytes: int | None = None  # MemoryMax, where the kernel OOM-kills; None: unlimited
+    # Restart= (no, on-failure, always, ...): what systemd does when vLLM exits; "": unknown.
+    restart_policy: str = ""
+    wanted: bool | None = None  # enabled, or wanted by another unit, and not masked
+    last_exit: str = ""  # how the main process last ended ("exited with status 0"); "": never
 
     @property
     def growth_bytes(self) -> int | None:
