@@ -260,6 +260,9 @@ UNIT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "memory_anon_bytes": optional(INT64),
     "active_since": optional(st.floats(-1e12, 1e12)),
     "memory_max_bytes": optional(INT64),
+    "restart_policy": st.sampled_from(["", "no", "on-failure", "always"]),
+    "wanted": optional(st.booleans()),
+    "last_exit": st.sampled_from(["", "exited with status 0", "killed by signal 9"]),
 }
 SAMPLES = st.builds(
     Sample,
@@ -625,4 +628,24 @@ def test_a_schema_4_database_gains_the_http_columns_and_keeps_its_vllm_samples(
         store.append(new)
         assert store.samples() == [old, new]
     assert sql(tmp_path, "PRAGMA user_version") == [(len(history_module._MIGRATIONS),)]
-    assert len(history_module._MIGRATIONS) == 5
+
+
+def test_a_schema_5_database_reads_its_units_restart_policy_as_unknown(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / FILE_NAME, isolation_level=None)
+    for migration in history_module._MIGRATIONS[:5]:
+        for statement in migration:
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 5")
+    db.execute(
+        "INSERT INTO samples (time, mono, unit_active_state, unit_sub_state, unit_invocation_id, "
+        "unit_main_pid, unit_n_restarts) VALUES (5.0, 1.0, 'failed', 'failed', '', 0, 0)"
+    )
+    db.close()
+    with History(tmp_path) as store:
+        (old,) = store.samples()
+        assert old.unit == UnitFacts("failed", "failed", "", 0, None, 0)
+        assert (old.unit.restart_policy, old.unit.wanted, old.unit.last_exit) == ("", None, "")
+        facts = replace(old.unit, restart_policy="on-failure", wanted=True, last_exit="x")
+        store.append(replace(old, time=6.0, unit=facts))
+        assert store.latest() == replace(old, time=6.0, unit=facts)
+    assert sql(tmp_path, "PRAGMA user_version") == [(6,)]

@@ -121,6 +121,11 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE samples ADD COLUMN http_requests_total REAL",
         "ALTER TABLE samples ADD COLUMN http_5xx_total REAL",
     ),
+    (  # 6: what keeps vLLM up: its Restart=, whether it is wanted, how it last exited
+        "ALTER TABLE samples ADD COLUMN unit_restart_policy TEXT",
+        "ALTER TABLE samples ADD COLUMN unit_wanted INTEGER",
+        "ALTER TABLE samples ADD COLUMN unit_last_exit TEXT",
+    ),
 )
 
 # VllmMetrics fields stored as they are, tuples stored as JSON, and histograms.
@@ -141,7 +146,8 @@ _VLLM_COLUMNS = (
 )  # fmt: skip
 _UNIT_FIELDS = (
     "active_state", "sub_state", "invocation_id", "main_pid", "memory_bytes", "n_restarts",
-    "memory_anon_bytes", "active_since", "memory_max_bytes",
+    "memory_anon_bytes", "active_since", "memory_max_bytes", "restart_policy", "wanted",
+    "last_exit",
 )  # fmt: skip
 _UNIT_COLUMNS = (*("unit_" + name for name in _UNIT_FIELDS), "unit_error")
 _SAMPLE_COLUMNS = (
@@ -479,7 +485,12 @@ def _unit_row(sample: Sample) -> dict[str, Any]:
 def _unit(row: dict[str, Any]) -> UnitFacts | None:
     if row["unit_active_state"] is None:
         return None
-    return UnitFacts(**{name: row["unit_" + name] for name in _UNIT_FIELDS})
+    facts = {name: row["unit_" + name] for name in _UNIT_FIELDS}
+    # Columns added after a row was written read as their field's default.
+    facts["restart_policy"] = facts["restart_policy"] or ""
+    facts["last_exit"] = facts["last_exit"] or ""
+    facts["wanted"] = None if facts["wanted"] is None else bool(facts["wanted"])
+    return UnitFacts(**facts)
 
 
 def _gpu_row(gpu: GpuReading, sample_id: int, position: int) -> dict[str, Any]:
