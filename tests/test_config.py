@@ -16,6 +16,7 @@ from vkvagent.config import Config, ConfigError
 from vkvagent.engine import Settings
 from vkvagent.engine.baseline import BaselineSettings
 from vkvagent.engine.diagnosis import DiagnosisSettings
+from vkvagent.engine.liveness import LivenessSettings
 from vkvagent.engine.policy import PolicySettings
 from vkvagent.engine.slo import SloSettings
 
@@ -142,6 +143,9 @@ def test_engine_sections_mirror_the_engine_settings_key_for_key(name: str, engin
     wanted = {f.name: f.default for f in dataclasses.fields(engine)}
     if name == "policy":  # the drain belongs to [restart], which the actuator reads too
         assert wanted.pop("drain_max_in_flight") == Config().restart.drain_max_in_flight
+        # A crash loop's thresholds are the operator's policy, and liveness's to apply.
+        for key in ("crash_loop_exits", "crash_loop_window"):
+            assert keys.pop(key) == getattr(LivenessSettings(), key)
     if name == "diagnosis":  # the probe's pace belongs to [probe], which the daemon reads too
         assert wanted.pop("probe_after") == Config().probe.after
     assert keys == wanted
@@ -195,8 +199,8 @@ def test_engine_sections_reach_the_engine(etc: Path) -> None:
          "policy.windows: expected a list of strings, got string"),
         ("[policy]\nemergency = ['stall', 'gpu_throttle']\n", 2,
          'policy.emergency: list item string "gpu_throttle": string "gpu_throttle" is not '
-         "allowed (allowed: host_memory_growth, kv_pressure, kv_stranded, stall, unresponsive, "
-         "uptime_decline)"),
+         "allowed (allowed: crash_loop, dead, host_memory_growth, kv_pressure, kv_stranded, "
+         "stall, start_hung, unresponsive, uptime_decline)"),
         ("[policy]\nmax_per_day = 0\n", 2, "policy.max_per_day: 0 is out of range (allowed: 1 to"),
         ("[baseline]\nwindow = 5\n", 2, "baseline.window: 5 is out of range (allowed: 10 to 3600)"),
         ("[diagnosis]\nkv_full = 1.5\n", 2, "diagnosis.kv_full: 1.5 is out of range"),

@@ -101,7 +101,7 @@ def held(step: Situation, seconds: float = HOLD + 60) -> list[Situation]:
 def test_the_cause_lists_split_into_fixable_and_vetoed() -> None:
     fixable = {
         "uptime_decline", "kv_pressure", "kv_stranded", "stall", "unresponsive",
-        "host_memory_growth",
+        "host_memory_growth", "dead", "start_hung", "crash_loop",
     }  # fmt: skip
     assert fixable == FIXABLE
     assert {"gpu_throttle", "gpu_fault", "load_shift"} == VETOED
@@ -458,7 +458,7 @@ def test_a_run_diagnosed_slow_stays_due_through_idle_and_unlearned_loads() -> No
     result, _ = run([*held(timed), IDLE])
     assert result.evidence["held_since"] == "2025-03-03T11:06:40Z"
     # Held causes are the ones that fade with the load; a stall or silence is acted on at once.
-    assert FIXABLE - {"stall", "unresponsive"} == HELD
+    assert FIXABLE - {"stall", "unresponsive", "dead", "start_hung", "crash_loop"} == HELD
     result, state = run([situation(stall=Stall(600.0, "requests pending")), IDLE])
     assert result.cause is None and state.due is None
 

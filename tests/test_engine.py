@@ -50,6 +50,7 @@ REASONS = (
     "restart: ", "outside window", "cooldown: ", "budget: ", "min interval: ", "escalated: ",
     "paused until", "traffic gate: ", "observe mode: ", "vetoed: ", "unknown baseline: ",
     "learning: ", "healthy: ", "watching: ", "idle: ", "engine down: ", "mode off", "not yet: ",
+    "reported: ", "crash loop back-off: ",
 )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from vkvagent import flags, hooks
 from vkvagent.engine import policy
 from vkvagent.engine.baseline import BaselineSettings
 from vkvagent.engine.diagnosis import FIXABLE, DiagnosisSettings
+from vkvagent.engine.liveness import LivenessSettings
 from vkvagent.engine.policy import PolicySettings
 from vkvagent.engine.slo import SloSettings
 from vkvagent.engine.tick import Settings
@@ -278,6 +279,15 @@ class RestartConfig:
         min=5,
         max=7200,
     )
+    start_timeout: float = setting(
+        0.0,
+        "Seconds a start of vLLM may take, whoever started it (vkvagent, systemd's Restart=, "
+        "a person), before it counts as failed and vLLM is restarted: 0 learns it, 3 times "
+        "the longest start this host measured (at least 120), and ready_timeout until one "
+        "is measured. Never infinite.",
+        min=0,
+        max=7200,
+    )
 
     def check(self) -> None:
         """ValueError when a hook cannot run."""
@@ -292,6 +302,7 @@ class RestartConfig:
 # engine's cross-field rules (enter_ratio <= leave_ratio, ...) are checked by building them.
 
 _B, _D, _P, _S = BaselineSettings, DiagnosisSettings, PolicySettings, SloSettings
+_L = LivenessSettings
 DAY = 86400.0
 WEEK = 7 * DAY
 
@@ -587,11 +598,26 @@ class PolicyConfig:
         "restarting and waits for `vkvagent resume`.",
         min=1, max=100,
     )  # fmt: skip
+    crash_loop_exits: int = setting(
+        _L.crash_loop_exits,
+        "Exits of vLLM nobody asked for (systemd's Restart= counted, or the unit left down) "
+        "within crash_loop_window that make a crash loop: vkvagent's starts for it then back "
+        "off (1 min, doubling) and stop after escalate_after of them.",
+        min=2, max=1000,
+    )  # fmt: skip
+    crash_loop_window: float = setting(
+        _L.crash_loop_window,
+        "Seconds over which exits are counted for crash_loop_exits.",
+        min=60, max=WEEK,
+    )  # fmt: skip
 
     def settings(self, drain_max_in_flight: int = 0) -> PolicySettings:
         """The engine's settings (the drain comes from [restart]); ValueError when keys
         contradict each other."""
-        return PolicySettings(**_values(self), drain_max_in_flight=drain_max_in_flight)
+        values = _values(self)
+        for name in ("crash_loop_exits", "crash_loop_window"):  # liveness's (engine_settings)
+            del values[name]
+        return PolicySettings(**values, drain_max_in_flight=drain_max_in_flight)
 
 
 def _values(section: Any) -> dict[str, Any]:
@@ -769,6 +795,12 @@ class Config:
             diagnosis=dataclasses.replace(self.diagnosis.settings(), probe_after=probe_after),
             policy=rules,
             slo=self.slo.settings(),
+            liveness=LivenessSettings(
+                start_timeout=self.restart.start_timeout,
+                start_default=self.restart.ready_timeout,
+                crash_loop_exits=self.policy.crash_loop_exits,
+                crash_loop_window=self.policy.crash_loop_window,
+            ),
         )
 
 

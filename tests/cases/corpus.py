@@ -15,7 +15,9 @@ A case says:
   cache, and found there. A row may be an object:
   ``{"repeat": N, "row": [...], "gpu": {...}, "probe": "ok"}``, ``{"repeat": N, "down":
   "why"}`` (refused) or ``{"repeat": N, "silent": "why"}`` (connected, no answer: hung);
-  ``gpu`` sets ``reasons``, ``clock``, ``max``, ``xid`` and ``ecc`` on every GPU; ``probe``
+  ``gpu`` sets ``reasons``, ``clock``, ``max``, ``xid`` and ``ecc`` on every GPU; ``unit``
+  sets the unit's facts from that row on (``UnitFacts`` fields; ``active_since`` in ISO UTC),
+  and ``stopped`` says the unit was stopped on purpose (``Observation.stopped``); ``probe``
   is the outcome of an active probe sent at that sample (``ok``, ``timeout``); ``"reset":
   true`` starts every counter again from zero at the entry's first sample, the process start
   unchanged (not with ``memory``, which counts the requests served from the first row);
@@ -152,18 +154,27 @@ def _ticks(
     memory: list[MemoryPoint] = []
     leak = data.get("memory")
     probe = ProbeFacts()
+    unit: UnitFacts | None = None
     for entry in _rows(data):
         wall += interval
         if entry.get("reset"):  # the counters start again from zero, the process start kept
             counters = _Counters(gen=0.0, prompt=0.0, req=0.0, steps=0.0)
         mono = wall - started + 1000.0
         down = entry.get("down") or entry.get("silent") or ""
+        if "unit" in entry:
+            facts = dict(entry["unit"])
+            if facts.get("active_since"):
+                facts["active_since"] = _time(facts["active_since"])
+            unit = UnitFacts(**{"invocation_id": "case", "main_pid": 1, "memory_bytes": None,
+                                "n_restarts": 0, **facts})  # fmt: skip
         if down:
-            samples.append(Sample(wall, mono, None, down, vllm_silent="silent" in entry))
+            samples.append(
+                Sample(wall, mono, None, down, vllm_silent="silent" in entry, unit=unit)
+            )
         else:
             values = dict(zip(columns, entry["row"]))
             metrics = _advance(counters, values, interval, started)
-            unit = _unit(leak)
+            unit = unit or _unit(leak)
             samples.append(
                 Sample(wall, mono, metrics, None, (_gpu(entry.get("gpu", {})),), None, unit)
             )
@@ -181,7 +192,11 @@ def _ticks(
             probe = ProbeFacts(probe.answered, unanswered, last_sent=mono)
         observed = Observation(
             samples=tuple(samples),
-            unit_active=not down.startswith("inactive"),
+            unit_active=(
+                unit.active_state == "active" if unit else not down.startswith("inactive")
+            ),
+            unit_started=unit.active_since if unit else None,
+            stopped=entry.get("stopped", ""),
             memory=tuple(memory),
             restarts=restarts,
             flags=MappingProxyType(data.get("flags", {})),

@@ -24,8 +24,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Union
 
+from vkvagent.engine import liveness
 from vkvagent.engine.baseline import Capacity, Comparison, WindowStats
 from vkvagent.engine.gpu_faults import describe_xid, is_fault
+from vkvagent.engine.liveness import Found
 from vkvagent.engine.samples import (
     EngineSignals,
     FlagValue,
@@ -37,12 +39,13 @@ from vkvagent.engine.samples import (
 
 FIXABLE = frozenset(
     {"uptime_decline", "kv_pressure", "kv_stranded", "stall", "unresponsive", "host_memory_growth"}
+    | set(liveness.CAUSES)
 )
 VETOED = frozenset({"gpu_throttle", "gpu_fault", "load_shift"})
 # Causes a run stays due for once diagnosed (judge the run, not only the moment): a slowing or
 # filling server's symptoms fade at idle or unlearned loads, the cause does not. A stall or
 # silence is acted on at once, as an emergency; once it ends there is nothing left to hold.
-HELD = FIXABLE - {"stall", "unresponsive"}
+HELD = FIXABLE - {"stall", "unresponsive", *liveness.CAUSES}
 # Held causes that show only under load: recovery counts at the demand they were diagnosed at or
 # more (a leaky KV cache looks healthy at night). Demand, not the load served: under KV
 # pressure the server serves less, so its served load falls into a lighter regime.
@@ -498,6 +501,9 @@ class Situation:
     run_began: float | None = None  # monotonic time this vLLM run began
     decline: float | None = None  # speed this run lost by now on its own trend, if it declines
     down: str | None = None  # why there is no live engine to judge, if so
+    # With vLLM down: the cause of liveness's to act on (a dead unit, a hung start, a crash
+    # loop); None: down for a reason only reported (engine_down).
+    liveness: Found | None = None
     flags: Mapping[str, FlagValue] = field(default_factory=dict)  # the flags in effect
     cache_config: Mapping[str, str] = field(default_factory=dict)
     # Whose fresh baseline ``comparison`` is against: "this run's", or "an earlier run's" at a
@@ -543,10 +549,12 @@ class Diagnosis:
     # Seconds until the harm the cause foretells (a leak reaching MemoryMax; 0 once there):
     # the policy restarts in the last window before it. None: nothing foretold, or untimed.
     harm_in: float | None = None
+    # Named, but nothing for vkvagent to do now (a crash loop systemd is restarting).
+    reported: bool = False
 
     @property
     def fixable(self) -> bool:
-        return self.cause in FIXABLE
+        return self.cause in FIXABLE and not self.reported
 
     @property
     def vetoed(self) -> bool:
@@ -658,6 +666,19 @@ def _diagnose(
             situation.unresponsive,
             {"detail": situation.down or situation.unresponsive},
             symptom="no answer",
+        ), state
+    down = situation.liveness
+    if down is not None and faulty:
+        return Diagnosis(
+            "gpu_fault",
+            f"GPU fault: {state.fault_note}; vLLM is down ({down.summary}) and starting it "
+            "again does not repair a GPU",
+            {"fault": state.fault_note, **down.evidence},
+            symptom="engine down",
+        ), state
+    if down is not None:
+        return Diagnosis(
+            down.cause, down.summary, down.evidence, symptom="engine down", reported=down.reported
         ), state
     if situation.down is not None:
         return Diagnosis(

@@ -27,6 +27,8 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from vkvagent.engine.diagnosis import FIXABLE, VETOED
+from vkvagent.engine.liveness import CAUSES as DOWN
+from vkvagent.engine.liveness import CRASH_LOOP
 from vkvagent.engine.prevention import DEFAULT_OUTAGE, Plan
 from vkvagent.engine.samples import utc_text
 from vkvagent.engine.slo import Budget, Spend
@@ -441,6 +443,7 @@ def evaluate(
     loss: float | None = None,
     harm_in: float | None = None,
     budget: Budget | None = None,
+    crash_window: float = 3600.0,
 ) -> Verdict:
     """The verdict for a diagnosed ``cause``; ``wanted`` says a restart would fix it. With no
     such cause, a flag change (``flags_due`` says which) is proposed, else a preventive
@@ -455,14 +458,18 @@ def evaluate(
     the intervals, cooldown, budget and back-off are measured on for every restart that has
     one (``RestartRecord.age``). ``budget``: the operator's objectives ([slo]): a restart that
     is no emergency goes only while the availability budget left covers it and, for a cause
-    diagnosed, when it saves more latency budget than it spends (``_budget_holds``)."""
+    diagnosed, when it saves more latency budget than it spends (``_budget_holds``). A vLLM
+    that serves nothing (``liveness.CAUSES``: dead, a hung start, a crash loop) interrupts
+    nobody: it goes at any hour, without a drain, the minimum interval or the cooldown, but
+    within the daily budget, and a crash loop's starts back off (``_crash_backoff``) within
+    ``crash_window``."""
     is_open, upcoming = window_state(settings, now)
 
     def verdict(action: str, reason: str, drain: int | None = None) -> Verdict:
         return Verdict(action, reason, cause, is_open, upcoming, drain)
 
     due = settings.max_uptime > 0 and uptime is not None and uptime >= settings.max_uptime
-    calm = not wanted and cause not in (*VETOED, "engine_down")
+    calm = not wanted and cause not in (*VETOED, *DOWN, "engine_down")
     prevention, held = "", ""
     if calm:
         prevention, held = _prevention(
@@ -497,7 +504,12 @@ def evaluate(
         )
     if controls.paused_until is not None and at < controls.paused_until:
         return verdict("hold", f"paused until {utc_text(controls.paused_until)}")
-    emergency = cause in settings.emergency
+    down = cause in DOWN
+    emergency = cause in settings.emergency or down
+    if cause == CRASH_LOOP:
+        backoff = _crash_backoff(settings, history, controls, at, mono, crash_window)
+        if backoff:
+            return verdict("hold", backoff)
     aborted, since_aborted, wait = retry_wait(history, controls, at, emergency=emergency, mono=mono)
     if aborted and since_aborted < wait:
         return verdict(
@@ -506,7 +518,7 @@ def evaluate(
             f"{_ago(since_aborted)} ago; next try in {_ago(wait - since_aborted)}",
         )
     past = sorted(r.age(at, mono) for r in history if not r.aborted)  # ages, youngest first
-    if past and past[0] < settings.min_interval:
+    if past and past[0] < settings.min_interval and not down:
         return verdict(
             "hold",
             f"min interval: last restart {_ago(past[0])} ago "
@@ -558,10 +570,51 @@ def evaluate(
             if busy:
                 return verdict("hold", busy)
     drain = None if emergency else settings.drain_max_in_flight
-    where = "emergency, any time" if emergency else cheaper or "in window"
+    where = (
+        "vLLM serves nothing, any time"
+        if down
+        else "emergency, any time"
+        if emergency
+        else cheaper or "in window"
+    )
     if settings.mode == "observe":
         return verdict("hold", f"{WOULD_RESTART} ({where})", drain)
     return verdict("restart", f"restart: {where}", drain)
+
+
+def _crash_backoff(
+    settings: PolicySettings,
+    history: Sequence[RestartRecord],
+    controls: Controls,
+    at: float,
+    mono: float | None,
+    window: float,
+) -> str:
+    """Why a start for a crash loop waits: after ``escalate_after`` starts for it within
+    ``window`` (since the last resume) it stops until resumed; before that, each start
+    waits twice as long as the one before (RETRY_FIRST, doubling, at most RETRY_MAX)."""
+    ages = sorted(
+        r.age(at, mono)
+        for r in history
+        if r.cause == CRASH_LOOP
+        and not r.aborted
+        and (controls.resumed_at is None or r.time > controls.resumed_at)
+        and r.age(at, mono) < window
+    )
+    if not ages:
+        return ""
+    if len(ages) >= settings.escalate_after:
+        return (
+            f"escalated: {len(ages)} starts for crash_loop in the last {_ago(window)} and vLLM "
+            "still exits; waiting for `vkvagent resume`"
+        )
+    wait = min(RETRY_FIRST * 2 ** len(ages), RETRY_MAX)
+    if ages[0] < wait:
+        return (
+            f"crash loop back-off: {len(ages)} start(s) for it, the last {_ago(ages[0])} ago; "
+            f"next in {_ago(wait - ages[0])}"
+        )
+    return ""
 
 
 def _slowdown_uncured(history: Sequence[RestartRecord], controls: Controls) -> bool:

@@ -45,6 +45,7 @@ from vkvagent.engine.diagnosis import (
     diagnose,
     optional_float,
 )
+from vkvagent.engine.liveness import LivenessSettings, LivenessState, judge, observe
 from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
 from vkvagent.engine.prevention import (
     DEFAULT_OUTAGE,
@@ -80,6 +81,7 @@ class Settings:
     policy: PolicySettings = field(default_factory=PolicySettings)
     prevention: PreventionSettings = field(default_factory=PreventionSettings)
     slo: SloSettings = field(default_factory=SloSettings)
+    liveness: LivenessSettings = field(default_factory=LivenessSettings)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,12 @@ class Observation:
     # it (the flags loop's judgement); the rest is lost until it is rolled back. None: not a
     # rollback, or not judged.
     flags_slower: float | None = None
+    # The unit was stopped on purpose (systemd's line for a stop job someone asked for, or a
+    # kill on a client's request, since it last became active): a down unit is left down.
+    # "": nobody did.
+    stopped: str = ""
+    # vLLM's own error line from the journal of the run that ended, for the evidence; "": none.
+    exit_line: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,7 @@ class EngineState:
     track: Track | None = None  # this run's speed by uptime
     past: tuple[Track, ...] = ()  # earlier runs that ended due for uptime_decline
     slo: SloState = field(default_factory=SloState)  # the objectives' tallies
+    liveness: LivenessState = field(default_factory=LivenessState)  # exits and starts seen
     # The prevention plan from ``past``, and the hour (UTC) it was made for: derived from
     # them alone, so neither persisted nor compared.
     plan: Plan | None = field(default=None, compare=False)
@@ -174,6 +183,7 @@ class EngineState:
             "track": self.track.to_json() if self.track else None,
             "past": [t.to_json() for t in self.past],
             "slo": self.slo.to_json(),
+            "liveness": self.liveness.to_json(),
         }
 
     @classmethod
@@ -210,6 +220,11 @@ class EngineState:
                 past=tuple(Track.from_json(t) for t in data.get("past") or ()),
                 # States written before [slo] have no tallies: counting starts now.
                 slo=SloState.from_json(data["slo"]) if data.get("slo") else SloState(),
+                liveness=(
+                    LivenessState.from_json(data["liveness"])
+                    if data.get("liveness")
+                    else LivenessState()
+                ),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"engine state: {type(exc).__name__}: {exc}") from None
@@ -308,7 +323,11 @@ def decide(
     heard = state.diagnosis
     for sample in fresh:
         heard = heard.heard(sample)
-    state = replace(state, diagnosis=heard)
+    state = replace(
+        state,
+        diagnosis=heard,
+        liveness=observe(settings.liveness, state.liveness, fresh, stopped=observed.stopped),
+    )
     valid = _ordered(observed.samples)
     state = _read_samples(settings, state, valid)
     latest = valid[-1] if valid else None
@@ -336,6 +355,18 @@ def decide(
     borrowed = carried.run if carried is not None and regime is not None and own is None else None
     comparison = compare(stats, key, regime) if stats and regime and key is not None else None
     capacity = reference.capacity(b)
+    down, dead = _down(observed), None
+    if down is not None:
+        dead, note = judge(
+            settings.liveness,
+            state.liveness,
+            observed.samples[-1] if observed.samples else None,
+            stopped=observed.stopped,
+            exit_line=observed.exit_line,
+            answered_at=state.diagnosis.answered_at,
+            mono=mono,
+        )
+        down = f"{down}; {note}" if note else down
     situation = Situation(
         stats=stats,
         comparison=comparison,
@@ -354,7 +385,8 @@ def decide(
         memory_limit=_memory_limit(observed.samples),
         run_began=latest.mono - uptime if latest is not None and uptime is not None else None,
         decline=decline(state.track, uptime),
-        down=_down(observed),
+        down=down,
+        liveness=dead,
         flags=observed.flags,
         cache_config=latest.vllm.cache_config if latest is not None and latest.vllm else {},
         baseline_of=_baseline_of(b, baseline, borrowed, modelled and regime is not None),
@@ -438,6 +470,7 @@ def decide(
         loss=_loss(dstate, comparison, diagnosis, observed),
         harm_in=diagnosis.harm_in,
         budget=_budget(settings, state, stats, now) if settings.slo.declared else None,
+        crash_window=settings.liveness.crash_loop_window,
     )
     action, reason = _action(
         settings.policy, diagnosis, verdict, uptime, observed.flags_due, state.plan
@@ -491,6 +524,8 @@ def _action(
         return verdict.action, f"{verdict.reason}; {why}"
     if diagnosis.fixable:
         return verdict.action, f"{verdict.reason}; {diagnosis.cause}: {diagnosis.summary}"
+    if diagnosis.reported:
+        return "none", f"reported: {diagnosis.cause}: {diagnosis.summary}"
     if diagnosis.vetoed:
         action = "hold" if diagnosis.symptom else "none"
         return action, f"vetoed: {diagnosis.cause}: {diagnosis.summary}"
@@ -517,7 +552,11 @@ def _after_reboot(state: EngineState, samples: Sequence[Sample]) -> EngineState:
     if not samples or state.seen is None or max(s.mono for s in samples) >= state.seen:
         return state
     return replace(
-        state, seen=None, run=replace(state.run, cursor=None), diagnosis=DiagnosisState()
+        state,
+        seen=None,
+        run=replace(state.run, cursor=None),
+        diagnosis=DiagnosisState(),
+        liveness=state.liveness.forget_monotonic(),
     )
 
 
