@@ -257,9 +257,14 @@ def test_vllm_ending_without_vkvagent_asking_is_reported(tmp_path: Path) -> None
     stream = io.StringIO()
     daemon = Daemon.offline(write_config(tmp_path, "http://127.0.0.1:9"), stream)
 
-    def seen(state: str, sub: str, restarts: int, invocation: str = "a") -> None:
-        unit = UnitFacts(state, sub, invocation, 100, None, restarts)
-        daemon._note_unit(Sample(time=time.time(), mono=time.monotonic(), vllm=None, unit=unit))
+    def seen(state: str, sub: str, restarts: int, invocation: str = "a", stopped: str = "") -> None:
+        unit = UnitFacts(
+            state, sub, invocation, 100, None, restarts, restart_policy="on-failure",
+            last_exit="exited with status 0" if state == "inactive" else "",
+        )  # fmt: skip
+        sample = Sample(time=time.time(), mono=time.monotonic(), vllm=None, unit=unit)
+        line = "RuntimeError: Engine core died" if state == "inactive" else ""
+        daemon._note_unit(sample, {"stopped": stopped, "exit_line": line})
 
     try:
         for state, sub, restarts, invocation in (
@@ -272,8 +277,10 @@ def test_vllm_ending_without_vkvagent_asking_is_reported(tmp_path: Path) -> None
             ("active", "running", 0, "e"),  # an operator's restart
             ("inactive", "dead", 0, "c"),  # exited 0 under Restart=on-failure
             ("inactive", "dead", 0, "c"),
+            ("active", "running", 0, "f"),
         ):
             seen(state, sub, restarts, invocation)
+        seen("inactive", "dead", 0, "f", stopped="systemd: Stopping vllm.service...")
     finally:
         daemon.close()
     exits = [e for e in events_of(stream) if e["event"] == "unit.exited"]
@@ -281,9 +288,19 @@ def test_vllm_ending_without_vkvagent_asking_is_reported(tmp_path: Path) -> None
         (True, 1),
         (True, 1),
         (False, 0),
+        (False, 0),
     ]
     assert "Restart= started it again" in str(exits[0]["message"])
-    assert "only Restart=always brings back" in str(exits[2]["message"])
+    assert exits[2]["message"] == (
+        "vllm.service is inactive: vLLM exited with status 0 (RuntimeError: Engine core died), "
+        "and systemd will not start it again (Restart=on-failure); nobody stopped it"
+    )
+    assert (exits[2]["exit"], exits[2]["error"]) == (
+        "exited with status 0",
+        "RuntimeError: Engine core died",
+    )
+    assert exits[3]["stopped_by"] == "systemd: Stopping vllm.service..."
+    assert "stopped on purpose" in str(exits[3]["message"])
 
 
 def test_an_outcome_is_reported_with_the_flags_it_changed_and_vllms_words() -> None:

@@ -332,8 +332,13 @@ class Actuator:
         plan: Plan | None = None,
         drain: bool = True,
         cause: str = "manual",
+        down: bool = False,
     ) -> Outcome:
         """Restart the unit, applying ``plan``'s command line first if it changes anything.
+
+        ``down``: vLLM serves nothing (it died and stayed down, or its start hangs): a unit
+        that is inactive or failed is started (StartUnit), and ``pre_stop`` is skipped, since
+        there is nothing to take out of rotation that serves.
 
         With ``drain``, requests in flight finish first: by vLLM's graceful shutdown when the
         running vLLM has ``--shutdown-timeout`` (systemd's stop then drains), else by a wait
@@ -362,8 +367,8 @@ class Actuator:
         stop: _Stop | None = None
         try:
             with self._step(action, "preflight"):
-                before = self._preflight(change)
-            if self.settings.pre_stop:
+                before = self._preflight(change, down)
+            if self.settings.pre_stop and before.active_state == "active":
                 with self._step(action, "pre_stop"):
                     self._hook("pre_stop", action, cause, ran)
             shutdown = self._shutdown_timeout(before) if drain else 0
@@ -546,11 +551,13 @@ class Actuator:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _preflight(self, change: bool) -> UnitState:
+    def _preflight(self, change: bool, down: bool = False) -> UnitState:
         state = self._unit()
         if state.load_state != "loaded":
             raise ActuatorError(f"{self.unit} is {state.load_state}")
-        if state.active_state != "active":
+        if down and state.active_state in ("inactive", "failed"):
+            pass  # started below: the point of the action
+        elif state.active_state != "active":
             raise ActuatorError(
                 f"{self.unit} is {state.active_state} ({state.sub_state}); "
                 "systemd's Restart= handles a unit that is down"
@@ -752,7 +759,7 @@ class Actuator:
             if stop is not None and stop.drain == "none" and self._shutdown_timeout(before):
                 # This vLLM would drain on SIGTERM, however long a hung engine takes.
                 self._kill()
-            self._restart_job(stop)
+            self._restart_job(stop, start=before.active_state in ("inactive", "failed"))
 
     def _kill(self) -> None:
         try:
@@ -760,12 +767,13 @@ class Actuator:
         except SystemdError as exc:
             raise _JobRefused(str(exc)) from None
 
-    def _restart_job(self, stop: _Stop | None = None) -> None:
+    def _restart_job(self, stop: _Stop | None = None, start: bool = False) -> None:
         timeout, tick = self.settings.job_timeout, None
         if stop is not None and stop.drain == "vllm":  # systemd's stop is vLLM's drain
             timeout, tick = timeout + stop.shutdown + STOP_MARGIN, stop.tick
+        job = self.systemd.start if start else self.systemd.restart
         try:
-            result = self.systemd.restart(self.unit, timeout=timeout, tick=tick)
+            result = job(self.unit, timeout=timeout, tick=tick)
             if stop is not None:
                 stop.stopped_at = self._clock()
         except SystemdError as exc:
@@ -773,7 +781,8 @@ class Actuator:
                 raise ActuatorError(str(exc)) from None
             raise _JobRefused(str(exc)) from None
         if result != "done":
-            raise ActuatorError(f"systemd's restart job for {self.unit} ended '{result}'")
+            what = "start" if start else "restart"
+            raise ActuatorError(f"systemd's {what} job for {self.unit} ended '{result}'")
 
     def _restart_requested(self, action: Action, start: int) -> bool:
         """Whether the last restart step begun at or after ``start`` reached systemd."""

@@ -30,11 +30,12 @@ from typing import Any, TextIO
 import sdnotify
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from vkvagent import __version__, config, controls, fleet, status
+from vkvagent import __version__, config, controls, fleet, status, unitlog
 from vkvagent.actuator import STOP_MARGIN, Actuator, ActuatorError, Outcome, Plan
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
 from vkvagent.engine.diagnosis import ProbeFacts
+from vkvagent.engine.liveness import CAUSES as DOWN
 from vkvagent.engine.policy import DAY, FLAGS, RestartRecord, window_state
 from vkvagent.engine.rates import Rates, window_rates
 from vkvagent.engine.samples import GpuReading, Sample, UnitFacts
@@ -246,6 +247,9 @@ class Daemon:
         self._saved_at = -math.inf
         self.last: Decision | None = None
         self._unit_seen: UnitFacts | None = None  # the unit as the last sample saw it
+        # Why vLLM is down, read from the journal once per state of the unit: (the unit's
+        # state, whether someone stopped it, vLLM's own error line).
+        self._down_read: tuple[tuple[Any, ...], str, str] | None = None
         self._restart_mono: dict[int, float] = {}  # ledger action id -> its monotonic start
         self._probe_failing = ""  # "outcome: detail" of the failing probes, reported once
         self._burning: dict[str, str] = {}  # objective -> its burn alert last reported
@@ -398,7 +402,8 @@ class Daemon:
             p = self.parts
             sample = p.sampler.take()
             self._note_sources(sample)
-            self._note_unit(sample)
+            down = self._why_down(sample)
+            self._note_unit(sample, down)
             self._write_state("history", lambda: p.history.append(sample))
             unit = sample.unit
             self.recent.add(
@@ -426,6 +431,7 @@ class Daemon:
                 unit_started=sample.unit.active_since if sample.unit else None,
                 flags_due=self._proposed(due),
                 flags_slower=self._slower(due),
+                **down,
             )
             decision = decide(p.settings, self.state, observed, now)
             self.state = decision.state
@@ -446,7 +452,7 @@ class Daemon:
                 self._acting = acting
                 # Any restart carries the change due, but an emergency's: that one must not
                 # risk vLLM's start on flags nobody has seen run.
-                emergency = decision.cause in p.settings.policy.emergency
+                emergency = decision.cause in (*p.settings.policy.emergency, *DOWN)
                 manual = p.config.vllm.apply_flags == "manual"
                 carried = None if emergency or manual else due
                 try:
@@ -503,40 +509,72 @@ class Daemon:
                     "source.recovered", f"{source} answers again", source=source, error=before
                 )
 
-    def _note_unit(self, sample: Sample) -> None:
+    def _note_unit(self, sample: Sample, down: dict[str, str]) -> None:
         """Report vLLM's process ending without vkvagent asking (a crash, the OOM killer, an
-        engine that died and took the API server with it). systemd's Restart= brings it back,
-        or nothing does; vkvagent adds no restart: meanwhile the engine sees vLLM down
-        (engine_down), a cause it only reports."""
+        engine that died and took the API server with it), with how it ended and its own
+        error line. systemd's Restart= brings it back, or, when it stays down and nobody
+        stopped it, the engine decides to start it (``dead``); the exits count toward a crash
+        loop either way. A stop someone asked for is said as such."""
         before, now = self._unit_seen, sample.unit
         if now is not None:
             self._unit_seen = now
         if before is None or now is None:
             return
         unit = self.parts.config.vllm.unit
+        line = down.get("exit_line", "")
+        fields: dict[str, Any] = {
+            "unit": unit,
+            "n_restarts": now.n_restarts,
+            "active_state": now.active_state,
+            "exit": now.last_exit or None,
+            "error": line or None,
+        }
+        said = f"vLLM {now.last_exit or 'exited'}" + (f" ({line})" if line else "")
         # NRestarts counts Restart='s starts since the last requested one, which sets it to 0.
         if now.n_restarts > 0 and now.n_restarts != before.n_restarts:
             self.events.emit(
                 "unit.exited",
-                f"{unit} exited and systemd's Restart= started it again (automatic restart "
-                f"{now.n_restarts} since the last requested start); vkvagent adds none",
-                unit=unit,
-                n_restarts=now.n_restarts,
+                f"{unit}: {said}; systemd's Restart= started it again (automatic restart "
+                f"{now.n_restarts} since the last requested start)",
                 restarted_by_systemd=True,
-                active_state=now.active_state,
+                stopped_by=None,
+                **fields,
             )
         elif now.active_state in ("failed", "inactive") and before.active_state == "active":
-            # vLLM 0.32 exits 0 when its engine dies: Restart=on-failure leaves it stopped.
+            stopped = down.get("stopped", "")
+            if stopped:
+                what = f"stopped on purpose ({stopped}); vkvagent leaves it down"
+            else:  # vLLM 0.32 exits 0 when its engine dies: Restart=on-failure leaves it down.
+                what = (
+                    f"{said}, and systemd will not start it again (Restart="
+                    f"{now.restart_policy or 'unknown'}); nobody stopped it"
+                )
             self.events.emit(
                 "unit.exited",
-                f"{unit} is {now.active_state} ({now.sub_state}) and systemd will not start it "
-                "again: stopped by someone, or vLLM exited (it exits 0 when its engine dies, "
-                "which only Restart=always brings back)",
-                unit=unit,
-                n_restarts=now.n_restarts,
+                f"{unit} is {now.active_state}: {what}",
                 restarted_by_systemd=False,
-                active_state=now.active_state,
+                stopped_by=stopped or None,
+                **fields,
             )
+
+    def _why_down(self, sample: Sample) -> dict[str, str]:
+        """With vLLM not answering: whether someone stopped its unit on purpose (a stop job
+        or a kill they asked systemd for since it last became active) and vLLM's own error
+        line, from the journal, read again only when the unit's state changes."""
+        unit = sample.unit
+        if unit is None or (sample.vllm is not None and unit.active_state == "active"):
+            return {}
+        key = (unit.active_state, unit.sub_state, unit.invocation_id, unit.n_restarts)
+        if self._down_read is None or self._down_read[0] != key:
+            name, since = self.parts.config.vllm.unit, unit.active_since or 0.0
+            stopped = (
+                unitlog.stopped_on_purpose(name, since)
+                if unit.active_state in ("inactive", "failed", "deactivating")
+                else ""
+            )
+            self._down_read = (key, stopped, unitlog.why_it_failed(name, since) or "")
+        _key, stopped, line = self._down_read
+        return {"stopped": stopped, "exit_line": line}
 
     def _send_probe(self, sample: Sample) -> None:
         """Send the probe the engine asked for (never when switched off: its settings then
@@ -748,7 +786,7 @@ class Daemon:
         if gate is None:
             return self._act(actuator, decision, carried)
         cause = decision.cause or "unknown"
-        emergency = cause in self.parts.settings.policy.emergency
+        emergency = cause in (*self.parts.settings.policy.emergency, *DOWN)
         with gate.slot(
             cause=cause, reason=f"{cause}: {decision.reason}", emergency=emergency
         ) as turn:
@@ -791,7 +829,11 @@ class Daemon:
         try:
             with actuator.exclusive():
                 outcome = actuator.restart(
-                    reason, drain=drain, cause=cause, plan=None if carried is None else carried.plan
+                    reason,
+                    drain=drain,
+                    cause=cause,
+                    plan=None if carried is None else carried.plan,
+                    down=cause in DOWN,
                 )
         except (ActuatorError, LedgerError) as exc:
             self.metrics.count_restart(cause, "failed")

@@ -79,7 +79,9 @@ CATALOGUE: Mapping[str, EventType] = {
         NOTICE, "the verdict on a flag change: its run's fresh speed against the run before"
     ),
     "unit.exited": EventType(
-        WARNING, "vLLM's process ended without vkvagent asking (a crash); reported, not restarted"
+        WARNING,
+        "vLLM's process ended without vkvagent asking (a crash, or a stop someone asked "
+        "for), with its exit and error line",
     ),
     "probe.failed": EventType(
         WARNING, "the active probe got no answer, an error, or cannot be sent (once per kind)"

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 
 MAX_LINE = 500  # an error line cut to this many characters: it goes into events and the ledger
 
@@ -58,17 +59,22 @@ class _Journal:
         lib.sd_journal_close.argtypes, lib.sd_journal_close.restype = [pointer], None
         self.lib = lib
 
-    def messages(self, unit: str, since: float, limit: int, skip: str) -> list[str]:
+    def entries(
+        self, matches: Sequence[str], since: float, limit: int, names: Sequence[str]
+    ) -> list[dict[str, str]]:
+        """The entries matching every one of ``matches`` since ``since``, oldest first, each
+        with the fields ``names`` that it has."""
         lib, handle = self.lib, ctypes.c_void_p()
         if lib.sd_journal_open(ctypes.byref(handle), _LOCAL_ONLY) < 0:
             return []
         try:
-            match = f"_SYSTEMD_UNIT={unit}".encode()
-            if lib.sd_journal_add_match(handle, match, len(match)) < 0:
-                return []
+            for text in matches:
+                match = text.encode()
+                if lib.sd_journal_add_match(handle, match, len(match)) < 0:
+                    return []
             if lib.sd_journal_seek_realtime_usec(handle, max(0, int(since * 1e6))) < 0:
                 return []
-            out: list[str] = []
+            out: list[dict[str, str]] = []
             data, length = ctypes.c_void_p(), ctypes.c_size_t()
 
             def field(name: bytes) -> str | None:
@@ -81,9 +87,8 @@ class _Journal:
                 return raw.partition(b"=")[2].decode("utf-8", "replace")
 
             while len(out) < limit and lib.sd_journal_next(handle) > 0:
-                message = field(b"MESSAGE")
-                if message is not None and not (skip and field(b"_SYSTEMD_INVOCATION_ID") == skip):
-                    out.append(message)
+                found = {name: field(name.encode()) for name in names}
+                out.append({name: value for name, value in found.items() if value is not None})
             return out
         finally:
             lib.sd_journal_close(handle)
@@ -94,10 +99,42 @@ def read(unit: str, since: float, *, skip: str = "", limit: int = 5000) -> list[
     most ``limit`` lines, without those of invocation ``skip`` (the process a restart
     replaced, whose shutdown may log errors of its own); empty when the journal cannot be
     read (no libsystemd, no permission): the caller loses a detail, nothing more."""
+    found = _entries([f"_SYSTEMD_UNIT={unit}"], since, limit, ("MESSAGE", "_SYSTEMD_INVOCATION_ID"))
+    return [
+        e["MESSAGE"]
+        for e in found
+        if "MESSAGE" in e and not (skip and e.get("_SYSTEMD_INVOCATION_ID") == skip)
+    ]
+
+
+def _entries(
+    matches: Sequence[str], since: float, limit: int, names: Sequence[str]
+) -> list[dict[str, str]]:
     try:
-        return _Journal().messages(unit, since, limit, skip)
+        return _Journal().entries(matches, since, limit, names)
     except (OSError, AttributeError, ValueError, OverflowError):  # no library, a bad time
         return []
+
+
+def stopped_on_purpose(unit: str, since: float) -> str:
+    """systemd's own line for a stop someone asked of ``unit`` since ``since`` (Unix seconds):
+    a stop job (``systemctl stop``, ``disable --now``, ``mask --now``, a unit that requires it
+    stopping) or a kill on a client's request (``systemctl kill``), with its time; "" when
+    there was none (vLLM exited by itself), or the journal cannot be read."""
+    found = _entries(
+        ["_PID=1", f"UNIT={unit}"],
+        since,
+        1000,
+        ("MESSAGE", "JOB_TYPE", "_SOURCE_REALTIME_TIMESTAMP"),
+    )
+    for entry in reversed(found):
+        message = entry.get("MESSAGE", "")
+        if entry.get("JOB_TYPE") == "stop" or message.endswith("on client request."):
+            stamp = entry.get("_SOURCE_REALTIME_TIMESTAMP", "")
+            if stamp.isdigit():
+                message += time.strftime(" (%Y-%m-%dT%H:%M:%SZ)", time.gmtime(int(stamp) / 1e6))
+            return f"systemd: {message}"
+    return ""
 
 
 def why_it_failed(unit: str, since: float, replaced: str = "") -> str | None:
