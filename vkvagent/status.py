@@ -41,7 +41,7 @@ EVENTS_KEPT = 5  # the daemon's last events in the status, as `systemctl status`
 # The words the report uses for its parts, so its readers need not load the adapters.
 PROBE_OUTCOMES = ("ok", "timeout", "error", "refused", "unusable")  # probe.Prober's results
 FLEET_STATES = ("idle", "waiting", "holding", "unreachable")  # what a host does in its group
-CRITICAL_CAUSES = ("engine_down", "gpu_fault")
+CRITICAL_CAUSES = ("engine_down", "gpu_fault", "dead", "start_hung", "crash_loop")
 TREND_EVERY = 300.0  # seconds between two points of the trend
 TREND_KEPT = 144  # 12 hours of them
 SPARKS = "▁▂▃▄▅▆▇█"
