@@ -261,23 +261,24 @@ def serve(args: ServeArgs, options: SimOptions, version: str) -> int:
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     log(f"Starting vLLM API server on http://{args.host}:{server.server_address[1]}")
     log("Application startup complete.")
-    status = 0
+    died = False
     try:
         while not stop.wait(TICK):
             simulation.advance()
             simulation.write_gpu_recording()
             if simulation.cluster.dead:
-                log("EngineCore encountered a fatal error; shutting down.")
+                log("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an "
+                    "issue. See stack trace (above) for the root cause.")  # fmt: skip
                 stop.wait(5.0 / options.time_scale)  # vLLM's launcher checks every 5 s
-                status = 1
+                died = True
                 break
-        if status == 0 and args.shutdown_timeout:
+        if not died and args.shutdown_timeout:
             simulation.drain(args.shutdown_timeout, log)
     finally:
         log("Shutting down")
         server.shutdown()
         server.server_close()
-    return status
+    return 0  # also when the engine died, as vLLM 0.32 (vllm#48966): on-failure leaves it down
 
 
 COMPLETION_WAIT = 600.0  # real seconds a completion waits for a stalled engine, at most
