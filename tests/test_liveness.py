@@ -159,11 +159,18 @@ def test_a_dead_vllm_is_started_at_any_hour_within_the_budget_not_the_interval()
 
 
 def test_a_crash_loops_starts_back_off_then_escalate() -> None:
-    v = verdict("crash_loop", ("crash_loop", 90.0))
+    v = verdict("crash_loop", ("dead", 50.0))
     assert v.action == "hold" and v.reason.startswith("crash loop back-off: 1 start(s)")
-    assert verdict("crash_loop", ("crash_loop", 130.0)).action == "restart"
-    v = verdict("crash_loop", ("crash_loop", 1000.0), ("crash_loop", 2000.0))
-    assert v.action == "hold" and v.reason.startswith("escalated: 2 starts for crash_loop")
+    assert verdict("crash_loop", ("crash_loop", 70.0)).action == "restart"
+    escalating = replace(POLICY, escalate_after=3)
+    history = [RestartRecord(NOW.timestamp() - age, "dead") for age in (100.0, 1000.0)]
+    held = evaluate(
+        escalating, cause="crash_loop", wanted=True, uptime=None, request_rate=None,
+        history=history, controls=Controls(), now=NOW,
+    )  # fmt: skip
+    assert held.reason.startswith("crash loop back-off: 2 start(s) for it, the last 2 min ago")
+    v = verdict("crash_loop", ("crash_loop", 1000.0), ("dead", 2000.0))
+    assert v.action == "hold" and v.reason.startswith("escalated: vLLM still exits after 2 starts")
     # Older than the window, they no longer count.
     assert verdict("crash_loop", ("crash_loop", 4000.0), ("crash_loop", 5000.0)).action == (
         "restart"

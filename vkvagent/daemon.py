@@ -670,7 +670,9 @@ class Daemon:
             RestartRecord(
                 a.started,
                 a.reason.split(":", 1)[0],
-                self.judged.get(a.id),
+                # A restart that failed (vLLM not back in time) helped nothing: it escalates
+                # like one that did not restore the fresh speed.
+                False if a.outcome == "failed" else self.judged.get(a.id),
                 aborted=a.outcome == "aborted",
                 mono=placed[a.id],
                 cut_off=_cost(a.detail, "aborted"),

@@ -28,7 +28,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from vkvagent.engine.diagnosis import FIXABLE, VETOED
 from vkvagent.engine.liveness import CAUSES as DOWN
-from vkvagent.engine.liveness import CRASH_LOOP
+from vkvagent.engine.liveness import CRASH_LOOP, DEAD
 from vkvagent.engine.prevention import DEFAULT_OUTAGE, Plan
 from vkvagent.engine.samples import utc_text
 from vkvagent.engine.slo import Budget, Spend
@@ -590,13 +590,14 @@ def _crash_backoff(
     mono: float | None,
     window: float,
 ) -> str:
-    """Why a start for a crash loop waits: after ``escalate_after`` starts for it within
-    ``window`` (since the last resume) it stops until resumed; before that, each start
-    waits twice as long as the one before (RETRY_FIRST, doubling, at most RETRY_MAX)."""
+    """Why a start for a crash loop waits: after ``escalate_after`` starts for a vLLM that
+    died (``dead``, ``crash_loop``) within ``window`` (since the last resume) it stops until
+    resumed; before that, each start waits twice as long as the one before (RETRY_FIRST,
+    doubling, at most RETRY_MAX)."""
     ages = sorted(
         r.age(at, mono)
         for r in history
-        if r.cause == CRASH_LOOP
+        if r.cause in (DEAD, CRASH_LOOP)
         and not r.aborted
         and (controls.resumed_at is None or r.time > controls.resumed_at)
         and r.age(at, mono) < window
@@ -605,10 +606,10 @@ def _crash_backoff(
         return ""
     if len(ages) >= settings.escalate_after:
         return (
-            f"escalated: {len(ages)} starts for crash_loop in the last {_ago(window)} and vLLM "
-            "still exits; waiting for `vkvagent resume`"
+            f"escalated: vLLM still exits after {len(ages)} starts in the last {_ago(window)} "
+            "(a crash loop); waiting for `vkvagent resume`"
         )
-    wait = min(RETRY_FIRST * 2 ** len(ages), RETRY_MAX)
+    wait = min(RETRY_FIRST * 2 ** (len(ages) - 1), RETRY_MAX)
     if ages[0] < wait:
         return (
             f"crash loop back-off: {len(ages)} start(s) for it, the last {_ago(ages[0])} ago; "
