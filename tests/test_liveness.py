@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 import pytest
 
 from tests.conftest import metrics
+from vkvagent.engine import EngineState, Observation, Settings, decide
 from vkvagent.engine.liveness import (
     Found,
     LivenessSettings,
@@ -175,3 +176,29 @@ def test_a_crash_loops_starts_back_off_then_escalate() -> None:
     assert verdict("crash_loop", ("crash_loop", 4000.0), ("crash_loop", 5000.0)).action == (
         "restart"
     )
+
+
+def test_exits_are_kept_across_vllm_runs_a_crash_loop_is_many_runs() -> None:
+    """Each exit starts a new vLLM run (and a new baseline); the count of exits goes on."""
+    always = replace(ACTIVE, restart_policy="always")
+    seen: list[Sample] = []
+    state, decision = EngineState(), None
+    for i, (active, sub, restarts, answered) in enumerate(
+        [
+            ("active", "running", 0, True),
+            ("active", "running", 1, True),  # a new process (a new run) after one exit
+            ("active", "running", 2, True),
+            ("activating", "auto-restart", 3, False),
+        ]
+    ):
+        unit = replace(
+            always, active_state=active, sub_state=sub, n_restarts=restarts, active_since=T0 + i
+        )
+        page = metrics(process_start_time=T0 + i) if answered else None
+        seen.append(Sample(T0 + i, 1000.0 + i, page, None if answered else "refused", unit=unit))
+        observed = Observation(samples=tuple(seen), unit_active=active == "active")
+        decision = decide(Settings(), state, observed, datetime.fromtimestamp(T0 + i, timezone.utc))
+        state = decision.state
+    assert decision is not None and state.liveness.exits == (1001.0, 1002.0, 1003.0)
+    assert (decision.cause, decision.action) == ("crash_loop", "none")
+    assert decision.reason.startswith("reported: crash_loop: 3 exits")

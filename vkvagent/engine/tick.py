@@ -629,6 +629,7 @@ def _new_run(settings: Settings, state: EngineState, sample: Sample) -> EngineSt
         traffic=state.traffic,
         past=past,  # the plan is made again: another run may be another server
         slo=state.slo,
+        liveness=state.liveness,  # exits and starts span runs: a crash loop is many
     )
 
 
