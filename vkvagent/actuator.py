@@ -228,7 +228,8 @@ class Actuator:
                 post_ready=r.post_ready,
                 hook_timeout=r.hook_timeout,
                 job_timeout=r.job_timeout,
-                ready_timeout=r.ready_timeout,
+                # A start_timeout the operator set bounds vkvagent's own starts too.
+                ready_timeout=min(r.ready_timeout, r.start_timeout or r.ready_timeout),
             ),
             progress=progress,
             gpus=gpus,

@@ -284,7 +284,7 @@ class RestartConfig:
         "Seconds a start of vLLM may take, whoever started it (vkvagent, systemd's Restart=, "
         "a person), before it counts as failed and vLLM is restarted: 0 learns it, 3 times "
         "the longest start this host measured (at least 120), and ready_timeout until one "
-        "is measured. Never infinite.",
+        "is measured. Set, it also bounds vkvagent's own restarts when below ready_timeout.",
         min=0,
         max=7200,
     )
