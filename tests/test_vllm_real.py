@@ -525,3 +525,72 @@ def test_the_request_mix_vkvagent_reads_is_the_one_vllm_served(vllm_box: Sandbox
     assert float(ratio) == pytest.approx(long_prompt / short_prompt, abs=0.006)
     again, _prompt, _output = served("The agent watches the server")
     assert mix_change(settings, again, short.values()) == ""
+
+
+# -- 8. exited 0 under Restart=on-failure: vkvagent starts it; a stop is left alone ----------
+# Last in the file: it ends with vLLM stopped on purpose.
+
+
+def test_a_vllm_that_exits_0_is_started_by_vkvagent_and_a_stop_is_left_alone(
+    vllm_box: Sandbox,
+) -> None:
+    config = vllm_box.root / "etc/vkvagent/config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(DAEMON_CONFIG.format(timeout=START_TIMEOUT))
+    dropin = vllm_box.root / "etc/systemd/system/vllm.service.d/10-on-failure.conf"
+    dropin.parent.mkdir(parents=True, exist_ok=True)
+    dropin.write_text("[Service]\nRestart=on-failure\n")
+    vllm_box.write_unit(AGENT, agent_unit(watchdog=30))
+    vllm_box.run("systemctl", "daemon-reload")
+    vllm_box.run("systemctl", "start", AGENT)
+    wait_event(vllm_box, "agent.started", timeout=30)
+    time.sleep(3 * 2.0)  # three samples of vLLM serving
+    before = unit(vllm_box)
+
+    (engine,) = processes(vllm_box, "VLLM::EngineCore")
+    killed = time.time()
+    vllm_box.run("kill", "-9", str(engine))
+    try:
+        started = wait_event(vllm_box, "restart.started", timeout=90)
+    finally:
+        print("\n".join(vllm_box.messages(AGENT)[-12:]))
+    began = float(started["__REALTIME_TIMESTAMP"]) / 1e6
+    assert started["VKV_CAUSE"] == "dead"
+    assert "exited with status 0 and nobody stopped it" in started["VKV_REASON"]
+    assert "Restart=on-failure leaves it down" in started["VKV_REASON"]
+    (report,) = events(vllm_box, "unit.exited")
+    assert report["VKV_EXIT"] == "exited with status 0"  # vllm#48966: it exits 0
+    assert report["VKV_RESTARTED_BY_SYSTEMD"] == "false"
+    completed = wait_event(vllm_box, "restart.completed", timeout=START_TIMEOUT + 30)
+    assert completed["VKV_RESULT"] == "done", completed["MESSAGE"]
+    answered = time.time()
+    # When the unit went down, as systemd's journal has it ("Deactivated successfully": an
+    # exit with status 0, which systemd does not log as a process exit).
+    gone = next(
+        m for m in vllm_box.journal("vllm.service")
+        if m.get("MESSAGE_ID") == "7ad2d189f7e94e70a38c781354912448"
+        and float(m["__REALTIME_TIMESTAMP"]) / 1e6 > killed
+    )  # fmt: skip
+    exited = float(gone["__REALTIME_TIMESTAMP"]) / 1e6
+    assert complete(vllm_box, max_tokens=8)[0] == 200
+    after = unit(vllm_box)
+    assert after.invocation_id != before.invocation_id and after.n_restarts == 0
+    print(
+        f"engine core killed: vLLM exited 0 {exited - killed:.1f} s later; vkvagent began "
+        f"its start {began - exited:.1f} s after that, and vLLM answered {answered - began:.1f} "
+        f"s later; why: {report['MESSAGE']}"
+    )
+    # Within one sample interval (2 s) of the exit, plus a tick and the journal's read.
+    assert began - exited <= 2.0 + 3.0
+
+    time.sleep(3 * 2.0)  # the daemon sees the new vLLM serve
+    vllm_box.run("systemctl", "stop", "vllm.service")
+    time.sleep(5 * 2.0)
+    assert unit(vllm_box).active_state == "inactive"
+    assert len(events(vllm_box, "restart.started")) == 1
+    stopped = [e for e in events(vllm_box, "unit.exited") if "VKV_STOPPED_BY" in e]
+    assert stopped and stopped[-1]["VKV_STOPPED_BY"].startswith("systemd: Stop")
+    decisions = [e["MESSAGE"] for e in events(vllm_box, "decision.changed")]
+    assert "stopped on purpose" in decisions[-1], decisions[-3:]
+    vllm_box.run("systemctl", "stop", AGENT)
+    assert [a.reason.split(":", 1)[0] for a in actions(vllm_box)][-1] == "dead"
