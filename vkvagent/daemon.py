@@ -449,6 +449,7 @@ class Daemon:
                     sample, decision, restarts, plan, due, slo, stale_after=p.action_seconds
                 )
                 self._write_state("status", lambda: self._write_status(acting))
+                self.metrics.update(acting)  # /ready says so while the restart runs
                 self._acting = acting
                 # Any restart carries the change due, but an emergency's: that one must not
                 # risk vLLM's start on flags nobody has seen run.

@@ -4,21 +4,27 @@
 Served on 127.0.0.1 by default (``[metrics] listen``) and/or written to a node_exporter
 textfile (``[metrics] textfile``). Gauges are read from the latest status at scrape time;
 the counters (decisions, restarts, source errors) count since the daemon started, as
-Prometheus counters do.
+Prometheus counters do. The same address answers ``GET /ready`` for load balancers
+(``readiness``): 200 while vLLM serves, 503 and the reason otherwise.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
+from prometheus_client import CollectorRegistry, make_wsgi_app, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from vkvagent import __version__
+from vkvagent.readiness import readiness
 from vkvagent.status import (
     FAILING_FOR,
     FLEET_STATES,
@@ -50,6 +56,10 @@ class AgentMetrics(Collector):
         with self._lock:
             self._status = status
 
+    def status(self) -> StatusReport | None:
+        with self._lock:
+            return self._status
+
     def count(self, *, action: str, errors: Mapping[str, bool]) -> None:
         with self._lock:
             self.decisions[action] += 1
@@ -72,6 +82,11 @@ class AgentMetrics(Collector):
             decisions, restarts, cut_off = dict(self.decisions), dict(self.restarts), self.cut_off
             errors = dict(self.source_errors)
             probes, probe_seconds = dict(self.probes), self.probe_seconds
+        yield from _gauge(
+            "vkvagent_ready",
+            "1 while vLLM should get traffic (GET /ready answers 200), 0 while it should not.",
+            readiness(status, time.time()).ready,
+        )
         counter = CounterMetricFamily(
             "vkvagent_decisions", "Evaluations by the action decided.", labels=["action"]
         )
@@ -290,17 +305,47 @@ def _slo(slo: SloStatus) -> Iterator[Metric]:
     yield from (target, attainment, budget, burn)
 
 
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """A load balancer checks every second: no line per request on stderr."""
+
+
 class Exporter:
-    """Serves ``metrics`` on ``listen`` (host:port; "" for none) and writes ``textfile``."""
+    """Serves ``metrics`` and ``/ready`` on ``listen`` (host:port; "" for none) and writes
+    ``textfile``."""
 
     def __init__(self, metrics: AgentMetrics, listen: str, textfile: str) -> None:
         self.metrics, self.textfile = metrics, textfile
         self._server: Any = None
         if listen:
             host, _, port = listen.rpartition(":")
-            self._server, _thread = start_http_server(
-                int(port), addr=host.strip("[]"), registry=metrics.registry
+            host = host.strip("[]")
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET  # an IPv6 address
+            server = type("_Server", (ThreadingWSGIServer,), {"address_family": family})
+            self._server = make_server(
+                host, int(port), self._app(make_wsgi_app(metrics.registry)), server,
+                handler_class=_Quiet,
+            )  # fmt: skip
+            thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+            thread.start()
+
+    def _app(self, served: Any) -> Any:
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") != "/ready":
+                return served(environ, start_response)  # type: ignore[no-any-return]
+            ready, reason = readiness(self.metrics.status(), time.time())
+            body = f"{'ready' if ready else 'not ready'}: {reason}\n".encode()
+            start_response(
+                "200 OK" if ready else "503 Service Unavailable",
+                [
+                    ("Content-Type", "text/plain; charset=utf-8"),
+                    ("Content-Length", str(len(body))),
+                    ("Cache-Control", "no-store"),
+                ],
             )
+            return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
+
+        return app
 
     def publish(self) -> None:
         """Write the textfile (atomically: node_exporter never reads half of it)."""
