@@ -30,14 +30,15 @@ test: deps dev vllm-real lint typecheck unit
 # The Debian packages the tests use: a real systemd in systemd-nspawn, a real Prometheus and
 # etcd, openssl for etcd's TLS, the packaging tools, the SIEM collectors of
 # tests/test_siem.py, Nagios 4 running `vkvagent status` as its check (tests/test_check.py)
-# and zsh for the completion's test. As root, what is missing is installed; otherwise the
-# one command to run is printed. The units of etcd, nagios4, exim4 (Nagios's mailer) and
-# rsyslog are disabled on the host: only the tests run them. syslog-ng-core conflicts with
+# zsh for the completion's test, and HAProxy in front of two vLLMs checking vkvagent's /ready
+# (tests/test_haproxy.py). As root, what is missing is installed; otherwise the one command to
+# run is printed. The units of etcd, nagios4, exim4 (Nagios's mailer), rsyslog and haproxy
+# are disabled on the host: only the tests run them. syslog-ng-core conflicts with
 # rsyslog (both provide system-log-daemon), so only its libraries are installed; the package
 # itself is downloaded outside the checkout, once, and tests/test_siem.py unpacks it into the
 # sandbox's throw-away root.
 DEBS := systemd-container prometheus etcd-server openssl lintian rpm rpmlint man-db \
-	rsyslog systemd-journal-remote nagios4-core zsh \
+	rsyslog systemd-journal-remote nagios4-core zsh haproxy \
 	libglib2.0-0 libivykis0 libjson-c5 libnet1 libpcre3 libwrap0
 ifeq ($(strip $(VKVAGENT_DEBS)),)
 VKVAGENT_DEBS := $(HOME)/.cache/vkvagent/debs
@@ -61,6 +62,10 @@ deps:
 		esac; \
 		case "$$missing" in *nagios4-core*) \
 			systemctl disable --now nagios4.service exim4.service >/dev/null 2>&1 || true;; \
+		esac; \
+		case "$$missing" in *haproxy*) \
+			systemctl disable --now haproxy.service >/dev/null 2>&1 || true; \
+			invoke-rc.d haproxy stop >/dev/null 2>&1 || true;; \
 		esac; \
 		case "$$missing" in *rsyslog*) \
 			systemctl disable --now rsyslog.service >/dev/null 2>&1 || true; \
