@@ -107,7 +107,8 @@ def _check_listen(text: str) -> str | None:
 class MetricsConfig:
     listen: str = setting(
         "127.0.0.1:9849",
-        "HOST:PORT of vkvagent's own Prometheus endpoint (vkvagent_* metrics); empty: none.",
+        "HOST:PORT of vkvagent's own Prometheus endpoint (vkvagent_* metrics) and of GET "
+        "/ready for load balancers (0.0.0.0:9849 lets them reach it); empty: none.",
         check=_check_listen,
     )
     textfile: str = setting(
