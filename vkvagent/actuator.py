@@ -46,6 +46,7 @@ from vkvagent.engine.gpu_faults import describe_xid
 from vkvagent.engine.samples import FlagValue, VllmMetrics
 from vkvagent.errors import VkvagentError
 from vkvagent.gpu import GpuReader
+from vkvagent.gpu_free import GpusBusy, Holder, free_gpus, holders, is_gpu_memory_failure
 from vkvagent.hardening import SYSTEMD_DIR
 from vkvagent.hooks import HookResult, run_hook
 from vkvagent.ledger import Action, Ledger
@@ -132,6 +133,9 @@ class Outcome:
     vllm_error: str | None = None  # vLLM's own reason for not starting, from its journal
     costs: Costs | None = None  # None: vLLM was never stopped
     hooks: tuple[HookResult, ...] = ()  # pre_stop and post_ready, as they ran
+    freed: tuple[str, ...] = ()  # the run before's processes killed on the GPUs before a start
+    # vLLM failed for GPU memory that these processes held: not the flags' fault (kept).
+    gpus_held: str = ""
 
     def events(self, unit: str, cause: str) -> list[tuple[str, str, dict[str, Any]]]:
         """Every event this outcome reports, in order: its hooks' runs, then ``event``."""
@@ -153,10 +157,16 @@ class Outcome:
             fields["vllm_error"] = self.vllm_error
         if self.costs is not None:
             fields.update(self.costs.to_json())
+        if self.freed:
+            fields["gpu_leftovers_killed"] = list(self.freed)
+        if self.gpus_held:
+            fields["gpus_held_by"] = self.gpus_held
         if self.result == "done":
+            killed = f"; killed the run before's leftovers: {'; '.join(self.freed)}"
             return (
                 "restart.completed",
-                f"restarted {unit} ({cause}) in {self.seconds:.1f} s",
+                f"restarted {unit} ({cause}) in {self.seconds:.1f} s"
+                + (killed if self.freed else ""),
                 fields,
             )
         if self.result == "rolled-back":
@@ -366,9 +376,13 @@ class Actuator:
         )
         ran: list[HookResult] = []
         stop: _Stop | None = None
+        freed: list[Holder] = []
         try:
             with self._step(action, "preflight"):
                 before = self._preflight(change, down)
+            if self._gpus is not None and before.active_state in ("inactive", "failed"):
+                with self._step(action, "gpus"):  # a restart's stop kills its own cgroup
+                    freed = self._free_gpus()
             if self.settings.pre_stop and before.active_state == "active":
                 with self._step(action, "pre_stop"):
                     self._hook("pre_stop", action, cause, ran)
@@ -413,6 +427,7 @@ class Actuator:
             flags=plan.changes if change and plan is not None else {},
             costs=stop.costs(ready_at),
             hooks=tuple(ran),
+            freed=tuple(str(h) for h in freed),
         )
 
     def check_rollback(self) -> None:
@@ -613,6 +628,25 @@ class Actuator:
                 f"{', '.join(dict.fromkeys(found[index]))}: a restart cannot fix a GPU fault; "
                 "it needs a GPU reset or a person"
             )
+
+    def _free_gpus(self) -> list[Holder]:
+        """No process of the run before on the GPUs (``gpu_free``): the unit's leftovers
+        killed, another's refused."""
+        assert self._gpus is not None
+        try:
+            return free_gpus(
+                self._gpus, self.unit, timeout=self.settings.job_timeout, proc=self.proc,
+                clock=self._clock, sleep=self._sleep,
+            )  # fmt: skip
+        except GpusBusy as exc:
+            raise ActuatorError(str(exc)) from None
+
+    def _gpus_held(self, vllm_error: str | None) -> str:
+        """Who holds the GPUs, when vLLM failed for lack of GPU memory; "" otherwise."""
+        if self._gpus is None or not is_gpu_memory_failure(vllm_error):
+            return ""
+        listed, _problem = self._gpus.processes()
+        return "; ".join(str(h) for h in holders(listed, self.unit, self.proc))
 
     def _check_foreign(self, state: UnitState) -> None:
         text = self.dropin.read()
@@ -890,6 +924,8 @@ class Actuator:
         vllm_error: str | None = None,
         costs: Costs | None = None,
         hooks: tuple[HookResult, ...] = (),
+        freed: tuple[str, ...] = (),
+        gpus_held: str = "",
     ) -> Outcome:
         """End the ledger's action, with what it cost and its hooks' output, and say how it
         went: the one way every action ends. Its seconds run from ``started`` to ``ended``
@@ -911,6 +947,8 @@ class Actuator:
             vllm_error,
             costs,
             hooks,
+            freed,
+            gpus_held,
         )
 
     def _fail(
@@ -939,7 +977,11 @@ class Actuator:
         wrote = progress.reached("write") and (
             progress.reached("reload") or self.dropin.read() != previous
         )
-        if change and wrote:
+        held = self._gpus_held(vllm_error) if restarted else ""
+        if held:  # the flags are not to blame: kept, neither rolled back nor refused
+            result = "failed"
+            message = f"{message}; the GPUs are held by {held}: not the flags' fault, kept"
+        elif change and wrote:
             try:
                 self._restore(action, previous, restart=restarted)
             except ActuatorError as exc:
@@ -959,6 +1001,7 @@ class Actuator:
             vllm_error=vllm_error,
             costs=costs,
             hooks=tuple(ran),
+            gpus_held=held,
         )
 
     # -- helpers ----------------------------------------------------------------------------

@@ -1008,8 +1008,12 @@ class Daemon:
                 how += f": {outcome.message}"
             self.flag_state = self.flag_state.rolled_back(how)
             return
-        if outcome.result == "done" or not self._vllm_failed(outcome.action_id):
-            return
+        if (
+            outcome.result == "done"
+            or outcome.gpus_held
+            or not self._vllm_failed(outcome.action_id)
+        ):
+            return  # (GPUs held by other processes: the flags were never tried)
         why = f"vLLM did not start or run with them (action {outcome.action_id}): "
         why += outcome.vllm_error or outcome.message
         self.flag_state = self.flag_state.reject(due.key, why)

@@ -51,7 +51,17 @@ QUERIES = (
     "sm_clock_max",
     "clock_event_reasons",
     "ecc_uncorrected_volatile",
+    "processes",  # [[pid, GPU memory in bytes or None], ...]: the compute processes on it
 )
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process holding a GPU, as NVML lists it."""
+
+    index: int  # the GPU
+    pid: int  # in NVML's (the host's) PID namespace
+    used_bytes: int | None  # None: the driver does not say (MIG, some vGPUs)
 
 
 class GpuError(VkvagentError):
@@ -149,6 +159,10 @@ class NvmlBackend:
             "ecc_uncorrected_volatile": lambda: n.nvmlDeviceGetTotalEccErrors(
                 handle, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC
             ),
+            "processes": lambda: [
+                [int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory)]
+                for p in n.nvmlDeviceGetComputeRunningProcesses(handle)
+            ],
         }
         return self._call(calls[what])
 
@@ -321,6 +335,27 @@ class GpuReader:
                 self._unread.clear()
             problem = f"GPU index {missing} not present ({count} GPUs)" if missing else None
             return readings, problem
+
+    def processes(self) -> tuple[tuple[GpuProcess, ...], str | None]:
+        """The processes holding the watched GPUs, and why they cannot be listed (or None):
+        NVML unavailable, or a driver that does not list them."""
+        with self._lock:
+            if self.unavailable and not self._retry:
+                return (), self.unavailable
+            try:
+                backend = self._opened()
+                count = backend.device_count()
+                found = tuple(
+                    GpuProcess(index, int(pid), None if used is None else int(used))
+                    for index in (self._wanted or range(count))
+                    if index < count
+                    for pid, used in backend.query(index, "processes")
+                )
+            except NvmlUnavailable as exc:
+                return (), self._lost(exc)
+            except (NvmlUnsupported, ValueError, TypeError, KeyError) as exc:
+                return (), f"GPU processes cannot be listed: {type(exc).__name__}: {exc}"
+            return found, None
 
     def faults(self, within: float | None = None) -> list[XidEvent]:
         """The fault-class XIDs (``is_fault``) of the watched GPUs drained in the last
