@@ -167,6 +167,18 @@ class Counters:
             last = total
 
 
+def ready_during_hang(box: Sandbox, within: float) -> tuple[float, int]:
+    """When vkvagent's /ready (its metrics address) first said 503, and what vLLM's /health
+    said at that moment."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        code, _body = box.http_get(9849, "/ready", timeout=2)
+        if code == 503:
+            return time.time(), box.http_get(8000, "/health", timeout=5)[0]
+        time.sleep(0.5)
+    raise AssertionError(f"/ready never said 503 within {within:g} s:\n" + log(box))
+
+
 def serves_again(box: Sandbox) -> None:
     box.wait_http(timeout=30)
     assert complete(box, max_tokens=8)[0] == 200
@@ -210,7 +222,13 @@ def test_a_stopped_engine_worker_is_a_stall_restarted_at_once(vllm_box: Sandbox)
         (worker,) = processes(vllm_box, "VLLM::Worker")
         stopped = time.time()
         vllm_box.run("kill", "-STOP", str(worker))
+        # vkvagent's /ready tells the load balancer before the stall is named; vLLM's own
+        # /health answers 200 throughout.
+        unready, health = ready_during_hang(vllm_box, within=STALL_AFTER + 3 * INTERVAL)
         started = restarted_for(vllm_box, "stall", began, within=STALL_AFTER + 3 * INTERVAL)
+        assert health == 200 and unready < at(started)
+        print(f"\nstopped worker: /ready said 503 {unready - stopped:.1f} s after SIGSTOP, "
+              f"while vLLM's /health said {health}")  # fmt: skip
         served = traffic.count("ok")
         wait_until(lambda: traffic.count("ok") >= served + 3, 60, "completions after")
     serves_again(vllm_box)
