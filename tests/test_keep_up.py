@@ -83,6 +83,14 @@ def status(box: Sandbox) -> dict[str, Any]:
 
 def test_a_vllm_that_exited_0_is_started_again_and_one_stopped_on_purpose_is_left_down() -> None:
     with agent(sim_unit(service="Restart=on-failure")) as box:
+        checked = box.run(
+            sys.executable, "-m", "vkvagent", "config", "check", CONFIG_DIR, check=False
+        )
+        assert checked.returncode == 0, checked.stderr
+        assert (
+            "vkvagent: warning: vllm.service has Restart=on-failure: vLLM exits 0 when its "
+            "engine dies"
+        ) in checked.stderr
         box.wait_http()
         time.sleep(3 * INTERVAL)  # the daemon has seen it serve
         before = unit(box)
@@ -105,6 +113,10 @@ def test_a_vllm_that_exited_0_is_started_again_and_one_stopped_on_purpose_is_lef
         back = time.monotonic() - died
         after = unit(box)
         assert after["ActiveState"] == "active" and after["InvocationID"] != before["InvocationID"]
+        shown = box.run(
+            sys.executable, "-m", "vkvagent", "status", "--config", CONFIG_DIR, check=False
+        ).stdout
+        assert "  warning     vllm.service has Restart=on-failure" in shown, shown
         (exited,) = events(box, "unit.exited")
         assert exited["VKV_EXIT"] == "exited with status 0"
         assert exited["VKV_RESTARTED_BY_SYSTEMD"] == "false" and "VKV_STOPPED_BY" not in exited

@@ -21,6 +21,7 @@ from vkvagent import __version__, advice, config, controls, fleet, hardening, re
 from vkvagent.actuator import Actuator, Outcome, Plan
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.gpu_faults import describe_xid
+from vkvagent.engine.liveness import unit_warning
 from vkvagent.engine.policy import MODES, PolicySettings, window_state
 from vkvagent.engine.samples import GpuReading, VllmMetrics, utc_text
 from vkvagent.engine.slo import ITL_BOUNDS, TTFT_BOUNDS, bracket
@@ -30,7 +31,7 @@ from vkvagent.flags import shown as flags_shown
 from vkvagent.gpu import GpuReader, NvmlBackend, RecordedBackend, reader_for, record
 from vkvagent.history import History, HistoryError
 from vkvagent.ledger import Ledger
-from vkvagent.systemd import Systemd
+from vkvagent.systemd import Systemd, SystemdError
 from vkvagent.vllm import VllmClient
 from vkvagent.vllm_metrics import Normaliser
 
@@ -394,6 +395,9 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
     buckets, beyond = _slo_buckets(loaded)
     notes += buckets
     warnings += beyond
+    unit, seen = _unit_warning(loaded.vllm.unit)
+    warnings += [unit] if unit else []
+    notes += [seen] if seen else []
     read = ", ".join(map(str, files)) or "no file, defaults only"
     said = f"valid, with {len(warnings)} warning(s) on stderr" if warnings else "OK"
     print(f"# configuration {said}; read: {read}", file=out)
@@ -415,6 +419,17 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
         )
         sys.stderr.write(text)
     return ExitCode.OK
+
+
+def _unit_warning(name: str) -> tuple[str, str]:
+    """A warning for a vLLM unit that an exit of vLLM would leave down, and a note when
+    systemd cannot be asked (no warning then: the check is of the files)."""
+    try:
+        with Systemd(timeout=5) as bus:
+            unit = bus.unit(name)
+    except SystemdError as exc:
+        return "", f"{name} not checked: {exc}"
+    return unit_warning(name, unit.restart_policy, unit.wanted), ""
 
 
 # Each latency objective's target key, and the VllmMetrics histogram it is measured on.

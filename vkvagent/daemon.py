@@ -1303,6 +1303,8 @@ def _unit_status(unit: UnitFacts | None) -> status.UnitStatus | None:
         main_pid=unit.main_pid,
         n_restarts=unit.n_restarts,
         memory_bytes=unit.memory_bytes,
+        restart_policy=unit.restart_policy,
+        wanted=unit.wanted,
     )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from vkvagent import __version__
+from vkvagent.engine.liveness import unit_warning
 from vkvagent.engine.policy import PLANNED
 from vkvagent.errors import VkvagentError
 from vkvagent.flags import shown
@@ -177,6 +178,8 @@ class UnitStatus(_Part):
     main_pid: int
     n_restarts: int  # automatic restarts by Restart= since the last requested start
     memory_bytes: int | None = None  # MemoryCurrent; None when not accounted
+    restart_policy: str = ""  # Restart=; "": unknown
+    wanted: bool | None = None  # enabled, or wanted by another unit, and not masked
 
 
 @dataclass(frozen=True)
@@ -836,6 +839,9 @@ def render(
             f"  unit        {unit} {u.active_state} ({u.sub_state}), pid {u.main_pid}, "
             f"memory {_bytes(u.memory_bytes)}, automatic restarts {u.n_restarts}"
         )
+        warning = unit_warning(unit, u.restart_policy, u.wanted)
+        if warning:
+            lines.append(f"  warning     {warning}")
     else:
         lines.append(f"  unit        {unit}: {status.unit_error or 'state unknown'}")
     vllm = status.vllm
