@@ -839,9 +839,9 @@ def render(
             f"  unit        {unit} {u.active_state} ({u.sub_state}), pid {u.main_pid}, "
             f"memory {_bytes(u.memory_bytes)}, automatic restarts {u.n_restarts}"
         )
-        warning = unit_warning(unit, u.restart_policy, u.wanted)
-        if warning:
-            lines.append(f"  warning     {warning}")
+        left_down = unit_warning(unit, u.restart_policy, u.wanted)
+        if left_down:
+            lines.append(f"  warning     {left_down}")
     else:
         lines.append(f"  unit        {unit}: {status.unit_error or 'state unknown'}")
     vllm = status.vllm
