@@ -62,6 +62,23 @@ def test_no_status_a_stale_one_or_a_silent_vllm_is_not_ready() -> None:
     assert readiness(silent, NOW) == (False, "vLLM does not answer /metrics: connection refused")
 
 
+def test_a_status_three_intervals_old_is_stale_but_for_a_restart_in_progress() -> None:
+    """The loop writes every interval (10 s here): a minute is too long for a balancer."""
+    assert readiness(status(), NOW + 29).ready
+    assert readiness(status(), NOW + 31) == (
+        False, "vkvagent's status is stale: last update 31 s ago, daemon running but silent"
+    )  # fmt: skip
+    # A restart holds the loop for as long as it may take: it stays "restarting", not stale.
+    acting = replace(status("acting", reason="restart: emergency"), stale_after=300.0)
+    assert readiness(acting, NOW + 200).reason.startswith("vkvagent is restarting vLLM")
+    assert readiness(acting, NOW + 301).reason.startswith("vkvagent's status is stale")
+
+
+def test_a_source_the_agent_lacks_is_no_reason_to_take_vllm_out() -> None:
+    """Impaired: NVML or D-Bus failing stops vkvagent acting, not vLLM serving."""
+    assert readiness(status("impaired"), NOW) == (True, "vLLM serves (impaired)")
+
+
 def test_the_exporter_answers_ready_beside_the_metrics() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -7,7 +7,8 @@ Not ready, with the reason, while vLLM:
 
 - makes no progress with work pending (``verdict.stalled_s`` above 0: at the first sample
   without a token or engine step while requests run, wait, or a probe goes unanswered, long
-  before ``stall_after`` names a stall; a busy vLLM moves its counters every second);
+  before ``stall_after`` names a stall; a busy vLLM moves its counters at every engine step,
+  many times a second, so a whole sample interval without one is no busy server's pause);
 - is down, loading, hung, crash-looping or unresponsive (its cause), or vetoed for a GPU fault;
 - is being restarted or drained by vkvagent (the status says ``acting``), or vkvagent gave up
   on it (``escalated``);
@@ -20,12 +21,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from vkvagent.status import StatusReport, is_stale, stale_reason
+from vkvagent.status import CRITICAL_CAUSES, StatusReport, is_stale, stale_reason
 
-# Causes under which vLLM serves nothing, or should not be sent more (a GPU fault).
-NOT_SERVING = (
-    "stall", "unresponsive", "engine_down", "dead", "start_hung", "crash_loop", "gpu_fault",
-)  # fmt: skip
+# Causes under which vLLM serves nothing (the critical ones: down, dead, a hung start, a crash
+# loop) or should not be sent more (a GPU fault; a stall or a hung API, an emergency).
+NOT_SERVING = (*CRITICAL_CAUSES, "stall", "unresponsive")
+# The daemon writes a status every sample interval: one this many intervals old means its
+# loop stopped (a restart in progress excepted: ``stale_after``). Tighter than the status
+# check's minute, which a person reads; a load balancer asks every second or two.
+STALE_INTERVALS = 3
 
 
 class Ready(NamedTuple):
@@ -37,7 +41,7 @@ def readiness(report: StatusReport | None, now: float) -> Ready:
     """Whether vLLM should get traffic now, and why (not)."""
     if report is None:
         return Ready(False, "vkvagent has no status yet")
-    if is_stale(report, now):
+    if _stale(report, now):
         return Ready(False, f"vkvagent's status is {stale_reason(report, now)}")
     verdict = report.verdict
     if verdict.state == "acting":
@@ -51,3 +55,8 @@ def readiness(report: StatusReport | None, now: float) -> Ready:
     if report.vllm.recognised is None:
         return Ready(False, f"vLLM does not answer /metrics: {report.vllm.error or 'no answer'}")
     return Ready(True, f"vLLM serves ({verdict.state})")
+
+
+def _stale(report: StatusReport, now: float) -> bool:
+    limit = max(STALE_INTERVALS * float(report.interval), float(report.stale_after or 0))
+    return is_stale(report, now) or now - float(report.updated) > limit
