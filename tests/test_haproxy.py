@@ -22,6 +22,7 @@ INTERVAL = 1.0  # vkvagent's sample interval
 CHECK = 1.0  # HAProxy's check interval (inter), one failure to leave, one success to return
 STALL_ONSET = 450.0  # simulated seconds: 15 s real at the simulator's 30x
 FRONT = 8000
+AFTER = 3.0  # seconds of traffic measured once A is back
 HOSTS = {"a": (8001, 9851), "b": (8002, 9852)}  # vLLM port, vkvagent's /ready port
 
 HAPROXY = f"""\
@@ -195,20 +196,32 @@ def test_haproxy_moves_traffic_off_a_stalled_vllm_by_vkvagents_ready_and_back() 
             switched = max(sent_a, default=stalled)
             until(lambda: traffic.by("a", unready + 2 * CHECK), 60, "A back in rotation")
             back = min(at for at, who in list(traffic.served) if who == "a" and at > switched)
-            during = traffic.by("a", switched + 0.1, back)
-            b_during = traffic.by("b", switched + 0.1, back)
+            time.sleep(AFTER)  # both in rotation again
+            ended = time.monotonic()
             errors = traffic.by("error", began)
+        periods = {
+            "before": (began, stalled),
+            "stalled, until the switch": (stalled, switched + 0.1),
+            "switched": (switched + 0.1, back),
+            "after": (back, ended),
+        }
+        counts = {k: (traffic.by("a", *t), traffic.by("b", *t)) for k, t in periods.items()}
+        during, b_during = counts["switched"]
         print(
             f"\nHAProxy (check every {CHECK:g} s) and vkvagent (a sample every {INTERVAL:g} s): "
             f"A's /ready said 503 {unready - stalled:.1f} s after its tokens stopped; HAProxy "
             f"sent A its last request {switched - stalled:.1f} s after; A served again "
-            f"{back - stalled:.1f} s after (the stall restarted at stall_after 10 s); meanwhile "
-            f"A served {during} and B {b_during} requests; {errors} errors"
+            f"{back - stalled:.1f} s after (the stall restarted at stall_after 10 s); "
+            f"{errors} errors; requests served by A / B:"
         )
+        for period, (a, b) in counts.items():
+            start, end = periods[period]
+            print(f"  {period:26} {end - start:5.1f} s  A {a:4}  B {b:4}")
         # Within the check interval plus one sample interval (and a tick's own time).
         assert unready - stalled <= 2 * INTERVAL + 0.5
         assert switched - stalled <= CHECK + 2 * INTERVAL + 0.5
         assert during == 0 and b_during > 0
+        assert min(counts["after"]) > 0, "A back in rotation beside B"
         assert errors == 0
         restarted = box.run(
             "journalctl", "-u", "vkvagent-a.service", "-o", "cat", "VKV_EVENT=restart.completed"
