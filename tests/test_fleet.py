@@ -293,7 +293,13 @@ class FakeActuator:
         yield
 
     def restart(
-        self, reason: str, *, drain: bool = True, cause: str = "manual", plan: object = None
+        self,
+        reason: str,
+        *,
+        drain: bool = True,
+        cause: str = "manual",
+        plan: object = None,
+        down: bool = False,
     ) -> Outcome:
         self.reasons.append(reason)
         if self.during is not None:
