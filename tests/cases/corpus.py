@@ -168,9 +168,7 @@ def _ticks(
             unit = UnitFacts(**{"invocation_id": "case", "main_pid": 1, "memory_bytes": None,
                                 "n_restarts": 0, **facts})  # fmt: skip
         if down:
-            samples.append(
-                Sample(wall, mono, None, down, vllm_silent="silent" in entry, unit=unit)
-            )
+            samples.append(Sample(wall, mono, None, down, vllm_silent="silent" in entry, unit=unit))
         else:
             values = dict(zip(columns, entry["row"]))
             metrics = _advance(counters, values, interval, started)
