@@ -19,10 +19,12 @@ from vkvagent.engine.gpu_faults import (
     xid_meaning,
 )
 from vkvagent.gpu import (
+    GpuProcess,
     GpuReader,
     NvmlBackend,
     NvmlUnavailable,
     RecordedBackend,
+    _process_memory,
     decode_clock_event_reasons,
     reader_for,
     record,
@@ -126,6 +128,45 @@ def test_a_recording_replays_to_the_same_raw_values() -> None:
     assert record(RecordedBackend(original)) == original
 
 
+def test_process_lists_are_recorded_and_replayed_per_watched_gpu() -> None:
+    recording = json.loads(RECORDING.read_text())
+    recording["devices"][2]["processes"] = [[61000, None]]  # the driver does not say (MIG)
+    replayed = record(RecordedBackend(recording))
+    assert [d["processes"] for d in replayed["devices"]] == [
+        [[48211, 71303168000]],
+        [[48211, 524288000], [50112, 1073741824]],
+        [[61000, None]],
+    ]
+    reader = GpuReader((1, 2), open=lambda: RecordedBackend(json.loads(json.dumps(replayed))))
+    assert reader.processes() == (
+        (GpuProcess(1, 48211, 524288000), GpuProcess(1, 50112, 1073741824),
+         GpuProcess(2, 61000, None)),
+        None,
+    )  # fmt: skip
+
+
+def test_a_recording_from_before_process_lists_still_reads() -> None:
+    recording = json.loads(RECORDING.read_text())
+    for device in recording["devices"]:
+        del device["processes"]
+    reader = GpuReader(open=lambda: RecordedBackend(recording))
+    readings, problem = reader.read()
+    assert problem is None and len(readings) == 3
+    assert reader.processes() == (
+        (),
+        "GPU processes cannot be listed: NvmlUnsupported: not recorded",
+    )
+    assert record(RecordedBackend(recording))["devices"][0]["processes"] == {
+        "error": "not recorded"
+    }
+
+
+def test_nvml_memory_not_available_reads_as_none() -> None:
+    assert _process_memory(None) is None
+    assert _process_memory(2**64 - 1) is None  # NVML_VALUE_NOT_AVAILABLE, where pynvml passes it
+    assert _process_memory(524288000) == 524288000
+
+
 def test_cli_reads_a_recording(capsys) -> None:
     assert main(["gpu", "--replay", str(RECORDING), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -171,6 +212,10 @@ def test_a_real_gpu(tmp_path: Path) -> None:
     replayed, _ = GpuReader(open=lambda: RecordedBackend.load(str(path))).read()
     static = [(r.uuid, r.name, r.memory_total_bytes, r.sm_clock_max_mhz) for r in readings]
     assert [(r.uuid, r.name, r.memory_total_bytes, r.sm_clock_max_mhz) for r in replayed] == static
+    # The process lists are recorded too: each a list of [pid, bytes or null].
+    for device in json.loads(path.read_text())["devices"]:
+        assert isinstance(device["processes"], list)
+        assert all(pid > 0 and (used is None or used >= 0) for pid, used in device["processes"])
 
 
 def test_a_recording_file_kept_current_by_another_process(tmp_path: Path) -> None:

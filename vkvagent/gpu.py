@@ -51,8 +51,14 @@ QUERIES = (
     "sm_clock_max",
     "clock_event_reasons",
     "ecc_uncorrected_volatile",
-    "processes",  # [[pid, GPU memory in bytes or None], ...]: the compute processes on it
+    # [[pid, GPU memory in bytes or None], ...]: the compute processes on it (CUDA contexts:
+    # vLLM's API server, engine and workers). Graphics processes (a display server) are left
+    # out: they hold a few hundred MiB that vLLM's utilisation share leaves room for.
+    "processes",
 )
+# NVML_VALUE_NOT_AVAILABLE for a process's memory (MIG, some vGPUs), where pynvml does not
+# already turn it into None.
+_NOT_AVAILABLE = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -160,7 +166,7 @@ class NvmlBackend:
                 handle, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC
             ),
             "processes": lambda: [
-                [int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory)]
+                [int(p.pid), _process_memory(p.usedGpuMemory)]
                 for p in n.nvmlDeviceGetComputeRunningProcesses(handle)
             ],
         }
@@ -207,7 +213,9 @@ class NvmlBackend:
 
 class RecordedBackend:
     """Replays ``record()`` output: ``{"devices": [{query: value | {"error": "..."}}],
-    "xid_events": [[index, xid], ...]}``; XID events are delivered on the first read."""
+    "xid_events": [[index, xid], ...]}``; XID events are delivered on the first read.
+    A recording made before ``processes`` was recorded reads as a driver that does not
+    list them (``GpuReader.processes`` says so); every other value reads as before."""
 
     def __init__(self, recording: dict[str, Any]) -> None:
         self._devices: list[dict[str, Any]] = recording["devices"]
@@ -441,6 +449,10 @@ def _reading(backend: Backend, index: int, xids: tuple[int, ...]) -> GpuReading:
         ecc_uncorrected_volatile=get("ecc_uncorrected_volatile"),
         xid_errors=xids,
     )
+
+
+def _process_memory(used: Any) -> int | None:
+    return None if used is None or int(used) >= _NOT_AVAILABLE else int(used)
 
 
 def _text(value: Any) -> str:
