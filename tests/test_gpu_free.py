@@ -27,11 +27,11 @@ from vkvagent.gpu_free import (
     GpusHeldByOthers,
     GpusNotFreed,
     clear_gpus,
-    free_gpus,
     holders,
     is_gpu_memory_failure,
     unit_cgroup,
 )
+from vkvagent.systemd import UnitState
 
 UNIT = "vllm.service"
 V2 = "0::/system.slice/vllm.service\n"  # cgroup v2, as /proc/PID/cgroup reads
@@ -325,8 +325,12 @@ def test_the_actuator_frees_the_gpus_before_it_starts_a_unit_that_is_down(
     world = World(tmp_path, {777: ("python3", OTHER, 0)})
     acting = actuator(tmp_path, world.recording, world.reader)
     acting.proc = world.proc
+    down = UnitState(
+        UNIT, "loaded", "failed", "failed", "exit-code", 0, "ab" * 16, 0, 0, None, (),
+        "/etc/systemd/system/vllm.service", (), 5, 10_000_000,
+    )  # fmt: skip
     with pytest.raises(ActuatorError, match=r"not vllm.service's: PID 777"):
-        acting._free_gpus()
+        acting._free_gpus(down)
     # A start that failed for GPU memory those processes held: not the flags' fault.
     line = (
         "ValueError: Free memory on device (10.2/79.1 GiB) on startup is less than desired "
@@ -335,15 +339,6 @@ def test_the_actuator_frees_the_gpus_before_it_starts_a_unit_that_is_down(
     )
     assert acting._gpus_held(line) == "PID 777 (python3) on GPU 0, 30.0 GiB"
     assert acting._gpus_held("ValueError: max_model_len 100000 > 2048") == ""
-
-
-def test_free_gpus_returns_the_leftovers_it_killed(tmp_path: Path) -> None:
-    world = World(tmp_path, {4100: ("VLLM::EngineCor", V2, 0)})
-    killed = free_gpus(
-        world.reader, UNIT, timeout=5.0, proc=world.proc, kill=world.kill,
-        clock=lambda: world.now, sleep=world.sleep,
-    )  # fmt: skip
-    assert [h.process.pid for h in killed] == [4100]
 
 
 @pytest.mark.parametrize(

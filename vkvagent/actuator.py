@@ -46,7 +46,7 @@ from vkvagent.engine.gpu_faults import describe_xid
 from vkvagent.engine.samples import FlagValue, VllmMetrics
 from vkvagent.errors import VkvagentError
 from vkvagent.gpu import GpuReader
-from vkvagent.gpu_free import GpusBusy, Holder, free_gpus, holders, is_gpu_memory_failure
+from vkvagent.gpu_free import GpusBusy, Holder, clear_gpus, holders, is_gpu_memory_failure
 from vkvagent.hardening import SYSTEMD_DIR
 from vkvagent.hooks import HookResult, run_hook
 from vkvagent.ledger import Action, Ledger
@@ -376,13 +376,13 @@ class Actuator:
         )
         ran: list[HookResult] = []
         stop: _Stop | None = None
-        freed: list[Holder] = []
+        freed: tuple[Holder, ...] = ()
         try:
             with self._step(action, "preflight"):
                 before = self._preflight(change, down)
             if self._gpus is not None and before.active_state in ("inactive", "failed"):
                 with self._step(action, "gpus"):  # a restart's stop kills its own cgroup
-                    freed = self._free_gpus()
+                    freed = self._free_gpus(before)
             if self.settings.pre_stop and before.active_state == "active":
                 with self._step(action, "pre_stop"):
                     self._hook("pre_stop", action, cause, ran)
@@ -629,16 +629,19 @@ class Actuator:
                 "it needs a GPU reset or a person"
             )
 
-    def _free_gpus(self) -> list[Holder]:
+    def _free_gpus(self, before: UnitState) -> tuple[Holder, ...]:
         """No process of the run before on the GPUs (``gpu_free``): the unit's leftovers
-        killed, another's refused."""
+        killed, another's refused. systemd kills them (KillUnit: every process left in the
+        down unit's cgroup, which systemd still reports while any is there), so the agent
+        needs no CAP_KILL for a vLLM that runs as another user."""
         assert self._gpus is not None
         try:
-            return free_gpus(
-                self._gpus, self.unit, timeout=self.settings.job_timeout, proc=self.proc,
-                clock=self._clock, sleep=self._sleep,
-            )  # fmt: skip
-        except GpusBusy as exc:
+            return clear_gpus(
+                self._gpus, self.unit, timeout=self.settings.job_timeout,
+                cgroup=before.control_group, proc=self.proc, clock=self._clock,
+                sleep=self._sleep, kill=lambda _pid: self._kill(),
+            ).killed  # fmt: skip
+        except (GpusBusy, _JobRefused) as exc:
             raise ActuatorError(str(exc)) from None
 
     def _gpus_held(self, vllm_error: str | None) -> str:

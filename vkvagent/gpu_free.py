@@ -198,23 +198,6 @@ def clear_gpus(
         _refuse_others(found, unit)
 
 
-def free_gpus(
-    reader: GpuReader,
-    unit: str,
-    *,
-    timeout: float,
-    proc: Path = Path("/proc"),
-    kill: Callable[[int], None] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> list[Holder]:
-    """``clear_gpus`` without a cgroup, for callers that want only the leftovers killed."""
-    freed = clear_gpus(
-        reader, unit, timeout=timeout, proc=proc, kill=kill, clock=clock, sleep=sleep
-    )  # fmt: skip
-    return list(freed.killed)
-
-
 # vLLM's words when the GPU memory it wants is taken (vllm/v1/worker: "Free memory on device
 # (X/Y GiB) on startup is less than desired GPU memory utilization (U, Z GiB)", "cuda:0"
 # after "device" in later releases; the CPU build says "Available memory on node"; V0 said
