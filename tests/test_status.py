@@ -329,6 +329,81 @@ def test_render_shows_the_band_beside_the_speed_ratio() -> None:
     assert "speed vs fresh baseline 0.80\n" in render(older, NOW + 5)
 
 
+def unit_document(restart_policy: str | None, wanted: bool | None) -> dict[str, Any]:
+    """The unit as status.json writes it; a key that is None is left out, as an older
+    vkvagent wrote it."""
+    unit: dict[str, Any] = {"active_state": "active", "sub_state": "running", "main_pid": 77,
+                            "n_restarts": 0}  # fmt: skip
+    if restart_policy is not None:
+        unit["restart_policy"] = restart_policy
+    if wanted is not None:
+        unit["wanted"] = wanted
+    return unit
+
+
+def with_unit(restart_policy: str | None, wanted: bool | None, mode: str = "enforce") -> str:
+    """The warning line of `vkvagent status` ("" when none) for a unit and a policy mode."""
+    policy = {**document("healthy")["policy"], "mode": mode}
+    shown = report("healthy", unit=unit_document(restart_policy, wanted), policy=policy)
+    lines = [x for x in render(shown, NOW + 5).splitlines() if x.startswith("  warning")]
+    assert len(lines) <= 1
+    return lines[0][len("  warning     ") :] if lines else ""
+
+
+LEFT_DOWN = (
+    "vllm.service has Restart=on-failure: vLLM exits 0 when its engine dies (vLLM 0.32 does), "
+    "and systemd then leaves it down"
+)
+
+
+def test_render_warns_of_a_unit_vllms_exit_0_leaves_down_saying_who_starts_it() -> None:
+    assert with_unit("on-failure", True) == (
+        f"{LEFT_DOWN}; vkvagent starts it again within a sample interval (enforce mode, "
+        "max_per_day allowing), but set Restart=always to have systemd do it at once"
+    )
+    assert with_unit("on-failure", True, "observe") == (
+        f"{LEFT_DOWN}, and vkvagent in observe mode does not start it: set Restart=always"
+    )
+    assert with_unit("on-failure", None, "") == f"{LEFT_DOWN}: set Restart=always"
+    for policy in ("no", "on-abnormal", "on-abort", "on-watchdog"):
+        assert with_unit(policy, True).startswith(f"vllm.service has Restart={policy}: ")
+    assert with_unit("always", True) == with_unit("on-success", True) == ""
+    # Written by a vkvagent that did not read them: nothing known, nothing said.
+    assert with_unit(None, None) == ""
+
+
+def test_render_warns_of_a_unit_nothing_wants() -> None:
+    assert with_unit("always", False) == (
+        "vllm.service is not enabled, or masked, and no unit wants it: it does not start at "
+        "boot, and vkvagent does not start it when it is down; systemctl enable vllm.service "
+        "(unmask it first if masked)"
+    )
+    assert with_unit("on-failure", False) == (
+        "vllm.service is not enabled, or masked, and no unit wants it, and it has "
+        "Restart=on-failure: vLLM exits 0 when its engine dies (vLLM 0.32 does), and then "
+        "neither systemd nor vkvagent starts it again; set Restart=always, and systemctl "
+        "enable vllm.service (unmask it first if masked)"
+    )
+
+
+def test_the_units_warning_changes_neither_the_exit_code_nor_the_first_line() -> None:
+    """A unit's settings are the operator's to fix, not a state of vLLM to page for: the check
+    stays what the verdict and thresholds make it, and status.json carries the facts."""
+    w, c = status.Range.parse("0.8:"), status.Range.parse("0.6:")
+    for state in ("healthy", "degraded", "critical"):
+        fine = report(state, unit=unit_document("always", True))
+        left = report(state, unit=unit_document("on-failure", False))
+        assert status.checked(left, NOW + 5, w, c) == status.checked(fine, NOW + 5, w, c)
+        assert status.headline(left, NOW + 5, w, c) == status.headline(fine, NOW + 5, w, c)
+        assert "\n  warning     " in render(left, NOW + 5)
+        assert "\n  warning" not in render(fine, NOW + 5)
+    unit = json.loads(json.dumps(left.to_json()))["unit"]
+    assert (unit["restart_policy"], unit["wanted"]) == ("on-failure", False)
+    assert StatusReport.from_json(left.to_json()) == left
+    older = report("healthy", unit=unit_document(None, None)).unit
+    assert older is not None and (older.restart_policy, older.wanted) == ("", None)
+
+
 def test_render_explains_and_draws_the_trend() -> None:
     trend: tuple[TrendPoint, ...] = ()
     for minute in range(0, 120, 5):

@@ -21,7 +21,6 @@ from vkvagent import __version__, advice, config, controls, fleet, hardening, re
 from vkvagent.actuator import Actuator, Outcome, Plan
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.gpu_faults import describe_xid
-from vkvagent.engine.liveness import unit_warning
 from vkvagent.engine.policy import MODES, PolicySettings, window_state
 from vkvagent.engine.samples import GpuReading, VllmMetrics, utc_text
 from vkvagent.engine.slo import ITL_BOUNDS, TTFT_BOUNDS, bracket
@@ -395,7 +394,7 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
     buckets, beyond = _slo_buckets(loaded)
     notes += buckets
     warnings += beyond
-    unit, seen = _unit_warning(loaded.vllm.unit)
+    unit, seen = _unit_warning(loaded.vllm.unit, loaded.policy.mode)
     warnings += [unit] if unit else []
     notes += [seen] if seen else []
     read = ", ".join(map(str, files)) or "no file, defaults only"
@@ -421,15 +420,23 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
     return ExitCode.OK
 
 
-def _unit_warning(name: str) -> tuple[str, str]:
-    """A warning for a vLLM unit that an exit of vLLM would leave down, and a note when
-    systemd cannot be asked (no warning then: the check is of the files)."""
+def _unit_warning(name: str, mode: str) -> tuple[str, str]:
+    """A warning for a vLLM unit that an exit 0 of vLLM would leave down, or that nothing
+    wants (``status.unit_warning``); a note when systemd cannot be asked or has no such unit
+    (no warning then: the check is of the files, and may run before vLLM's unit is written)."""
     try:
         with Systemd(timeout=5) as bus:
             unit = bus.unit(name)
     except SystemdError as exc:
         return "", f"{name} not checked: {exc}"
-    return unit_warning(name, unit.restart_policy, unit.wanted), ""
+    if unit.load_state not in ("loaded", "masked"):
+        return (
+            f"systemd cannot load {name} (LoadState={unit.load_state}): neither systemd nor "
+            f"vkvagent can start it (systemctl status {name} says why)",
+            "",
+        )
+    file_state = "masked" if unit.load_state == "masked" else unit.unit_file_state
+    return status.unit_warning(name, unit.restart_policy, unit.wanted, mode, file_state), ""
 
 
 # Each latency objective's target key, and the VllmMetrics histogram it is measured on.

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from vkvagent import __version__
-from vkvagent.engine.liveness import unit_warning
+from vkvagent.engine.liveness import RESTARTS_AFTER_CLEAN_EXIT
 from vkvagent.engine.policy import PLANNED
 from vkvagent.errors import VkvagentError
 from vkvagent.flags import shown
@@ -797,6 +797,55 @@ def sparkline(values: Sequence[float | None]) -> str:
     )
 
 
+def unit_warning(
+    unit: str, restart_policy: str, wanted: bool | None, mode: str, file_state: str = ""
+) -> str:
+    """One line on a unit that would stay down after vLLM exits with status 0, as vLLM 0.32
+    does when its engine dies, or that nothing wants ("" when neither): what happens, who
+    starts it again, and what to do. ``restart_policy`` is its Restart= ("": unknown);
+    ``wanted`` as ``UnitStatus.wanted`` (None: unknown); ``mode`` the policy's, which decides
+    whether vkvagent starts a wanted unit that died ("": unknown); ``file_state`` its
+    UnitFileState where known (``config check``), for the right command. For ``config check``
+    and ``vkvagent status``; it changes no exit code."""
+    if file_state in ("masked", "masked-runtime"):
+        return (
+            f"{unit} is masked: neither systemd nor vkvagent can start it "
+            f"(systemctl unmask {unit}, then systemctl enable {unit})"
+        )
+    exits = "vLLM exits 0 when its engine dies (vLLM 0.32 does)"
+    leaves = bool(restart_policy) and restart_policy not in RESTARTS_AFTER_CLEAN_EXIT
+    if wanted is False:
+        if file_state == "static":
+            nobody = f"{unit} has no [Install] section and no unit wants it"
+            enable = f"add WantedBy=multi-user.target under [Install], then systemctl enable {unit}"
+        elif file_state:
+            nobody = f"{unit} is not enabled and no unit wants it"
+            enable = f"systemctl enable {unit}"
+        else:  # status.json has no UnitFileState: masked reads as not wanted too
+            nobody = f"{unit} is not enabled, or masked, and no unit wants it"
+            enable = f"systemctl enable {unit} (unmask it first if masked)"
+        if leaves:
+            return (
+                f"{nobody}, and it has Restart={restart_policy}: {exits}, and then neither "
+                f"systemd nor vkvagent starts it again; set Restart=always, and {enable}"
+            )
+        return (
+            f"{nobody}: it does not start at boot, and vkvagent does not start it when it is "
+            f"down; {enable}"
+        )
+    if not leaves:
+        return ""
+    left = f"{unit} has Restart={restart_policy}: {exits}, and systemd then leaves it down"
+    if mode == "enforce":
+        return (
+            f"{left}; vkvagent starts it again within a sample interval (enforce mode, "
+            "max_per_day allowing), but set Restart=always to have systemd do it at once"
+        )
+    if mode:
+        return f"{left}, and vkvagent in {mode} mode does not start it: set Restart=always"
+    return f"{left}: set Restart=always"
+
+
 # What each source's failure takes from the agent, in words.
 _LOST = {
     "vllm": "nothing can be judged",
@@ -839,7 +888,7 @@ def render(
             f"  unit        {unit} {u.active_state} ({u.sub_state}), pid {u.main_pid}, "
             f"memory {_bytes(u.memory_bytes)}, automatic restarts {u.n_restarts}"
         )
-        left_down = unit_warning(unit, u.restart_policy, u.wanted)
+        left_down = unit_warning(unit, u.restart_policy, u.wanted, status.policy.mode)
         if left_down:
             lines.append(f"  warning     {left_down}")
     else:
