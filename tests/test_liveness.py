@@ -17,7 +17,6 @@ from vkvagent.engine.liveness import (
     LivenessState,
     judge,
     observe,
-    unit_warning,
 )
 from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord, Verdict, evaluate
 from vkvagent.engine.samples import Sample, UnitFacts
@@ -203,14 +202,3 @@ def test_exits_are_kept_across_vllm_runs_a_crash_loop_is_many_runs() -> None:
     assert decision is not None and state.liveness.exits == (1001.0, 1002.0, 1003.0)
     assert (decision.cause, decision.action) == ("crash_loop", "none")
     assert decision.reason.startswith("reported: crash_loop: 3 exits")
-
-
-def test_a_unit_an_exit_would_leave_down_is_warned_of() -> None:
-    assert unit_warning("vllm.service", "always", True) == ""
-    assert unit_warning("vllm.service", "", None) == ""  # unknown: nothing to say
-    assert unit_warning("vllm.service", "on-failure", True).startswith(
-        "vllm.service has Restart=on-failure: vLLM exits 0 when its engine dies"
-    )
-    assert unit_warning("vllm.service", "always", False).startswith(
-        "vllm.service is not enabled and no unit wants it"
-    )

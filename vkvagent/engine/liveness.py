@@ -237,20 +237,3 @@ def _learned(state: LivenessState) -> str:
     if not state.starts:
         return "none measured yet"
     return f"{START_FACTOR:g} x the longest of {len(state.starts)} starts measured"
-
-
-def unit_warning(unit: str, restart_policy: str, wanted: bool | None) -> str:
-    """What an operator should know of a unit that vLLM's exit would leave down; "" when
-    nothing. For `config check` and `vkvagent status`."""
-    if wanted is False:
-        return (
-            f"{unit} is not enabled and no unit wants it: vkvagent leaves it down when vLLM "
-            f"dies (systemctl enable {unit})"
-        )
-    if restart_policy and restart_policy not in RESTARTS_AFTER_CLEAN_EXIT:
-        return (
-            f"{unit} has Restart={restart_policy}: vLLM exits 0 when its engine dies (0.32 "
-            "does), and systemd then leaves it down; vkvagent starts it again in enforce "
-            "mode, Restart=always would at once"
-        )
-    return ""
