@@ -107,47 +107,68 @@ def running(box: Sandbox) -> float:
     return float(found.group(1))
 
 
-def test_a_drained_restart_lets_the_streams_in_flight_finish(vllm_box: Sandbox) -> None:
-    """The stop comes while vLLM's engine provably holds a stream with most of its answer
-    ahead: a ``pre_stop`` hook holds the restart until the test lets it go, which it does when
-    the engine runs all three clients' requests and one of them began 0.2 to 0.5 s ago. Left to
-    chance, the stop can come in the instant the clients send their next requests, taken by the
-    API server but not yet by the engine, which vLLM's drain does not wait for
-    (docs/operations.md, Draining): that is what the product cannot promise, and this test does
-    not ask it."""
-    asked, go = "/var/lib/lb/asked", "/var/lib/lb/go"
-    vllm_box.run("mkdir", "-p", "/var/lib/lb")
-    vllm_box.run("rm", "-f", asked, go)
-    hold = ["/bin/sh", "-c", f"touch {asked}; while [ ! -e {go} ]; do sleep 0.01; done"]
-    configure(vllm_box, f"pre_stop = {json.dumps(hold)}")
-    clients = 3
-    with Streams(vllm_box, clients=clients, max_tokens=500) as streams:
+ASKED, GO = "/var/lib/lb/asked", "/var/lib/lb/go"  # the pre_stop hook's and the test's marks
+
+
+def restart_when_the_engine_holds_a_young_stream(
+    box: Sandbox, clients: int
+) -> tuple[str, dict[str, Any], Streams, float, float]:
+    """A restart under ``clients`` streaming clients, let go by the ``pre_stop`` hook when the
+    engine runs every client's request and one of them began 0.2 to 0.5 s ago: the output, the
+    costs, the streams, when that young stream began and when the test let the restart go."""
+    box.run("rm", "-f", ASKED, GO)
+    young: list[float] = []
+
+    def engine_holds_a_young_stream() -> bool:
+        now = time.time()
+        young[:] = [t for t in streams.under_way() if 0.2 <= now - t <= 0.5]
+        return bool(young) and running(box) >= clients
+
+    with Streams(box, clients=clients, max_tokens=500) as streams:
         wait_until(lambda: streams.count("ok") >= 6, 60, "streams before the restart")
         with ThreadPoolExecutor(1) as pool:
-            restarting = pool.submit(restart, vllm_box)
-            wait_until((vllm_box.root / asked.lstrip("/")).exists, 60, "the pre_stop hook")
-            young: list[float] = []
-
-            def engine_holds_a_young_stream() -> bool:
-                now = time.time()
-                young[:] = [t for t in streams.under_way() if 0.2 <= now - t <= 0.5]
-                return bool(young) and running(vllm_box) >= clients
-
+            restarting = pool.submit(restart, box)
+            wait_until((box.root / ASKED.lstrip("/")).exists, 60, "the pre_stop hook")
             try:
                 wait_until(engine_holds_a_young_stream, 60, "a young stream in the engine", 0.01)
             finally:
-                (vllm_box.root / go.lstrip("/")).touch()
+                (box.root / GO.lstrip("/")).touch()
+                let_go = time.time()
             said, costs = restarting.result(timeout=COMMAND_TIMEOUT)
         served = streams.count("ok")
         wait_until(lambda: streams.count("ok") >= served + 3, 60, "streams after the restart")
-    stop = stop_requested(vllm_box)
-    held = [s for s in streams.streams if s.started == young[0]]
-    begun = [(s.outcome, round(stop - s.started, 2)) for s in streams.spanning(stop)]
-    print(
-        f"\nreal vLLM {VERSION}, a restart drained by its --shutdown-timeout under 3 streaming "
-        f"clients: {json.dumps(costs)}; clients: {streams.outcomes()}; in flight at the stop "
-        f"(outcome, seconds under way): {begun}"
-    )
+    return said, costs, streams, young[0], let_go
+
+
+def test_a_drained_restart_lets_the_streams_in_flight_finish(vllm_box: Sandbox) -> None:
+    """The stop comes while vLLM's engine provably holds a stream with most of its answer
+    ahead: a ``pre_stop`` hook holds the restart until the test lets it go, when the engine
+    holds a young stream. Left to chance, the stop can come in the instant the clients send
+    their next requests, taken by the API server but not yet by the engine, which vLLM's drain
+    does not wait for (docs/operations.md, Draining): that is what the product cannot promise,
+    and this test does not ask it.
+
+    A stream lasts about 0.8 s here, so the stop must follow the release within about half a
+    second. On a loaded host vkvagent's scrape just before the stop can come later than that
+    and find the engine between requests (its ``in_flight`` is 0, and rightly so): then the
+    premise was missed, not the promise, and the restart is tried again, three times at most."""
+    vllm_box.run("mkdir", "-p", "/var/lib/lb")
+    hold = ["/bin/sh", "-c", f"touch {ASKED}; while [ ! -e {GO} ]; do sleep 0.01; done"]
+    configure(vllm_box, f"pre_stop = {json.dumps(hold)}")
+    for attempt in range(1, 4):
+        said, costs, streams, young, let_go = restart_when_the_engine_holds_a_young_stream(
+            vllm_box, clients=3
+        )
+        stop = stop_requested(vllm_box)
+        begun = [(s.outcome, round(stop - s.started, 2)) for s in streams.spanning(stop)]
+        print(
+            f"\nreal vLLM {VERSION}, a restart drained by its --shutdown-timeout under 3 "
+            f"streaming clients (attempt {attempt}, the stop {stop - let_go:.2f} s after the "
+            f"release): {json.dumps(costs)}; clients: {streams.outcomes()}; in flight at the "
+            f"stop (outcome, seconds under way): {begun}"
+        )
+        if costs["in_flight"] or stop - let_go < 0.3:
+            break
     assert costs["drain_mode"] == "vllm", said
     assert costs["in_flight"] is not None and costs["in_flight"] >= 1, said
     assert costs["aborted"] == 0, said
@@ -156,6 +177,7 @@ def test_a_drained_restart_lets_the_streams_in_flight_finish(vllm_box: Sandbox) 
     assert re.search(r"drained by vLLM in [0-9.]+ s, 0 of [1-9][0-9]* in flight cut off", said)
     # The stream the engine held when the stop was asked for finished whole (without the
     # drain it is cut: a later test); those sent after the stop were turned away.
+    held = [s for s in streams.streams if s.started == young]
     assert [(s.outcome, s.ended > stop) for s in held] == [("ok", True)], begun
 
 
