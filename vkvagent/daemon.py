@@ -30,8 +30,9 @@ from typing import Any, TextIO
 import sdnotify
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from vkvagent import __version__, config, controls, fleet, status, unitlog
+from vkvagent import __version__, apikey, config, controls, fleet, status, unitlog
 from vkvagent.actuator import STOP_MARGIN, Actuator, ActuatorError, Outcome, Plan
+from vkvagent.apikey import KeyFileError
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
 from vkvagent.engine.diagnosis import ProbeFacts
@@ -119,9 +120,15 @@ class Parts:
         # The active probe: its timeout bounds the whole exchange. A reload builds a new one,
         # since what the old one found (or has in flight) was of the old server or settings.
         connect = min(cfg.vllm.connect_timeout, cfg.probe.timeout / 2)
+        self.api_key = (
+            apikey.read_key_file(cfg.vllm.api_key_file) if cfg.vllm.api_key_file else None
+        )
         self.prober = Prober(
             VllmClient(
-                cfg.vllm.url, connect_timeout=connect, read_timeout=cfg.probe.timeout - connect
+                cfg.vllm.url,
+                connect_timeout=connect,
+                read_timeout=cfg.probe.timeout - connect,
+                ca_file=cfg.vllm.ca_file,
             ),
             wall=clock.wall,
             mono=clock.mono,
@@ -376,7 +383,9 @@ class Daemon:
                     self.exporter = Exporter(self.metrics, cfg.metrics.listen, cfg.metrics.textfile)
                 self.recent.keep = parts.settings.baseline.window + 3 * cfg.agent.sample_interval
                 self._probe_failing = ""  # the new prober has not failed yet
-        except (config.ConfigError, HistoryError, LedgerError, OSError, SystemdError) as exc:
+        except (
+            config.ConfigError, KeyFileError, HistoryError, LedgerError, OSError, SystemdError
+        ) as exc:  # fmt: skip
             problems = str(exc).splitlines()
             self.events.emit(
                 "agent.reload_failed",
@@ -561,12 +570,13 @@ class Daemon:
     def _why_down(self, sample: Sample) -> dict[str, str]:
         """With vLLM not answering: whether someone stopped its unit on purpose (a stop job
         or a kill they asked systemd for since it last became active) and vLLM's own error
-        line, from the journal, read again only when the unit's state changes."""
+        line, from the journal, read again when the unit's state changes, and while no line
+        was found (journald may not have the dying process's last lines yet)."""
         unit = sample.unit
         if unit is None or (sample.vllm is not None and unit.active_state == "active"):
             return {}
         key = (unit.active_state, unit.sub_state, unit.invocation_id, unit.n_restarts)
-        if self._down_read is None or self._down_read[0] != key:
+        if self._down_read is None or self._down_read[0] != key or not self._down_read[2]:
             name, since = self.parts.config.vllm.unit, unit.active_since or 0.0
             stopped = (
                 unitlog.stopped_on_purpose(name, since)
@@ -585,6 +595,8 @@ class Daemon:
             cfg.probe.model or cfg.vllm.model or (sample.vllm.model_name if sample.vllm else None)
         )
         if model:
+            # The operator's key file, else the key the unit gives vLLM now.
+            self.parts.prober.client.api_key = self.parts.api_key or self.parts.sampler.unit_key
             self.parts.prober.send(model)
         else:
             self._probe_failed(
