@@ -53,6 +53,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             route(self)
 
+    def do_POST(self) -> None:
+        self.do_GET()  # a route that takes a body reads it (Content-Length) itself
+
     def reply(
         self,
         status: int,

@@ -80,7 +80,11 @@ def test_the_values_are_immutable(etc: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "line", "expected"),
     [
-        ("[vllm]\nurll = 'x'\n", 2, "vllm.urll: unknown key (allowed: apply_flags, connect"),
+        (
+            "[vllm]\nurll = 'x'\n",
+            2,
+            "vllm.urll: unknown key (allowed: api_key_file, apply_flags, ca_file",
+        ),
         (
             "[vlm]\nurl = 'x'\n",
             1,

@@ -13,7 +13,7 @@ import pytest
 
 from tests.sandbox import MASKED, Sandbox, require
 from tests.test_daemon import write_config
-from vkvagent.cli import main
+from vkvagent.cli import ExitCode, main
 
 NO_BUS = "unix:path=/run/no-such-bus/system_bus_socket"
 
@@ -38,12 +38,16 @@ UNITS = {
 }
 # Wants= another unit: wanted.service is wanted though never enabled.
 UNITS["needs.service"] = unit("").replace("[Service]", "Wants=wanted.service\n[Service]")
+# vLLM serving TLS behind a key in its environment (what runs does not matter here).
+UNITS["tls.service"] = unit("Restart=always\nEnvironment=VLLM_API_KEY=sk-tls").replace(
+    "/bin/sleep infinity", "/bin/sleep --ssl-certfile /etc/vllm/tls.pem infinity"
+)
 
 
 @pytest.fixture(scope="module")
 def box() -> Iterator[Sandbox]:
     require()
-    enabled = ["vllm.service", "kept.service", "needs.service"]
+    enabled = ["vllm.service", "kept.service", "needs.service", "tls.service"]
     with Sandbox(units=UNITS, enable=enabled, masked=(*MASKED, "gone.service")) as booted:
         yield booted
 
@@ -135,3 +139,40 @@ def test_a_unit_systemd_does_not_have_is_a_note_not_a_warning(
         "# later.service not checked: read later.service: no such unit: "
         "Unit later.service not found."
     )
+
+
+@pytest.mark.systemd
+def test_a_unit_serving_tls_to_an_http_url_is_a_warning_and_the_keys_source_a_note(
+    box: Sandbox, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    warnings, _note = checked(tmp_path, "tls.service", "enforce", box.bus_address, capsys)
+    assert warnings == [
+        "vkvagent: warning: tls.service serves https (--ssl-certfile) but [vllm] url is "
+        'http://127.0.0.1:8000: set url = "https://..." and, for a certificate of your own CA, '
+        "ca_file"
+    ]
+    path = write_config(tmp_path, "https://127.0.0.1:8000", vllm={"unit": "tls.service"})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DBUS_SYSTEM_BUS_ADDRESS", box.bus_address)
+        out = io.StringIO()
+        assert main(["config", "check", str(path)], out) == 0
+    assert "tls.service" not in capsys.readouterr().err
+    assert "# the probe sends vLLM's API key from the unit's Environment=VLLM_API_KEY\n" in (
+        out.getvalue()
+    )
+    assert "sk-tls" not in out.getvalue()
+
+
+def test_a_key_file_others_may_read_fails_the_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = tmp_path / "vllm.key"
+    key.write_text("sk-loose\n")
+    key.chmod(0o644)
+    path = write_config(tmp_path, "http://127.0.0.1:8000", vllm={"api_key_file": str(key)})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DBUS_SYSTEM_BUS_ADDRESS", NO_BUS)
+        assert main(["config", "check", str(path)], io.StringIO()) == ExitCode.FAILURE
+    said = capsys.readouterr().err
+    assert f"api_key_file {key}: group or others may read it (mode 0644); chmod 600 it" in said
+    assert "sk-loose" not in said

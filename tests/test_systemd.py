@@ -156,6 +156,46 @@ def test_a_unit_that_never_ran_reads_as_inactive(shared_systemd: Systemd) -> Non
     assert state.exec_start and state.exec_start[0].path.endswith("systemd-tmpfiles")
 
 
+# Read inside the container, where the unit's EnvironmentFile= is.
+KEYS = """
+import json, sys
+from vkvagent.systemd import Systemd
+with Systemd() as bus:
+    states = [bus.unit(name) for name in sys.argv[1:]]
+print(json.dumps([[s.exec_start[0].argv, s.api_key and [s.api_key.value, s.api_key.source],
+                   repr(s)] for s in states]))
+"""
+
+
+def test_vllms_api_key_is_read_from_the_unit_and_masked_in_its_command_line(
+    shared_sandbox: Sandbox,
+) -> None:
+    """Each place a unit gives vLLM its key, as systemd 252 reports it over D-Bus (never
+    started: LoadUnit reads the file)."""
+    (shared_sandbox.root / "etc/vllm.env").write_text("# vLLM\nVLLM_API_KEY='sk-from-file'\n")
+    units = {
+        "keyed-argv.service": "ExecStart=/bin/sleep --api-key sk-on-argv 1\n",
+        "keyed-env.service": 'ExecStart=/bin/sleep 1\nEnvironment="VLLM_API_KEY=sk-in-env"\n',
+        "keyed-file.service": "ExecStart=/bin/sleep 1\nEnvironmentFile=-/etc/vllm.env\n",
+        "unkeyed.service": "ExecStart=/bin/sleep 1\nEnvironmentFile=-/etc/none.env\n",
+    }
+    for name, service in units.items():
+        shared_sandbox.write_unit(name, f"[Service]\n{service}")
+    shared_sandbox.run("systemctl", "daemon-reload")
+    done = shared_sandbox.run(sys.executable, "-c", KEYS, *units, timeout=60)
+    argv, keys, shown = zip(*json.loads(done.stdout))
+    # argparse's nargs="+" takes the "1" as a second key: masked too.
+    assert argv[0] == ["/bin/sleep", "--api-key", "<redacted>", "<redacted>"]
+    assert argv[1] == ["/bin/sleep", "1"]
+    assert list(keys) == [
+        ["sk-on-argv", "the unit's --api-key"],
+        ["sk-in-env", "the unit's Environment=VLLM_API_KEY"],
+        ["sk-from-file", "VLLM_API_KEY in EnvironmentFile=/etc/vllm.env"],
+        None,
+    ]
+    assert not any("sk-" in text for text in shown)
+
+
 # -- restarting --------------------------------------------------------------------------------
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vkvagent import apikey, unitlog
 from vkvagent import flags as vflags
-from vkvagent import unitlog
 from vkvagent.atomicfile import write_atomically
 from vkvagent.config import Config
 from vkvagent.dropin import (
@@ -302,12 +302,14 @@ class Actuator:
         current = _argv(self._unit())
         try:
             running = vflags.parse_command(current)
+            changes = {n: v for n, v in wanted.items() if running.value(n) != v}
+            if not changes:
+                return None
+            after = tuple(vflags.apply_flags(current, wanted, vllm_version=vllm_version))
         except vflags.VllmCommandError:
-            return None  # not vLLM's command line: plan() would refuse it, a restart need not
-        changes = {n: v for n, v in wanted.items() if running.value(n) != v}
-        if not changes:
+            # Not vLLM's command line, or one with its API key: plan() would refuse it, a
+            # restart need not.
             return None
-        after = tuple(vflags.apply_flags(current, wanted, vllm_version=vllm_version))
         return Plan(self.unit, current, after, wanted, (), True, changes)
 
     @contextlib.contextmanager
@@ -546,6 +548,8 @@ class Actuator:
             self._reload()  # an edit not yet reloaded is what is adopted, not the old line
         state = self._unit()
         current = _argv(state)
+        if apikey.spelled_out(current):  # the drop-in would say <redacted>
+            raise ActuatorError(f"{self.unit}: {apikey.ON_COMMAND_LINE}")
         own = _fragment_argv(state)
         self._save_base(current, own=own)
         if text is not None:  # re-sign it, so it is vkvagent's again
@@ -1190,7 +1194,7 @@ def _fragment_command(state: UnitState) -> ExecCommand | None:
 
 def _fragment_argv(state: UnitState) -> tuple[str, ...] | None:
     command = _fragment_command(state)
-    return tuple(command.argv) if command is not None else None
+    return apikey.mask_argv(command.argv) if command is not None else None
 
 
 def _specifiers(unit: str) -> dict[str, str]:
@@ -1224,7 +1228,8 @@ def _cmdline(proc: Path, pid: int) -> tuple[str, ...] | None:
         raw = (proc / str(pid) / "cmdline").read_bytes()
     except OSError:
         return None
-    return tuple(part.decode("utf-8", "surrogateescape") for part in raw.split(b"\0")[:-1])
+    argv = (part.decode("utf-8", "surrogateescape") for part in raw.split(b"\0")[:-1])
+    return apikey.mask_argv(tuple(argv))  # as systemd's ExecStart reads (systemd.UnitState)
 
 
 def _environ(proc: Path, pid: int) -> dict[str, str] | None:

@@ -17,7 +17,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Callable, TextIO
 
-from vkvagent import __version__, advice, config, controls, fleet, hardening, replay, status
+from vkvagent import __version__, advice, apikey, config, controls, fleet, hardening, replay, status
 from vkvagent.actuator import Actuator, Outcome, Plan
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.gpu_faults import describe_xid
@@ -30,7 +30,7 @@ from vkvagent.flags import shown as flags_shown
 from vkvagent.gpu import GpuReader, NvmlBackend, RecordedBackend, reader_for, record
 from vkvagent.history import History, HistoryError
 from vkvagent.ledger import Ledger
-from vkvagent.systemd import Systemd, SystemdError
+from vkvagent.systemd import Systemd, SystemdError, UnitState
 from vkvagent.vllm import VllmClient
 from vkvagent.vllm_metrics import Normaliser
 
@@ -394,9 +394,13 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
     buckets, beyond = _slo_buckets(loaded)
     notes += buckets
     warnings += beyond
-    unit, seen = _unit_warning(loaded.vllm.unit, loaded.policy.mode)
+    state, seen = _unit_state(loaded.vllm.unit)
+    unit = _unit_warning(state, loaded.policy.mode)
     warnings += [unit] if unit else []
     notes += [seen] if seen else []
+    access_warnings, access_notes = _vllm_access(loaded.vllm, state)
+    warnings += access_warnings
+    notes += access_notes
     read = ", ".join(map(str, files)) or "no file, defaults only"
     said = f"valid, with {len(warnings)} warning(s) on stderr" if warnings else "OK"
     print(f"# configuration {said}; read: {read}", file=out)
@@ -420,23 +424,47 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
     return ExitCode.OK
 
 
-def _unit_warning(name: str, mode: str) -> tuple[str, str]:
-    """A warning for a vLLM unit that an exit 0 of vLLM would leave down, or that nothing
-    wants (``status.unit_warning``); a note when systemd cannot be asked or has no such unit
-    (no warning then: the check is of the files, and may run before vLLM's unit is written)."""
+def _unit_state(name: str) -> tuple[UnitState | None, str]:
+    """vLLM's unit as systemd has it, or a note when systemd cannot be asked or has no such
+    unit (no warning then: the check is of the files, and may run before vLLM's unit is
+    written)."""
     try:
         with Systemd(timeout=5) as bus:
-            unit = bus.unit(name)
+            return bus.unit(name), ""
     except SystemdError as exc:
-        return "", f"{name} not checked: {exc}"
+        return None, f"{name} not checked: {exc}"
+
+
+def _unit_warning(unit: UnitState | None, mode: str) -> str:
+    """A warning for a vLLM unit that an exit 0 of vLLM would leave down, or that nothing
+    wants (``status.unit_warning``)."""
+    if unit is None:
+        return ""
     if unit.load_state not in ("loaded", "masked"):
         return (
-            f"systemd cannot load {name} (LoadState={unit.load_state}): neither systemd nor "
-            f"vkvagent can start it (systemctl status {name} says why)",
-            "",
+            f"systemd cannot load {unit.name} (LoadState={unit.load_state}): neither systemd "
+            f"nor vkvagent can start it (systemctl status {unit.name} says why)"
         )
     file_state = "masked" if unit.load_state == "masked" else unit.unit_file_state
-    return status.unit_warning(name, unit.restart_policy, unit.wanted, mode, file_state), ""
+    return status.unit_warning(unit.name, unit.restart_policy, unit.wanted, mode, file_state)
+
+
+def _vllm_access(cfg: config.VllmConfig, unit: UnitState | None) -> tuple[list[str], list[str]]:
+    """(warnings, notes) on how vkvagent reaches vLLM: a URL that does not speak the unit's
+    TLS, and where the probe's API key comes from. KeyFileError: ``api_key_file`` is unusable."""
+    warnings, notes = [], []
+    key = apikey.read_key_file(cfg.api_key_file) if cfg.api_key_file else None
+    argv = unit.exec_start[-1].argv if unit is not None and unit.exec_start else ()
+    key = key or (unit.api_key if unit is not None else None)
+    if key is not None:
+        notes.append(f"the probe sends vLLM's API key from {key.source}")
+    tls = any(a.split("=", 1)[0] in ("--ssl-certfile", "--ssl_certfile") for a in argv)
+    if tls and not cfg.url.startswith("https://"):
+        warnings.append(
+            f"{cfg.unit} serves https (--ssl-certfile) but [vllm] url is {cfg.url}: set "
+            'url = "https://..." and, for a certificate of your own CA, ca_file'
+        )
+    return warnings, notes
 
 
 # Each latency objective's target key, and the VllmMetrics histogram it is measured on.

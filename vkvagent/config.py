@@ -161,7 +161,16 @@ class VllmConfig:
     )
     url: str = setting(
         "http://127.0.0.1:8000",
-        "Base URL of vLLM's OpenAI server; /metrics and /version are read below it.",
+        "Base URL of vLLM's OpenAI server; /metrics and /version are read below it. https:// "
+        "for a vLLM started with --ssl-certfile; its certificate is verified.",
+    )
+    ca_file: str = setting(
+        "", "CA bundle that signed an https vLLM's certificate; empty: the system's."
+    )
+    api_key_file: str = setting(
+        "",
+        "File holding vLLM's API key (first line), for the probe; only its owner may read it. "
+        "Empty: the unit's own --api-key, Environment=VLLM_API_KEY or EnvironmentFile=.",
     )
     model: str = setting(
         "", "Read only series whose model_name is this; empty reads every model, summed."

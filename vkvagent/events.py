@@ -26,6 +26,7 @@ from typing import Any, Callable, TextIO
 
 import structlog
 
+from vkvagent import apikey
 from vkvagent.jsonsafe import finite
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
@@ -206,6 +207,26 @@ def under_journald(stream: TextIO = sys.stderr) -> bool:
     return expected == f"{st.st_dev}:{st.st_ino}"
 
 
+def _without_secrets(
+    _logger: Any, _method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Every text of the event without vLLM's API key (``apikey.redact``): a journal line or
+    a command line quoted in it may hold one."""
+    for key, value in event.items():
+        event[key] = _redacted(value)
+    return event
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, str):
+        return apikey.redact(value)
+    if isinstance(value, (list, tuple)):
+        return [_redacted(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _redacted(item) for key, item in value.items()}
+    return value
+
+
 class Events:
     """The emitter. ``emit(name, message, **fields)``; the name must be in CATALOGUE.
     ``now`` stamps each event (the demo's clock runs fast)."""
@@ -220,7 +241,9 @@ class Events:
         self.journal = journal
         self.stream = stream if stream is not None else sys.stderr
         self._now = now
-        self.log = structlog.wrap_logger(None, processors=[self._stamp, self._render])
+        self.log = structlog.wrap_logger(
+            None, processors=[self._stamp, _without_secrets, self._render]
+        )
 
     @classmethod
     def for_environment(cls, now: Callable[[], float] = time.time) -> Events:

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from vkvagent import apikey
 from vkvagent.engine.samples import FlagValue
 from vkvagent.errors import VkvagentError
 
@@ -951,6 +952,8 @@ def apply_flags(
     not vLLM's).
     """
     command = parse_command(argv)
+    if apikey.spelled_out(argv):
+        raise VllmCommandError(apikey.ON_COMMAND_LINE)
     wanted: dict[str, FlagValue] = {}
     for key, value in flags.items():
         name = canonical_name(key)

@@ -10,9 +10,10 @@ of its own so a hung server never holds up the tick.
 Outcomes: ``ok`` (a completion came back), ``timeout`` (the connection was accepted and nothing
 came back in time: what a hung server does), ``error`` (vLLM answered 5xx, or broke the
 connection off), ``refused`` (nothing listens: vLLM is down or still loading; /metrics says as
-much) and ``unusable`` (any other answer below 500: a redirect, a wrong model name, an API key
-the probe lacks; it can tell nothing until the configuration is fixed). Only ``timeout`` and
-``error`` count as an unanswered probe for the stall diagnosis.
+much) and ``unusable`` (any other answer below 500: a redirect, a wrong model name, a 401
+for an API key the probe lacks or vLLM refuses; it can tell nothing until the configuration is
+fixed). The probe carries vLLM's API key (vkvagent.apikey) when vkvagent has one. Only
+``timeout`` and ``error`` count as an unanswered probe for the stall diagnosis.
 """
 
 from __future__ import annotations
@@ -132,6 +133,20 @@ class Prober:
         if thread is not None:
             thread.join(timeout)
 
+    def _unauthorized(self, exc: ScrapeError) -> str:
+        """A 401: a configuration problem, not a fault of vLLM's, in words that say which."""
+        key = self.client.api_key
+        if key is None:
+            return (
+                f"{exc}: vLLM wants an API key and vkvagent found none: set [vllm] "
+                "api_key_file, or give vLLM its key in its unit (--api-key, "
+                "Environment=VLLM_API_KEY or EnvironmentFile=)"
+            )
+        return (
+            f"{exc}: vLLM refuses the API key from {key.source}, a configuration problem, not "
+            "a fault of vLLM's: give vkvagent the key vLLM has"
+        )
+
     def _run(self, model: str, sent: float, at: float) -> None:
         error: ScrapeError | None = None
         try:
@@ -144,7 +159,7 @@ class Prober:
                     f"{self.client.base}/v1/completions: no completion in the answer"
                 )
         except ScrapeError as exc:
-            error = exc
+            error = ScrapeError(self._unauthorized(exc), status=401) if exc.status == 401 else exc
         except Exception as exc:  # a bug must not leave the probe in flight for ever
             error = ScrapeError(f"probe failed: {type(exc).__name__}: {exc}")
         outcome = outcome_of(error)

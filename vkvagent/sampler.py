@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from vkvagent.apikey import ApiKey
 from vkvagent.cgroup import CGROUP_ROOT, read_anon
 from vkvagent.engine.samples import Sample, UnitFacts
 from vkvagent.gpu import GpuReader
@@ -39,6 +40,7 @@ class Sampler:
         self._started: float | None = None
         self._wall, self._mono = wall, mono
         self.page_recognised: bool | None = None  # the last page's; None: vLLM did not answer
+        self.unit_key: ApiKey | None = None  # vLLM's API key, as the unit last gave it
 
     def take(self) -> Sample:
         at, mono = self._wall(), self._mono()
@@ -64,7 +66,8 @@ class Sampler:
         facts, unit_error = None, None
         if self.unit is not None:
             try:
-                facts = unit_facts(self.unit())
+                state = self.unit()
+                facts, self.unit_key = unit_facts(state), state.api_key
             except SystemdError as exc:
                 unit_error = str(exc)
         return Sample(at, mono, metrics, error, readings, gpu_error, facts, unit_error, silent)

@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from jeepney import DBusAddress, MatchRule, Message, MessageType, new_method_call
@@ -22,6 +22,8 @@ from jeepney.auth import AuthenticationError
 from jeepney.io.blocking import DBusConnection, open_dbus_connection
 from jeepney.wrappers import DBusErrorResponse
 
+from vkvagent import apikey
+from vkvagent.apikey import ApiKey
 from vkvagent.errors import VkvagentError
 
 SYSTEMD = "org.freedesktop.systemd1"
@@ -125,6 +127,8 @@ class UnitState:
     exec_main_status: int = 0
     # When the unit last left the active state (CLOCK_REALTIME, µs since the epoch); 0: never.
     inactive_enter_timestamp: int = 0
+    # vLLM's API key as the unit gives it (apikey.from_unit); never shown.
+    api_key: ApiKey | None = field(default=None, repr=False, compare=False)
 
     @property
     def wanted(self) -> bool:
@@ -187,6 +191,7 @@ class Systemd:
         service = self._properties(operation, name, path, SERVICE) if _is_service(name) else {}
         memory = service.get("MemoryCurrent", UINT64_MAX)
         limit = service.get("MemoryMax", UINT64_MAX)
+        commands = service.get("ExecStart", [])
         return UnitState(
             name=name,
             load_state=unit["LoadState"],
@@ -198,9 +203,9 @@ class Systemd:
             exec_main_start_timestamp=service.get("ExecMainStartTimestamp", 0),
             n_restarts=service.get("NRestarts", 0),
             memory_current=None if memory == UINT64_MAX else memory,
-            exec_start=tuple(
-                ExecCommand(entry[0], tuple(entry[1]), bool(entry[2]))
-                for entry in service.get("ExecStart", [])
+            exec_start=tuple(  # vLLM's API key blanked out: nothing that shows argv shows it
+                ExecCommand(entry[0], apikey.mask_argv(entry[1]), bool(entry[2]))
+                for entry in commands
             ),
             fragment_path=unit["FragmentPath"],
             drop_in_paths=tuple(unit["DropInPaths"]),
@@ -215,6 +220,13 @@ class Systemd:
             exec_main_code=service.get("ExecMainCode", 0),
             exec_main_status=service.get("ExecMainStatus", 0),
             inactive_enter_timestamp=unit.get("InactiveEnterTimestamp", 0),
+            api_key=apikey.from_unit(
+                commands[-1][1] if commands else (),
+                service.get("Environment", ()),
+                [path for path, _may_be_missing in service.get("EnvironmentFiles", ())],
+            )
+            if service
+            else None,
         )
 
     def reload(self, timeout: float | None = None) -> None:

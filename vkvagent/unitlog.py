@@ -14,6 +14,8 @@ import re
 import time
 from collections.abc import Iterable, Sequence
 
+from vkvagent import apikey
+
 MAX_LINE = 500  # an error line cut to this many characters: it goes into events and the ledger
 
 # vLLM's logger prefix: "(EngineCore pid=12) ERROR 12-01 15:51:12 [core.py:1510] ".
@@ -98,10 +100,11 @@ def read(unit: str, since: float, *, skip: str = "", limit: int = 5000) -> list[
     """The unit's own output in the journal since ``since`` (Unix seconds), oldest first, at
     most ``limit`` lines, without those of invocation ``skip`` (the process a restart
     replaced, whose shutdown may log errors of its own); empty when the journal cannot be
-    read (no libsystemd, no permission): the caller loses a detail, nothing more."""
+    read (no libsystemd, no permission): the caller loses a detail, nothing more. vLLM logs
+    its arguments when it starts, API key and all: each line comes without it."""
     found = _entries([f"_SYSTEMD_UNIT={unit}"], since, limit, ("MESSAGE", "_SYSTEMD_INVOCATION_ID"))
     return [
-        e["MESSAGE"]
+        apikey.redact(e["MESSAGE"])
         for e in found
         if "MESSAGE" in e and not (skip and e.get("_SYSTEMD_INVOCATION_ID") == skip)
     ]

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from vkvagent import __version__
+from vkvagent.apikey import ApiKey
 from vkvagent.config import VllmConfig
 from vkvagent.engine.samples import VllmMetrics
 from vkvagent.errors import VkvagentError
@@ -79,6 +80,8 @@ class VllmClient:
         read_timeout: float = 5.0,
         max_page_bytes: int = 8 * 1024 * 1024,
         model: str = "",
+        ca_file: str = "",
+        api_key: ApiKey | None = None,
     ) -> None:
         self.base = base_url(url)
         parts = urlsplit(self.base)
@@ -92,6 +95,8 @@ class VllmClient:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_page_bytes = max_page_bytes
+        self.ca_file = ca_file  # the CA bundle that signed an https vLLM's certificate
+        self.api_key = api_key  # sent as a bearer token with every request
         self._normaliser = Normaliser(model)
 
     @classmethod
@@ -102,6 +107,7 @@ class VllmClient:
             read_timeout=config.read_timeout,
             max_page_bytes=config.max_page_bytes,
             model=config.model,
+            ca_file=config.ca_file,
         )
 
     def scrape(self, version: str | None = None) -> VllmMetrics:
@@ -145,7 +151,7 @@ class VllmClient:
                 self._host,
                 self._port,
                 timeout=self.connect_timeout,
-                context=ssl.create_default_context(),
+                context=ssl.create_default_context(cafile=self.ca_file or None),
             )
         return http.client.HTTPConnection(self._host, self._port, timeout=self.connect_timeout)
 
@@ -211,6 +217,8 @@ class _Exchange:
         }
         if payload is not None:
             headers["Content-Type"] = "application/json"
+        if self.client.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.client.api_key.value}"
         connection.request("GET" if payload is None else "POST", target, payload, headers)
         response = self.response = connection.getresponse()
         if self.expired.is_set():  # the headers may have been cut short: do not trust them
@@ -281,6 +289,12 @@ class _Exchange:
             return "connection refused (vLLM not running, or still loading the model)"
         if isinstance(exc, socket.gaierror):
             return f"host name not found ({exc.strerror})"
+        if isinstance(exc, OSError) and type(exc).__module__ == "ssl":  # loaded for https only
+            untrusted = getattr(exc, "verify_message", None)
+            if untrusted:
+                return (f"TLS: vLLM's certificate is not trusted ({untrusted}); set [vllm] "
+                        "ca_file to the CA that signed it")  # fmt: skip
+            return f"TLS: {getattr(exc, 'reason', None) or exc}"
         if isinstance(exc, http.client.RemoteDisconnected) or (
             self.phase == "headers" and isinstance(exc, ConnectionError)
         ):
