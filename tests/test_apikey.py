@@ -38,6 +38,11 @@ MASKED = apikey.MASK
         (["vllm", "serve", "--api-key", "${KEY}", "$K2", "x"],
          ["vllm", "serve", "--api-key", "${KEY}", "$K2", MASKED]),
         (["vllm", "serve", "--api-key=${KEY}"], ["vllm", "serve", "--api-key=${KEY}"]),
+        # A container engine's environment for vLLM, in each spelling.
+        (["podman", "run", "-e", f"VLLM_API_KEY={KEY}", f"-eVLLM_API_KEY={KEY}",
+          f"--env=VLLM_API_KEY={KEY}", "-e", "VLLM_API_KEY=${K}", "img"],
+         ["podman", "run", "-e", f"VLLM_API_KEY={MASKED}", f"-eVLLM_API_KEY={MASKED}",
+          f"--env=VLLM_API_KEY={MASKED}", "-e", "VLLM_API_KEY=${K}", "img"]),
     ],
 )  # fmt: skip
 def test_every_spelling_of_the_key_on_a_command_line_is_masked(
@@ -73,15 +78,24 @@ def test_a_reference_on_the_command_line_reads_the_variable_as_systemd_would(
     environment = [f"KEY={KEY}-env", "VLLM_API_KEY=not-this-one"]
     # A file's assignment wins over Environment=, a later file's over an earlier one's.
     assert apikey.from_unit(argv, environment, [str(first), str(second)]) == ApiKey(
-        f"{KEY}-b", f"the unit's --api-key ${{KEY}}, KEY in EnvironmentFile={second}"
+        f"{KEY}-b", f"${{KEY}} on the unit's command line, KEY in EnvironmentFile={second}"
     )
     assert apikey.from_unit(argv, environment, []) == ApiKey(
-        f"{KEY}-env", "the unit's --api-key ${KEY}, the unit's Environment=KEY"
+        f"{KEY}-env", "${KEY} on the unit's command line, the unit's Environment=KEY"
     )
     assert apikey.from_unit(argv, ["VLLM_API_KEY=x"], []) is None  # KEY is unset: no key
     assert not apikey.spelled_out(argv) and apikey.spelled_out(apikey.mask_argv([*argv[:4], "k"]))
     flags = apply_flags(argv, {"max-num-seqs": 8})  # nothing secret to copy
     assert flags[:5] == argv and flags[5:] == ["--max-num-seqs", "8"]
+
+
+def test_a_container_engines_environment_for_vllm_gives_the_key() -> None:
+    argv = ["podman", "run", "--rm", "-e", f"VLLM_API_KEY={KEY}", "img", "--model", "m"]
+    assert apikey.from_unit(argv, [], []) == ApiKey(
+        KEY, "the unit's VLLM_API_KEY= on its command line"
+    )
+    with pytest.raises(VllmCommandError, match="spells out"):
+        apply_flags(apikey.mask_argv(argv), {"max-num-seqs": 8})
 
 
 def test_a_key_file_only_its_owner_may_read(tmp_path: Path) -> None:

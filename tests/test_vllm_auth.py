@@ -1,17 +1,19 @@
 """vkvagent against the real vLLM 0.32 (CPU build, tests/realvllm.py) serving TLS behind an
 API key, as vllm.service under a real systemd 252 (tests/sandbox.py), with ``vkvagent run`` as
-vkvagent.service:
+vkvagent.service and https verified against the test's own CA. The unit keeps the key in its
+``Environment=VLLM_API_KEY`` and hands it to vLLM as ``--api-key ${VLLM_API_KEY}``, so vLLM's
+command line and its own log hold the key itself. When the engine's worker is stopped with no
+traffic, every gauge reads 0 and /health says 200: only a probe can tell, and vLLM's API
+server answers 401 to a probe without the key, so only one that authenticates can go
+unanswered and name the stall.
 
-- the key in the unit's ``Environment=VLLM_API_KEY``, https verified against the test's own CA:
-  the probe authenticates, and when the engine's worker is stopped with no traffic (every gauge
-  reads 0, and /health says 200) the unanswered probe names the stall, and vkvagent restarts
-  vLLM and sees it serve again over TLS;
-- the key on the command line (``--api-key``) and in ``[vllm] api_key_file``: a wrong key is a
-  configuration problem that status names, the right one finds the stall, and ``plan``
-  refuses to copy the key into a drop-in.
+- ``[vllm] api_key_file``, observe mode: a file others may read is refused; a wrong key is a
+  configuration problem that status names; vLLM's key finds the stall;
+- reloaded without the file, enforce mode: the unit's own key finds it, and vkvagent restarts
+  vLLM and sees it serve again over TLS.
 
-After each, no file, event, status or output of vkvagent's holds the key. One container for
-the module, the tests in file order; about 4 minutes."""
+After each, no journal line, file, drop-in or output of vkvagent's holds the key. One
+container for the module, the tests in file order; about 3 minutes."""
 
 from __future__ import annotations
 
@@ -36,8 +38,7 @@ from tests.test_vllm_hangs import PROBES, restarted_for, since, wait_for
 pytestmark = [pytest.mark.vllm, pytest.mark.systemd]
 
 TLS = "/etc/vllm/tls"  # the CA, vLLM's certificate and key, inside the container
-KEY_IN_ENV = "sk-vkv-env-3f9a27c1d4"
-KEY_ON_ARGV = "sk-vkv-argv-8e21b0f6aa"
+KEY = "sk-vkv-3f9a27c1d4e8"
 KEY_FILE = "/etc/vkvagent/vllm.key"
 INTERVAL, STALL_AFTER = 5.0, 30.0
 CONFIG = f"""\
@@ -163,27 +164,17 @@ def tls_box_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbo
         inside.mkdir(parents=True)
         for name in ("ca", "server", "server-key"):
             shutil.copy(files[name], inside / f"{name}.pem")
-        start_vllm(box, tls_unit(service=f"Environment=VLLM_API_KEY={KEY_IN_ENV}"))
+        # The key in the unit's environment, given to vLLM on its command line by reference
+        # (systemd expands it): vLLM's /proc/PID/cmdline and its own log hold the key itself.
+        unit = tls_unit("--api-key", "${VLLM_API_KEY}", service=f"Environment=VLLM_API_KEY={KEY}")
+        start_vllm(box, unit.replace("$${VLLM_API_KEY}", "${VLLM_API_KEY}"))  # expanded
         yield box
 
 
-def test_the_key_in_the_units_environment_and_tls_find_a_stall_that_reads_as_idle(
+def test_a_key_file_finds_a_stall_that_reads_as_idle_and_a_wrong_one_is_named(
     box: Sandbox,
 ) -> None:
-    began = start_agent(box)
-    wait_until(lambda: any(p["outcome"] == "ok" for p in probes(box)), 60, "an answered probe")
-    assert {p["outcome"] for p in probes(box)} == {"ok"}, probes(box)
-    stop_the_engine(box)
-    _status, page = https_get(box, "/metrics")
-    assert b"vllm:num_requests_running" in page and https_get(box, "/health")[0] == 200
-    started = restarted_for(box, "stall", began, within=STALL_AFTER + 30)
-    assert started["VKV_EVIDENCE_STALL_EVIDENCE"] == "a probe got no answer", log(box)
-    wait_until(lambda: serving(box), 60, "vLLM serving again")
-    nothing_of_vkvagents_holds(box, KEY_IN_ENV)
-
-
-def test_the_key_on_the_command_line_and_in_a_key_file(box: Sandbox) -> None:
-    start_vllm(box, tls_unit("--api-key", KEY_ON_ARGV))
+    """Observe mode, the key from [vllm] api_key_file: first a wrong one, then vLLM's."""
     key_file = box.root / KEY_FILE.lstrip("/")
     key_file.parent.mkdir(parents=True, exist_ok=True)
     key_file.write_text("sk-not-the-one\n")
@@ -198,12 +189,15 @@ def test_the_key_on_the_command_line_and_in_a_key_file(box: Sandbox) -> None:
     assert "refuses the API key from [vllm] api_key_file" in failed["MESSAGE"], failed
     shown = vkvagent(box, "status").stdout
     assert "a configuration problem" in shown, shown
-    key_file.write_text(f"{KEY_ON_ARGV}\n")
+    key_file.write_text(f"{KEY}\n")
     box.run("systemctl", "reload", AGENT)
     wait_until(lambda: any(p["outcome"] == "ok" for p in probes(box)), 60, "an answered probe")
+    # A reference to the environment is no secret: plan copies it as it is.
     plan = vkvagent(box, "plan")  # the drain's --shutdown-timeout is a change to plan
-    assert plan.returncode != 0 and "spells out vLLM's API key" in plan.stdout + plan.stderr
+    assert plan.returncode == 0 and "--api-key '${VLLM_API_KEY}'" in plan.stdout, output(plan)
     stop_the_engine(box)
+    _status, page = https_get(box, "/metrics")
+    assert b"vllm:num_requests_running" in page and https_get(box, "/health")[0] == 200
     deadline = time.monotonic() + STALL_AFTER + 40
     while time.monotonic() < deadline:
         named = [e for e in since(box, "decision.changed", began) if "stall" in e["MESSAGE"]]
@@ -211,4 +205,20 @@ def test_the_key_on_the_command_line_and_in_a_key_file(box: Sandbox) -> None:
             break
         time.sleep(1)
     assert named, log(box)
-    nothing_of_vkvagents_holds(box, KEY_ON_ARGV)
+    assert named[-1]["VKV_EVIDENCE_STALL_EVIDENCE"] == "a probe got no answer", named[-1]
+    nothing_of_vkvagents_holds(box, KEY)
+
+
+def test_the_key_in_the_units_environment_finds_the_stall_and_vllm_is_restarted(
+    box: Sandbox,
+) -> None:
+    """The engine is still stopped. Reloaded into enforce mode without the key file, vkvagent
+    sends the unit's own key: vLLM's API server answers 401 to any other, so only a probe
+    that authenticates can go unanswered and name the stall."""
+    began = time.time()
+    (box.root / "etc/vkvagent/config.toml").write_text(CONFIG.format(key="", mode="enforce"))
+    box.run("systemctl", "reload", AGENT)
+    started = restarted_for(box, "stall", began, within=STALL_AFTER + 30)
+    assert started["VKV_EVIDENCE_STALL_EVIDENCE"] == "a probe got no answer", log(box)
+    wait_until(lambda: serving(box), 60, "vLLM serving again")
+    nothing_of_vkvagents_holds(box, KEY)

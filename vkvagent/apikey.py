@@ -29,11 +29,15 @@ MASK = "<redacted>"
 ENV = "VLLM_API_KEY"
 _OPTION = re.compile(r"--api[-_]key(?:=(.*))?", re.DOTALL)
 _REFERENCE = re.compile(r"\$\{(\w+)\}|\$(\w+)")  # systemd expands it from the environment
+# VLLM_API_KEY=K as a word of the command line: `env VLLM_API_KEY=K vllm serve`, or a
+# container engine's `-e VLLM_API_KEY=K`, `-eVLLM_API_KEY=K`, `--env=VLLM_API_KEY=K`.
+_ASSIGNMENT = re.compile(r"(?:--env=|-e)?VLLM_API_KEY=(.+)", re.DOTALL)
 # Why vkvagent changes no flags of a unit that has the key on its command line.
 ON_COMMAND_LINE = (
-    "the command line spells out vLLM's API key (--api-key), which vkvagent would have to copy "
-    "into its drop-in; put VLLM_API_KEY=... in the unit's Environment= or EnvironmentFile= "
-    "instead, and drop --api-key (vLLM reads VLLM_API_KEY) or write --api-key ${VLLM_API_KEY}"
+    "the command line spells out vLLM's API key (--api-key or VLLM_API_KEY=), which vkvagent "
+    "would have to copy into its drop-in; put VLLM_API_KEY=... in the unit's Environment= or "
+    "EnvironmentFile= instead, and write --api-key ${VLLM_API_KEY} or nothing (vLLM reads "
+    "VLLM_API_KEY; a container needs -e VLLM_API_KEY, without a value)"
 )
 
 
@@ -56,7 +60,10 @@ def mask_argv(argv: Sequence[str]) -> tuple[str, ...]:
     out, taking = [], False
     for token in argv:
         found = _OPTION.fullmatch(token)
-        if found:
+        assigned = _ASSIGNMENT.fullmatch(token)
+        if assigned and not _REFERENCE.fullmatch(assigned.group(1)):
+            out.append(token[: assigned.start(1)] + MASK)
+        elif found:
             taking = found.group(1) is None
             value = found.group(1) or ""
             out.append(
@@ -73,8 +80,14 @@ def mask_argv(argv: Sequence[str]) -> tuple[str, ...]:
 
 
 def argv_key(argv: Sequence[str]) -> str | None:
-    """The first key ``--api-key`` gives on ``argv`` (vLLM accepts each; one is enough), as
-    written: perhaps a reference to the environment, ``${KEY}``."""
+    """The first key ``--api-key`` gives on ``argv`` (vLLM accepts each; one is enough), else
+    a ``VLLM_API_KEY=`` word's, as written: perhaps a reference to the environment."""
+    return _option_key(argv) or next(
+        (found.group(1) for found in map(_ASSIGNMENT.fullmatch, argv) if found), None
+    )
+
+
+def _option_key(argv: Sequence[str]) -> str | None:
     for i, token in enumerate(argv):
         found = _OPTION.fullmatch(token)
         if found and found.group(1) is not None:
@@ -116,7 +129,9 @@ def from_unit(
     if key:
         reference = _REFERENCE.fullmatch(key)
         if reference is None:
-            return remember(ApiKey(key, "the unit's --api-key"))
+            where = "--api-key" if _option_key(argv) else "VLLM_API_KEY= on its command line"
+            # systemd passes "$$" on as "$"
+            return remember(ApiKey(key.replace("$$", "$"), f"the unit's {where}"))
         name = reference.group(1) or reference.group(2)
     found: tuple[str, str] | None = None
     for assignment in environment:
@@ -134,7 +149,7 @@ def from_unit(
     if found is None or not found[0]:
         return None
     value, source = found
-    return remember(ApiKey(value, f"the unit's --api-key {key}, {source}" if key else source))
+    return remember(ApiKey(value, f"{key} on the unit's command line, {source}" if key else source))
 
 
 def read_key_file(path: str) -> ApiKey:
