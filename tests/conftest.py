@@ -44,7 +44,7 @@ settings.load_profile("vkvagent")
 # a `vllm` test elsewhere stops the run.
 REAL_VLLM_MODULES = frozenset({
     "tests/test_flag_facts.py", "tests/test_vllm_drain.py", "tests/test_vllm_hangs.py",
-    "tests/test_vllm_real.py", "tests/test_vllm_auth.py",
+    "tests/test_vllm_real.py", "tests/test_vllm_auth.py", "tests/test_vllm_container.py",
 })  # fmt: skip
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vkvagent.cgroup import MAX_STAT_BYTES, read_anon
+from vkvagent.cgroup import MAX_STAT_BYTES, pids_in, read_anon
 
 UNIT = "/system.slice/vllm.service"
 ANON = 6_442_450_944  # 6 GiB: heap and stacks of the API server and engine processes
@@ -185,3 +185,23 @@ def test_an_unreadable_memory_stat_is_no_anon(tmp_path: Path) -> None:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_processes_in_a_units_cgroup_by_their_proc_entries(tmp_path: Path) -> None:
+    """A /proc as podman with --cgroups=split leaves it (the container below the unit), and as
+    Docker leaves it (its own docker-ID.scope): cgroup v2 and v1 (name=systemd) lines."""
+    unit = "/system.slice/vllm.service"
+    entries = {
+        "101": f"0::{unit}\n",  # podman, the unit's MainPID
+        "102": f"0::{unit}/libpod-payload-abc\n",  # vLLM in the container, split below the unit
+        "103": "12:memory:/x\n1:name=systemd:/system.slice/vllm.service\n",  # cgroup v1
+        "201": "0::/system.slice/docker-abc.scope\n",  # vLLM under Docker: not the unit's
+        "202": "0::/system.slice/vllm.service-other\n",  # a name that only starts like it
+        "self": f"0::{unit}\n",  # not a PID
+    }
+    for pid, text in entries.items():
+        (tmp_path / pid).mkdir()
+        (tmp_path / pid / "cgroup").write_text(text)
+    (tmp_path / "301").mkdir()  # gone before its cgroup could be read
+    assert pids_in(unit, tmp_path) == [101, 102, 103]
+    assert pids_in("", tmp_path) == []

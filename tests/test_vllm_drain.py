@@ -20,7 +20,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -111,11 +111,14 @@ ASKED, GO = "/var/lib/lb/asked", "/var/lib/lb/go"  # the pre_stop hook's and the
 
 
 def restart_when_the_engine_holds_a_young_stream(
-    box: Sandbox, clients: int
+    box: Sandbox,
+    clients: int,
+    act: Callable[[Sandbox], tuple[str, dict[str, Any]]] = restart,
 ) -> tuple[str, dict[str, Any], Streams, float, float]:
-    """A restart under ``clients`` streaming clients, let go by the ``pre_stop`` hook when the
-    engine runs every client's request and one of them began 0.2 to 0.5 s ago: the output, the
-    costs, the streams, when that young stream began and when the test let the restart go."""
+    """A restart (``act``: ``vkvagent restart`` by default) under ``clients`` streaming
+    clients, let go by the ``pre_stop`` hook when the engine runs every client's request and
+    one of them began 0.2 to 0.5 s ago: the output, the costs, the streams, when that young
+    stream began and when the test let the restart go."""
     box.run("rm", "-f", ASKED, GO)
     young: list[float] = []
 
@@ -127,7 +130,7 @@ def restart_when_the_engine_holds_a_young_stream(
     with Streams(box, clients=clients, max_tokens=500) as streams:
         wait_until(lambda: streams.count("ok") >= 6, 60, "streams before the restart")
         with ThreadPoolExecutor(1) as pool:
-            restarting = pool.submit(restart, box)
+            restarting = pool.submit(act, box)
             wait_until((box.root / ASKED.lstrip("/")).exists, 60, "the pre_stop hook")
             try:
                 wait_until(engine_holds_a_young_stream, 60, "a young stream in the engine", 0.01)

@@ -1,4 +1,5 @@
-"""The vLLM unit's anonymous memory, from its cgroup's ``memory.stat`` (cgroup v2).
+"""The vLLM unit's cgroup: its anonymous memory, from ``memory.stat`` (cgroup v2), and the
+processes in it (a container's too, when its engine keeps them in the unit's cgroup).
 
 systemd's ``MemoryCurrent`` is the cgroup's whole charge, page cache included: the log lines
 vLLM writes per request, or a file-backed KV-offload store, fill the cache as the server
@@ -48,3 +49,39 @@ def read_anon(control_group: str, root: str | Path = CGROUP_ROOT) -> int | None:
                 return int(digits)
             return None
     return None
+
+
+def systemd_paths(text: str) -> list[str]:
+    """The cgroup paths a ``/proc/PID/cgroup`` text gives systemd's hierarchy: the cgroup v2
+    line (``0::/system.slice/vllm.service``) or cgroup v1's ``name=systemd`` one."""
+    paths = []
+    for line in text.splitlines():
+        _id, _colon, rest = line.partition(":")
+        controllers, colon, path = rest.partition(":")
+        if colon and controllers in ("", "name=systemd"):
+            paths.append(path)
+    return paths
+
+
+def below(path: str, root: str) -> bool:
+    """Whether cgroup ``path`` is ``root`` or inside it."""
+    root = root.rstrip("/")
+    return path == root or path.startswith(root + "/")
+
+
+def pids_in(control_group: str, proc: Path = Path("/proc")) -> list[int]:
+    """The processes in ``control_group`` or below it, oldest PID first, by each process's
+    ``/proc/PID/cgroup`` (which cgroup v1 and v2 both have); [] without a control group."""
+    if not control_group.startswith("/"):
+        return []
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "cgroup").read_text("utf-8", "replace")
+        except OSError:
+            continue  # gone, or not ours to read
+        if any(below(path, control_group) for path in systemd_paths(text)):
+            found.append(int(entry.name))
+    return sorted(found)

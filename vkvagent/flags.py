@@ -31,7 +31,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from vkvagent import apikey
+from vkvagent import apikey, container
+from vkvagent.container import Container
 from vkvagent.engine.samples import FlagValue
 from vkvagent.errors import VkvagentError
 
@@ -700,6 +701,7 @@ class VllmCommand:
     options: tuple[Occurrence, ...]
     positionals: tuple[int, ...] = field(default=())
     end_of_options: int | None = None
+    container: Container | None = None  # the engine's part, when vLLM runs in a container
 
     @property
     def wrapper(self) -> tuple[str, ...]:
@@ -794,10 +796,19 @@ def parse_command(argv: Sequence[str]) -> VllmCommand:
     ``python3.11`` or a path to one (a venv's). Also ``vkvagent sim serve`` / ``python -m
     vkvagent sim serve``, the simulator that stands in for ``vllm serve`` in demos and tests
     (entrypoint ``"sim"``). Options: ``--x v``, ``--x=v``, underscores in names, ``--no-x``,
-    repeats (the last wins), ``--`` ending options. Raises ``VllmCommandError``.
+    repeats (the last wins), ``--`` ending options. In a container (``podman run ... IMAGE
+    ...``, vkvagent.container) vLLM's part starts after the image: the image's entrypoint,
+    ``vllm serve``, takes the arguments, unless they start with one of the forms above.
+    Raises ``VllmCommandError``.
     """
     args = tuple(str(a) for a in argv)
-    found = _find_launcher(args)
+    try:
+        engine = container.find(args)
+    except container.ContainerError as exc:
+        raise VllmCommandError(str(exc)) from None
+    found = _find_launcher(args, engine.image + 1 if engine is not None else 0)
+    if found is None and engine is not None:  # the image's entrypoint is `vllm serve`
+        found = engine.image + 1, engine.image + 1, "serve"
     if found is None:
         raise VllmCommandError(_not_vllm(args))
     launcher_start, args_start, entrypoint = found
@@ -839,6 +850,7 @@ def parse_command(argv: Sequence[str]) -> VllmCommand:
         options=tuple(options),
         positionals=tuple(positionals),
         end_of_options=end_of_options,
+        container=engine,
     )
 
 
@@ -893,9 +905,10 @@ def _read_option(args: tuple[str, ...], i: int) -> Occurrence:
     return Occurrence(name, i, stop, value)
 
 
-def _find_launcher(args: tuple[str, ...]) -> tuple[int, int, str] | None:
+def _find_launcher(args: tuple[str, ...], start: int = 0) -> tuple[int, int, str] | None:
     """(where vLLM's launcher starts, where its arguments start, entrypoint), or None."""
-    for i, token in enumerate(args):
+    for i in range(start, len(args)):
+        token = args[i]
         base = os.path.basename(token)
         if base == "vllm" and args[i + 1 : i + 2] == ("serve",):
             return i, i + 2, "serve"

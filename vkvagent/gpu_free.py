@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vkvagent.cgroup import below, systemd_paths
 from vkvagent.errors import VkvagentError
 from vkvagent.gpu import GpuProcess, GpuReader
 
@@ -245,21 +246,12 @@ def _cgroups_and_name(proc: Path, pid: int) -> tuple[str, str] | None:
 def _in_unit(cgroups: str, unit: str, cgroup: str, owned: Sequence[str]) -> bool:
     """Whether a /proc/PID/cgroup text puts the process in the unit's cgroup or below it: the
     cgroup v2 line (``0::/system.slice/vllm.service``) or v1's ``name=systemd`` one."""
-    for line in cgroups.splitlines():
-        _id, _colon, rest = line.partition(":")
-        controllers, colon, path = rest.partition(":")
-        if not colon or controllers not in ("", "name=systemd"):
-            continue
-        if any(_below(path, root) for root in (cgroup, *owned) if root):
+    for path in systemd_paths(cgroups):
+        if any(below(path, root) for root in (cgroup, *owned) if root):
             return True
         if not cgroup and _system_unit(path, unit):
             return True
     return False
-
-
-def _below(path: str, root: str) -> bool:
-    root = root.rstrip("/")
-    return path == root or path.startswith(root + "/")
 
 
 def _system_unit(path: str, unit: str) -> bool:

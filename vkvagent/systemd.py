@@ -127,6 +127,8 @@ class UnitState:
     exec_main_status: int = 0
     # When the unit last left the active state (CLOCK_REALTIME, µs since the epoch); 0: never.
     inactive_enter_timestamp: int = 0
+    # The file a generator made the unit from (a Quadlet `.container`); "" for a unit file.
+    source_path: str = ""
     # vLLM's API key as the unit gives it (apikey.from_unit); never shown.
     api_key: ApiKey | None = field(default=None, repr=False, compare=False)
 
@@ -220,6 +222,7 @@ class Systemd:
             exec_main_code=service.get("ExecMainCode", 0),
             exec_main_status=service.get("ExecMainStatus", 0),
             inactive_enter_timestamp=unit.get("InactiveEnterTimestamp", 0),
+            source_path=unit.get("SourcePath", ""),
             api_key=apikey.from_unit(
                 commands[-1][1] if commands else (),
                 service.get("Environment", ()),

@@ -1,0 +1,105 @@
+"""vLLM in a container: the engine's part of ExecStart found and kept byte for byte, vLLM's
+flags rewritten after the image, and the lines that cannot be read refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from vkvagent import container
+from vkvagent.flags import VllmCommandError, apply_flags, parse_command
+
+IMAGE = "vllm/vllm-openai:v0.11.0"
+PODMAN = [
+    "/usr/bin/podman", "run", "--rm", "--name", "vllm", "--device", "nvidia.com/gpu=all",
+    "-p", "8000:8000", "-v", "/srv/models:/models:ro", "--ipc=host", "-it",
+]  # fmt: skip
+DOCKER = [
+    "/usr/bin/docker", "run", "--rm", "--gpus", "all", "--runtime", "nvidia", "-e",
+    "HF_HOME=/models", "-p8000:8000", "--shm-size=16g",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("engine", [PODMAN, DOCKER, ["/usr/bin/env", "nerdctl", "run", "-d"]])
+def test_the_image_is_found_and_vllms_flags_follow_it(engine: list[str]) -> None:
+    argv = [*engine, IMAGE, "--model", "/models/llama", "--max-num-seqs", "256"]
+    command = parse_command(argv)
+    assert command.container is not None and argv[command.container.image] == IMAGE
+    assert command.entrypoint == "serve" and command.model == "/models/llama"
+    assert command.values() == {"max-num-seqs": 256}
+    after = apply_flags(argv, {"max-num-seqs": 64, "gpu-memory-utilization": 0.9})
+    # The engine's part and the image stay as they were, byte for byte.
+    assert after[: len(engine) + 1] == argv[: len(engine) + 1]
+    assert after[len(engine) + 1 :] == [
+        "--model", "/models/llama", "--gpu-memory-utilization", "0.9", "--max-num-seqs", "64",
+    ]  # fmt: skip
+
+
+def test_vllms_command_named_after_the_image_is_read_as_it_is() -> None:
+    argv = [*PODMAN, "localhost/vllm-cpu", "python3", "-m", "vllm.entrypoints.openai.api_server",
+            "--model", "/m", "--max-num-seqs", "8"]  # fmt: skip
+    command = parse_command(argv)
+    assert command.entrypoint == "api_server" and command.launcher[0] == "python3"
+    assert command.values() == {"max-num-seqs": 8}
+    # `--name vllm` before the image is the engine's, not vLLM's launcher.
+    assert command.launcher_start == len(PODMAN) + 1
+
+
+def test_engine_options_in_every_form() -> None:
+    argv = [
+        "podman",
+        "--root",
+        "/var/lib/ps",
+        "--storage-driver=vfs",
+        "run",
+        "--rm",
+        "-e",
+        "A=1",
+        "-eB=2",
+        "--env=C=3",
+        "-dit",
+        "--network",
+        "host",
+        "--",
+        "img",
+        "--model",
+        "m",
+    ]
+    found = container.find(argv)
+    assert found is not None and argv[found.image] == "img"
+    assert found.option("e", "env") == "C=3" and found.option("network") == "host"
+    assert found.option("rm") is None and ("rm", None) in found.options
+    assert container.find(["docker", "container", "run", "img"]) is not None
+    assert container.find(["vllm", "serve", "m"]) is None
+    # A word of vLLM's that names an engine is vLLM's.
+    assert container.find(["vllm", "serve", "m", "--served-model-name", "docker"]) is None
+    assert parse_command(["python3", "-m", "vllm", "serve", "podman"]).model == "podman"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["podman", "run", "--frobnicate", "x", IMAGE],
+         "an option vkvagent does not know before the image (--frobnicate): whether it takes a "
+         "value decides where the image is; write it as --frobnicate=VALUE if it takes one"),
+        (["podman", "run", "-Z", IMAGE], "(-Z)"),
+        (["docker", "compose", "up", "vllm"], "ExecStart runs `docker compose`: vkvagent cannot "
+         "see vLLM's command line in it, so it changes no flags"),
+        (["podman", "run", "--rm"], "ExecStart runs `podman run` without an image"),
+        (["podman", "run", "--name"], "podman: --name needs a value"),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_read_is_refused_in_one_line(argv: list[str], said: str) -> None:
+    with pytest.raises(VllmCommandError) as caught:
+        parse_command(argv)
+    assert said in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_an_image_that_looks_like_a_flag_value_is_read_as_the_engine_reads_it() -> None:
+    # --pull takes a value: "always" is it, and the image is the next word.
+    argv = ["podman", "run", "--pull", "always", "vllm-openai", "--model", "m"]
+    command = parse_command(argv)
+    assert command.container is not None and argv[command.container.image] == "vllm-openai"
+    # --rm takes none: "always" would be the image, and vLLM's part starts after it.
+    assert container.find(["podman", "run", "--rm", "always", "x"]) == container.Container(
+        "podman", 0, 3, (("rm", None),), 1
+    )
