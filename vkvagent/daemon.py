@@ -550,7 +550,11 @@ class Daemon:
                 stopped_by=None,
                 **fields,
             )
-        elif now.active_state in ("failed", "inactive") and before.active_state == "active":
+        # From active, or from a stop a tick caught half-way (vLLM's shutdown takes seconds).
+        elif now.active_state in ("failed", "inactive") and before.active_state in (
+            "active",
+            "deactivating",
+        ):
             stopped = down.get("stopped", "")
             if stopped:
                 what = f"stopped on purpose ({stopped}); vkvagent leaves it down"
