@@ -103,3 +103,51 @@ def test_an_image_that_looks_like_a_flag_value_is_read_as_the_engine_reads_it() 
     assert container.find(["podman", "run", "--rm", "always", "x"]) == container.Container(
         "podman", 0, 3, (("rm", None),), 1
     )
+
+
+@pytest.mark.parametrize(
+    ("stops", "grace"),
+    [
+        ([["/usr/bin/podman", "stop", "-t", "130", "vllm"]], 130),
+        ([["/usr/bin/podman", "stop", "-t130", "vllm"]], 130),
+        ([["/usr/bin/docker", "stop", "--time=5", "vllm"]], 5),
+        ([["/usr/bin/docker", "stop", "--timeout", "20", "vllm"]], 20),
+        (
+            [
+                [
+                    "/usr/bin/env",
+                    "podman",
+                    "--log-level",
+                    "error",
+                    "container",
+                    "stop",
+                    "-t7",
+                    "vllm",
+                ]
+            ],
+            7,
+        ),
+        ([["/usr/bin/docker", "stop", "vllm"]], 10),  # the engine's default
+        ([["/usr/bin/podman", "kill", "vllm"]], 0),
+        ([["/usr/bin/podman", "stop", "-t", "90", "vllm"], ["/usr/bin/podman", "rm", "vllm"]], 90),
+        ([["/usr/bin/podman", "stop", "-t", "-1", "vllm"]], None),  # waits for ever
+        ([["/bin/kill", "-TERM", "$MAINPID"]], None),  # systemd's stop, not the engine's
+        ([], None),
+    ],
+)
+def test_how_long_execstop_lets_vllm_drain(stops: list[list[str]], grace: int | None) -> None:
+    run = container.find([*PODMAN, IMAGE, "--model", "m"])
+    assert run is not None
+    found = container.stop_grace(run, stops)
+    assert (found[0] if found else None) == grace
+    if found:
+        assert found[1].startswith(("podman ", "docker ")) and found[1].endswith("vllm")
+
+
+def test_without_a_stop_timeout_execstop_gets_the_one_the_container_was_run_with() -> None:
+    run = container.find([*DOCKER, "--stop-timeout", "120", IMAGE, "--model", "m"])
+    assert run is not None
+    assert container.stop_grace(run, [["/usr/bin/docker", "stop", "vllm"]]) == (
+        120,
+        "docker stop vllm",
+    )

@@ -154,3 +154,87 @@ def test_unit_facts_judge_growth_by_anon_memory_and_fall_back_to_memory_current(
     assert stopped.growth_source == "MemoryCurrent"
     empty = replace(facts, memory_anon_bytes=0)  # known to be none: not a fallback
     assert (empty.growth_bytes, empty.growth_source) == (0, "anon")
+
+
+def test_vllms_memory_is_read_from_its_containers_cgroup_when_the_engine_keeps_it_apart(
+    tmp_path: Path,
+) -> None:
+    """Docker runs a container in its own ``docker-ID.scope``: the unit's cgroup holds only the
+    ``docker run`` client. The engine is asked where the container's first process is, once
+    per start of the unit (an ``inspect`` costs tens of ms), and its cgroup's memory is vLLM's.
+    With a recorded /proc and cgroup tree, and a ``docker`` that answers as Docker does."""
+    from dataclasses import replace
+
+    from vkvagent.sampler import MemoryGroup
+    from vkvagent.systemd import ExecCommand, UnitState
+
+    bin_dir, proc, root = tmp_path / "bin", tmp_path / "proc", tmp_path / "v2"
+    asked = tmp_path / "asked"
+    for name in ("docker", "podman"):
+        engine = bin_dir / name
+        engine.parent.mkdir(exist_ok=True)
+        engine.write_text(  # `ENGINE inspect --format {{.State.Pid}} NAME`, logged
+            f'#!/bin/sh\necho "$*" >> {asked}\n'
+            f'[ "$1 $3 $4" = "inspect {{{{.State.Pid}}}} vllm" ] && cat {tmp_path}/pid\n'
+        )
+        engine.chmod(0o755)
+    (tmp_path / "pid").write_text("4242\n")
+    (proc / "4242").mkdir(parents=True)
+    (proc / "4242/cgroup").write_text("0::/system.slice/docker-9f2c.scope\n")
+    scope = root / "system.slice/docker-9f2c.scope"
+    scope.mkdir(parents=True)
+    (scope / "memory.stat").write_text(f"anon {7 * 2**30}\nfile {2**30}\n")
+    (scope / "memory.current").write_text(f"{8 * 2**30}\n")
+    (scope / "memory.max").write_text(f"{40 * 2**30}\n")
+    unit_group = root / "system.slice/vllm.service"
+    unit_group.mkdir(parents=True)
+    (unit_group / "memory.stat").write_text(f"anon {30 * 2**20}\n")
+
+    run = (str(bin_dir / "docker"), "run", "--rm", "--name", "vllm", "--gpus", "all",
+           "vllm/vllm-openai:v0.11.0", "--model", "/models/llama")  # fmt: skip
+    state = UnitState(
+        "vllm.service", "loaded", "active", "running", "success", 41, "ab" * 16, 1, 0,
+        40 * 2**20, (ExecCommand(run[0], run, False),), "/etc/systemd/system/vllm.service",
+        (), 5, 10_000_000, "/system.slice/vllm.service",
+    )  # fmt: skip
+    groups = MemoryGroup(proc)
+
+    def asks() -> int:
+        return len(asked.read_text().splitlines()) if asked.exists() else 0
+
+    assert groups.of(state, 100.0) == "/system.slice/docker-9f2c.scope"
+    facts = unit_facts(state, root, groups.of(state, 102.0))
+    assert (facts.memory_anon_bytes, facts.memory_bytes) == (7 * 2**30, 8 * 2**30)
+    assert facts.memory_max_bytes == 40 * 2**30  # docker run --memory: where the kernel kills
+    assert asks() == 1  # once for this start
+    # The unit's own memory when vLLM runs in it (no container; or no group named).
+    assert unit_facts(state, root).memory_anon_bytes == 30 * 2**20
+    assert unit_facts(state, root).memory_bytes == 40 * 2**20
+
+    # A new start of the unit: the engine is asked again. While it cannot say (the container
+    # not made yet), the unit's group, and asked again RETRY seconds later, not every tick.
+    restarted = replace(state, invocation_id="cd" * 16)
+    (tmp_path / "pid").write_text("")
+    assert groups.of(restarted, 200.0) == "/system.slice/vllm.service"
+    assert groups.of(restarted, 200.0 + MemoryGroup.RETRY - 1) == "/system.slice/vllm.service"
+    assert asks() == 2
+    (tmp_path / "pid").write_text("4242\n")
+    assert groups.of(restarted, 200.0 + MemoryGroup.RETRY) == "/system.slice/docker-9f2c.scope"
+    assert asks() == 3
+
+    # podman --cgroups=split (Quadlet's default): the container in a cgroup below the unit's.
+    (proc / "4242/cgroup").write_text("0::/system.slice/vllm.service/libpod-payload-1\n")
+    podman_run = (str(bin_dir / "podman"), *run[1:])
+    split = replace(
+        state, invocation_id="ef" * 16, exec_start=(ExecCommand(podman_run[0], podman_run, False),)
+    )
+    assert groups.of(split, 300.0) == "/system.slice/vllm.service"
+    # vLLM itself as the unit's command: nothing to ask.
+    bare = replace(
+        state,
+        invocation_id="01" * 16,
+        exec_start=(ExecCommand("/usr/bin/vllm", ("vllm", "serve", "m"), False),),
+    )
+    assert groups.of(bare, 400.0) == "/system.slice/vllm.service" and asks() == 4
+    stopped = replace(bare, control_group="")
+    assert groups.of(stopped, 500.0) == ""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vkvagent import apikey, unitlog
+from vkvagent import apikey, container, unitlog
 from vkvagent import flags as vflags
 from vkvagent.atomicfile import write_atomically
 from vkvagent.cgroup import pids_in
@@ -255,10 +255,11 @@ class Actuator:
         """The command line ``wanted`` (with the drain's flags, ``drain_flags``) makes."""
         state = self._unit()
         if state.source_path.endswith(".container"):
-            raise ActuatorError(f"{self.unit}: {_quadlet(state.source_path)}")
+            raise ActuatorError(f"{self.unit}: {_quadlet(state)}")
         current = _argv(state)
         base = self._base(state)
-        values = vflags.validate({**self.drain_flags(vllm_version), **wanted}, vllm_version)
+        drains = self.drain_flags(vllm_version, state)
+        values = vflags.validate({**drains, **wanted}, vllm_version)
         try:
             after = tuple(vflags.apply_flags(base, values, vllm_version=vllm_version))
         except ValueError as exc:  # VllmCommandError: not a vllm serve command line
@@ -281,12 +282,18 @@ class Actuator:
         """The running vLLM's version: as it says (``/version``), else as configured."""
         return self.probe.version() or self._vllm_version
 
-    def drain_flags(self, vllm_version: str | None) -> dict[str, FlagValue]:
+    def drain_flags(
+        self, vllm_version: str | None, state: UnitState | None = None
+    ) -> dict[str, FlagValue]:
         """The flags that make vLLM drain when systemd stops it: ``--shutdown-timeout`` (the
-        drain's budget) on a version known to have it, unless graceful_shutdown is off.
-        [vllm.flags] may set it otherwise."""
+        drain's budget) on a version known to have it, unless graceful_shutdown is off or
+        the unit's ExecStop= would kill vLLM's container before that drain ends
+        (``engine_stop_too_short``). [vllm.flags] may set it otherwise."""
         flag = vflags.CATALOGUE["shutdown-timeout"]
         if not self.settings.graceful_shutdown or vllm_version is None:
+            return {}
+        drain = math.ceil(self.settings.drain_timeout)
+        if engine_stop_too_short(state or self._unit(), drain):
             return {}
         try:
             version = vflags.parse_version(vllm_version)
@@ -294,16 +301,21 @@ class Actuator:
             return {}
         if not flag.available(version):
             return {}
-        return {flag.name: math.ceil(self.settings.drain_timeout)}
+        return {flag.name: drain}
+
+    def drain_cut_short(self) -> str:
+        """Why vLLM cannot drain itself in this unit's container (``engine_stop_too_short``);
+        "" when it can."""
+        return engine_stop_too_short(self._unit(), math.ceil(self.settings.drain_timeout))
 
     def drain_plan(self, vllm_version: str | None) -> Plan | None:
         """The change a plain restart carries so that vLLM drains by itself from then on: the
         running command line with ``drain_flags`` set. None when it has them already (or the
         version lacks them)."""
-        wanted = self.drain_flags(vllm_version)
+        state = self._unit()
+        wanted = self.drain_flags(vllm_version, state)
         if not wanted:
             return None
-        state = self._unit()
         if state.source_path.endswith(".container"):
             return None  # Quadlet's: plan() says why it is not rewritten
         current = _argv(state)
@@ -765,7 +777,9 @@ class Actuator:
         unit's): seconds it drains after SIGTERM; 0 when it aborts or is not running."""
         if state.active_state != "active":
             return 0
-        return _drains_for(_cmdline(self.proc, state.main_pid) or _argv(state))
+        seconds = _drains_for(_cmdline(self.proc, state.main_pid) or _argv(state))
+        # Cut short by the engine's stop: a wait for a quiet moment drains instead.
+        return 0 if engine_stop_too_short(state, seconds) else seconds
 
     def _write(self, argv: tuple[str, ...], state: UnitState) -> None:
         if self._stored_base() is None or self.dropin.read() is None:
@@ -1166,6 +1180,27 @@ def _drains_for(argv: tuple[str, ...]) -> int:
     return value if isinstance(value, int) and value > 0 else 0
 
 
+def engine_stop_too_short(state: UnitState, drain: int) -> str:
+    """Why a drain of ``drain`` seconds through vLLM's --shutdown-timeout cannot happen in
+    this unit: its ExecStop= stops vLLM's container through the engine, which kills it sooner
+    than the drain and vLLM's teardown (STOP_MARGIN) take. The operator's ExecStop= stands:
+    vkvagent then drains by waiting for a quiet moment before the stop. "" when it fits, or
+    when the unit runs no container or stops none through an engine."""
+    try:
+        run = container.find(_argv(state))
+    except (ActuatorError, container.ContainerError):
+        return ""
+    grace = None if run is None or not drain else container.stop_grace(run, state.exec_stop)
+    if grace is None or grace[0] >= drain + STOP_MARGIN:
+        return ""
+    return (
+        f"ExecStop= `{grace[1]}` kills vLLM's container {grace[0]} s after its stop signal, "
+        f"before a drain of {drain} s and vLLM's teardown end: vkvagent drains by waiting for "
+        f"a quiet moment before the stop instead; give the engine's stop -t "
+        f"{drain + STOP_MARGIN} or more to let vLLM drain itself"
+    )
+
+
 def _stop_settings(argv: tuple[str, ...]) -> dict[str, str]:
     """How systemd must stop a command line whose vLLM drains on SIGTERM: wait the drain out
     (TimeoutStopSec=), and signal the API server alone (KillMode=mixed). A SIGTERM of their own
@@ -1251,14 +1286,19 @@ def _advanced(before: VllmMetrics, after: VllmMetrics) -> bool:
     return any(old is not None and new is not None and new > old for old, new in pairs)
 
 
-def _quadlet(source: str) -> str:
-    """Why a unit Quadlet generates keeps its flags."""
+def _quadlet(state: UnitState) -> str:
+    """Why a unit Quadlet generates keeps its flags: Quadlet reads drop-ins of a `.container`
+    file from podman 4.8 on, and vkvagent does not write them yet."""
+    source = state.source_path
+    version = container.engine_version(_argv(state)) if state.exec_start else None
+    if version is not None and vflags.parse_version(version) < (4, 8, 0):
+        why = f"podman {version} reads no drop-ins for it (Quadlet does from podman 4.8)"
+    else:
+        why = f"vkvagent does not write Quadlet's drop-ins ({os.path.basename(source)}.d/) yet"
     return (
         f"generated by Quadlet from {source}: its flags are Exec= in that file, and a drop-in "
-        f"of the service would fight the generator; vkvagent does not write Quadlet's own "
-        f"drop-ins ({os.path.basename(source)}.d/, podman 4.8 and newer) yet, so it changes "
-        "no flags here (it watches and restarts the unit as ever): edit Exec= and run "
-        "systemctl daemon-reload"
+        f"of the service would fight the generator; {why}, so vkvagent changes no flags here "
+        "(it watches and restarts the unit as ever): edit Exec= and run systemctl daemon-reload"
     )
 
 

@@ -1,5 +1,6 @@
 """The vLLM unit's cgroup: its anonymous memory, from ``memory.stat`` (cgroup v2), and the
-processes in it (a container's too, when its engine keeps them in the unit's cgroup).
+processes in it (a container's too, when its engine keeps them in the unit's cgroup); a
+container's own cgroup when its engine keeps it elsewhere (Docker's ``docker-ID.scope``).
 
 systemd's ``MemoryCurrent`` is the cgroup's whole charge, page cache included: the log lines
 vLLM writes per request, or a file-backed KV-offload store, fill the cache as the server
@@ -31,24 +32,41 @@ def read_anon(control_group: str, root: str | Path = CGROUP_ROOT) -> int | None:
     None when it cannot be read: no control group, cgroup v1 (no such file, or no ``anon``
     line), the memory controller off for the unit, no permission, a file longer than
     ``MAX_STAT_BYTES`` or a value that is not a whole number. Never raises."""
-    parts = control_group.strip("/").split("/")
-    if not control_group.startswith("/") or any(part in ("", ".", "..") for part in parts):
-        return None  # "" (no cgroup), or a path that would leave the cgroup tree
-    try:
-        with open(Path(root).joinpath(*parts, "memory.stat"), "rb") as stat:
-            data = stat.read(MAX_STAT_BYTES + 1)
-    except (OSError, ValueError):  # ValueError: a NUL in the path
-        return None
-    if len(data) > MAX_STAT_BYTES:
-        return None
-    for line in data.split(b"\n"):
+    data = _read(control_group, "memory.stat", root)
+    for line in (data or b"").split(b"\n"):
         key, _, value = line.partition(b" ")
         if key == b"anon":
-            digits = value.strip()
-            if digits.isdigit() and len(digits) <= _MAX_DIGITS:
-                return int(digits)
-            return None
+            return _number(value)
     return None
+
+
+def read_memory(
+    control_group: str, root: str | Path = CGROUP_ROOT
+) -> tuple[int | None, int | None]:
+    """``memory.current`` and ``memory.max`` of ``control_group``: what systemd reports as a
+    unit's MemoryCurrent and MemoryMax, read for a cgroup that is no unit's (a container's
+    scope); None where unreadable, and for a limit of ``max``. Never raises."""
+    current, limit = (_read(control_group, name, root) for name in ("memory.current", "memory.max"))
+    return _number(current or b""), _number(limit or b"")
+
+
+def _read(control_group: str, name: str, root: str | Path) -> bytes | None:
+    """The first MAX_STAT_BYTES of ``ROOT/CONTROL_GROUP/NAME``; None when unreadable, longer,
+    or when ``control_group`` is not one (""), or would leave the cgroup tree."""
+    parts = control_group.strip("/").split("/")
+    if not control_group.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        return None
+    try:
+        with open(Path(root).joinpath(*parts, name), "rb") as file:
+            data = file.read(MAX_STAT_BYTES + 1)
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        return None
+    return data if len(data) <= MAX_STAT_BYTES else None
+
+
+def _number(value: bytes) -> int | None:
+    digits = value.strip()
+    return int(digits) if digits.isdigit() and len(digits) <= _MAX_DIGITS else None
 
 
 def systemd_paths(text: str) -> list[str]:

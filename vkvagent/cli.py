@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from vkvagent import __version__, advice, apikey, config, controls, fleet, hardening, replay, status
-from vkvagent.actuator import Actuator, Outcome, Plan
+from vkvagent.actuator import Actuator, Outcome, Plan, engine_stop_too_short
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.gpu_faults import describe_xid
 from vkvagent.engine.policy import MODES, PolicySettings, window_state
@@ -400,6 +400,9 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
     notes += [seen] if seen else []
     access_warnings, access_notes = _vllm_access(loaded.vllm, state)
     warnings += access_warnings
+    if state is not None and loaded.restart.graceful_shutdown:
+        cut = engine_stop_too_short(state, math.ceil(loaded.restart.drain_timeout))
+        warnings += [f"{loaded.vllm.unit}: {cut}"] if cut else []
     notes += access_notes
     read = ", ".join(map(str, files)) or "no file, defaults only"
     said = f"valid, with {len(warnings)} warning(s) on stderr" if warnings else "OK"
@@ -868,6 +871,8 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     if drains:
         shown = " ".join(f"--{name} {value}" for name, value in drains.items())
         print(f"{shown}: vLLM drains when stopped ([restart] graceful_shutdown)", file=out)
+    elif settings.restart.graceful_shutdown and (cut := actuator.drain_cut_short()):
+        print(f"no --shutdown-timeout: {cut}", file=out)
     attestable = ", ".join(plan.attestable) or "none"
     unproven = ", ".join(f for f in plan.flags if f not in plan.attestable) or "none"
     print(

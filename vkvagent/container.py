@@ -64,6 +64,7 @@ _BOOLEANS = _words("""
 rm detach interactive tty init privileged read-only read-only-tmpfs replace publish-all
 quiet sig-proxy no-healthcheck no-hosts oom-kill-disable disable-content-trust http-proxy
 rootfs tls-verify help debug remote syslog experimental tls tlsverify no-hostname env-host
+all ignore latest
 """)
 _LAUNCHER = re.compile(r"vllm|vkvagent|python(\d+(\.\d+)?)?")  # what starts vLLM outside one
 # What an engine runs that is no `run`: vkvagent can watch and restart it, not rewrite it.
@@ -116,6 +117,23 @@ class Container:
         return int(pid) if done.returncode == 0 and pid.isdigit() and int(pid) > 0 else None
 
 
+def engine_version(argv: Sequence[str], timeout: float = 10.0) -> str | None:
+    """The version of the container engine ``argv`` runs (``ENGINE --version``: "podman
+    version 4.3.1"); None when ``argv`` runs none or the engine does not say."""
+    start = next((i for i, t in enumerate(argv) if os.path.basename(t) in ENGINES), None)
+    if start is None:
+        return None
+    try:
+        done = subprocess.run(
+            [*argv[: start + 1], "--version"],
+            check=False, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"version (\d+(\.\d+)+)", done.stdout)
+    return found.group(1) if done.returncode == 0 and found else None
+
+
 def find(argv: Sequence[str]) -> Container | None:
     """The engine's part of ``argv``, or None when it runs no container engine. Raises
     ContainerError for an engine command vkvagent cannot read through (an unknown option
@@ -147,6 +165,48 @@ def _run(argv: tuple[str, ...], start: int, engine: str) -> Container:
     if image >= len(argv):
         raise ContainerError(f"ExecStart runs `{engine} run` without an image")
     return Container(engine, start, image, tuple(options), globals_end)
+
+
+# What `ENGINE stop` and `ENGINE kill` take before the container's name.
+_STOP_VALUE = _words("time timeout signal cidfile filter")
+_STOP_SHORT_VALUE = frozenset("ts")
+DEFAULT_STOP_TIMEOUT = 10  # podman's and Docker's, unless `run --stop-timeout` says otherwise
+
+
+def stop_grace(run: Container, stops: Sequence[Sequence[str]]) -> tuple[int, str] | None:
+    """How long the unit's ``ExecStop=`` commands let vLLM's container run after its stop
+    signal before the engine kills it, and the command that says so: ``ENGINE stop -t N``
+    (without ``-t``, the run line's ``--stop-timeout`` or the engine's 10 s), ``ENGINE kill``
+    (0 s). None when no ExecStop= stops the container through an engine: then systemd's own
+    stop (SIGTERM to ``ENGINE run``, passed on to the container) and TimeoutStopSec= decide.
+    """
+    found: list[tuple[int, str]] = []
+    for stop in stops:
+        argv = tuple(stop)
+        start = next((i for i, t in enumerate(argv) if os.path.basename(t) in ENGINES), None)
+        if start is None:
+            continue
+        engine = os.path.basename(argv[start])
+        try:
+            i = _options(argv, start + 1, _GLOBAL_VALUE, _GLOBAL_SHORT_VALUE, engine, [])
+            if argv[i : i + 1] == ("container",):
+                i += 1
+            command = argv[i] if i < len(argv) else ""
+            options: list[tuple[str, str | None]] = []
+            if command in ("stop", "kill"):
+                _options(argv, i + 1, _STOP_VALUE, _STOP_SHORT_VALUE, engine, options)
+        except ContainerError:
+            continue
+        said = " ".join((engine, *argv[start + 1 :]))
+        if command == "kill":
+            found.append((0, said))
+        elif command == "stop":
+            given = [v for n, v in options if n in ("t", "time", "timeout") and v is not None]
+            default = run.option("stop-timeout") or str(DEFAULT_STOP_TIMEOUT)
+            seconds = given[-1] if given else default
+            if seconds.isdigit():  # -1 (podman: wait for ever) sets no limit
+                found.append((int(seconds), said))
+    return min(found) if found else None
 
 
 def _options(

@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from vkvagent import container
 from vkvagent.apikey import ApiKey
-from vkvagent.cgroup import CGROUP_ROOT, read_anon
+from vkvagent.cgroup import CGROUP_ROOT, below, read_anon, read_memory, systemd_paths
 from vkvagent.engine.samples import Sample, UnitFacts
 from vkvagent.gpu import GpuReader
 from vkvagent.systemd import SystemdError, UnitState
@@ -41,6 +42,7 @@ class Sampler:
         self._wall, self._mono = wall, mono
         self.page_recognised: bool | None = None  # the last page's; None: vLLM did not answer
         self.unit_key: ApiKey | None = None  # vLLM's API key, as the unit last gave it
+        self.memory_group = MemoryGroup()
 
     def take(self) -> Sample:
         at, mono = self._wall(), self._mono()
@@ -67,26 +69,84 @@ class Sampler:
         if self.unit is not None:
             try:
                 state = self.unit()
-                facts, self.unit_key = unit_facts(state), state.api_key
+                group = self.memory_group.of(state, mono)
+                facts, self.unit_key = unit_facts(state, group=group), state.api_key
             except SystemdError as exc:
                 unit_error = str(exc)
         return Sample(at, mono, metrics, error, readings, gpu_error, facts, unit_error, silent)
 
 
-def unit_facts(state: UnitState, cgroup_root: str | Path = CGROUP_ROOT) -> UnitFacts:
+def unit_facts(
+    state: UnitState, cgroup_root: str | Path = CGROUP_ROOT, group: str = ""
+) -> UnitFacts:
     """The facts of ``state``, with the anon memory read from the unit's cgroup under
-    ``cgroup_root`` (a file read, no D-Bus)."""
+    ``cgroup_root`` (a file read, no D-Bus), or from ``group`` when vLLM's container lives
+    in a cgroup of its own (MemoryGroup): its charge and limit then too."""
+    memory, limit = state.memory_current, state.memory_max
+    if group and group != state.control_group:
+        memory, limit = read_memory(group, cgroup_root)
     return UnitFacts(
         state.active_state,
         state.sub_state,
         state.invocation_id,
         state.main_pid,
-        state.memory_current,
+        memory,
         state.n_restarts,
-        read_anon(state.control_group, cgroup_root),
+        read_anon(group or state.control_group, cgroup_root),
         state.active_enter_timestamp / 1e6 if state.active_enter_timestamp else None,
-        state.memory_max,
+        limit,
         state.restart_policy,
         state.wanted,
         state.exit_text,
     )
+
+
+class MemoryGroup:
+    """The cgroup that holds vLLM's memory: the unit's, unless a container engine keeps the
+    container in a cgroup of its own (Docker's ``docker-ID.scope``, podman's
+    ``libpod-ID.scope`` without ``--cgroups=split``), where the unit's memory is only the
+    engine's client. The engine is asked where the container's first process is
+    (``ENGINE inspect``) once per start of the unit, and, until it answers, at most every
+    ``RETRY`` seconds; a unit that runs no container is never asked about."""
+
+    RETRY = 30.0
+    ASK_TIMEOUT = 3.0  # the tick waits for the engine's answer: a hung dockerd costs this
+
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self.proc = proc
+        self._known: tuple[str, str] | None = None  # (invocation, cgroup)
+        self._asked: tuple[str, float] = ("", 0.0)  # (invocation, when)
+
+    def of(self, state: UnitState, mono: float) -> str:
+        unit, invocation = state.control_group, state.invocation_id
+        if not unit or not state.exec_start:
+            return unit
+        if self._known is not None and self._known[0] == invocation:
+            return self._known[1]
+        if self._asked[0] == invocation and mono - self._asked[1] < self.RETRY:
+            return unit
+        self._asked = (invocation, mono)
+        found = self._find(state)
+        if found:
+            self._known = (invocation, found)
+        return found or unit
+
+    def _find(self, state: UnitState) -> str:
+        """The cgroup vLLM's container is in; "" while the engine cannot say."""
+        argv = state.exec_start[0].argv
+        try:
+            engine = container.find(argv)
+        except container.ContainerError:  # plan and apply say why; the unit's memory here
+            engine = None
+        if engine is None:
+            return state.control_group
+        pid = engine.main_pid(argv, timeout=self.ASK_TIMEOUT)
+        if pid is None:
+            return ""
+        try:
+            paths = systemd_paths((self.proc / str(pid) / "cgroup").read_text("utf-8", "replace"))
+        except OSError:
+            return ""
+        if not paths:
+            return ""
+        return state.control_group if below(paths[0], state.control_group) else paths[0]

@@ -129,6 +129,8 @@ class UnitState:
     inactive_enter_timestamp: int = 0
     # The file a generator made the unit from (a Quadlet `.container`); "" for a unit file.
     source_path: str = ""
+    # ExecStop= commands' argv (a container engine's `stop -t N` bounds vLLM's drain).
+    exec_stop: tuple[tuple[str, ...], ...] = ()
     # vLLM's API key as the unit gives it (apikey.from_unit); never shown.
     api_key: ApiKey | None = field(default=None, repr=False, compare=False)
 
@@ -223,6 +225,7 @@ class Systemd:
             exec_main_status=service.get("ExecMainStatus", 0),
             inactive_enter_timestamp=unit.get("InactiveEnterTimestamp", 0),
             source_path=unit.get("SourcePath", ""),
+            exec_stop=tuple(apikey.mask_argv(entry[1]) for entry in service.get("ExecStop", [])),
             api_key=apikey.from_unit(
                 commands[-1][1] if commands else (),
                 service.get("Environment", ()),
