@@ -292,14 +292,12 @@ class Actuator:
         flag = vflags.CATALOGUE["shutdown-timeout"]
         if not self.settings.graceful_shutdown or vllm_version is None:
             return {}
-        drain = math.ceil(self.settings.drain_timeout)
-        if engine_stop_too_short(state or self._unit(), drain):
-            return {}
         try:
             version = vflags.parse_version(vllm_version)
         except ValueError:
             return {}
-        if not flag.available(version):
+        drain = math.ceil(self.settings.drain_timeout)
+        if not flag.available(version) or engine_stop_too_short(state or self._unit(), drain):
             return {}
         return {flag.name: drain}
 

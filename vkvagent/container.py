@@ -120,7 +120,7 @@ class Container:
 def engine_version(argv: Sequence[str], timeout: float = 10.0) -> str | None:
     """The version of the container engine ``argv`` runs (``ENGINE --version``: "podman
     version 4.3.1"); None when ``argv`` runs none or the engine does not say."""
-    start = next((i for i, t in enumerate(argv) if os.path.basename(t) in ENGINES), None)
+    start = _engine_at(argv)
     if start is None:
         return None
     try:
@@ -132,6 +132,11 @@ def engine_version(argv: Sequence[str], timeout: float = 10.0) -> str | None:
         return None
     found = re.search(r"version (\d+(\.\d+)+)", done.stdout)
     return found.group(1) if done.returncode == 0 and found else None
+
+
+def _engine_at(argv: Sequence[str]) -> int | None:
+    """Where ``argv`` names a container engine's program (after ``/usr/bin/env``, say)."""
+    return next((i for i, word in enumerate(argv) if os.path.basename(word) in ENGINES), None)
 
 
 def find(argv: Sequence[str]) -> Container | None:
@@ -183,7 +188,7 @@ def stop_grace(run: Container, stops: Sequence[Sequence[str]]) -> tuple[int, str
     found: list[tuple[int, str]] = []
     for stop in stops:
         argv = tuple(stop)
-        start = next((i for i, t in enumerate(argv) if os.path.basename(t) in ENGINES), None)
+        start = _engine_at(argv)
         if start is None:
             continue
         engine = os.path.basename(argv[start])
