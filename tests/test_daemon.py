@@ -309,6 +309,41 @@ def test_vllm_ending_without_vkvagent_asking_is_reported(tmp_path: Path) -> None
         assert "stopped on purpose" in str(stop["message"])
 
 
+def test_a_missing_error_line_is_looked_for_again_only_while_journald_may_lag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """journald can hold a dead process's last lines for a moment after systemd reports the
+    unit down, so the journal is read again while no line was found, for JOURNAL_LAG seconds:
+    a clean stop has none, and is not read every tick for as long as vLLM stays down."""
+    from vkvagent import unitlog
+    from vkvagent.daemon import JOURNAL_LAG
+
+    reads: list[float] = []
+    lines: list[str] = []
+    monkeypatch.setattr(
+        unitlog,
+        "why_it_failed",
+        lambda _unit, since: reads.append(since) or (lines[-1] if lines else None),
+    )
+    monkeypatch.setattr(unitlog, "stopped_on_purpose", lambda _unit, _since: "")
+    daemon = Daemon.offline(write_config(tmp_path, "http://127.0.0.1:9"), io.StringIO())
+    down = UnitFacts("inactive", "dead", "a", 0, None, 0, active_since=100.0)
+
+    def tick(mono: float, unit: UnitFacts = down) -> dict[str, str]:
+        return daemon._why_down(Sample(time=1e9 + mono, mono=mono, vllm=None, unit=unit))
+
+    try:
+        said = [tick(float(mono)) for mono in range(0, 121, 2)]
+        assert len(reads) == JOURNAL_LAG / 2 and said[-1]["exit_line"] == ""
+        failed = replace(down, active_state="failed", sub_state="failed")
+        lines.append("RuntimeError: Engine core died")  # another state: read again, found
+        assert tick(200.0, failed)["exit_line"] == "RuntimeError: Engine core died"
+        assert tick(202.0, failed)["exit_line"] == "RuntimeError: Engine core died"
+        assert len(reads) == JOURNAL_LAG / 2 + 1
+    finally:
+        daemon.close()
+
+
 def test_an_outcome_is_reported_with_the_flags_it_changed_and_vllms_words() -> None:
     done = Outcome(7, "done", "restarted with the new flags", 41.5, 41.2, {"max-num-seqs": 64})
     name, message, fields = done.event("vllm.service", "manual")

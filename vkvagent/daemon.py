@@ -56,6 +56,7 @@ from vkvagent.vllm import VllmClient
 STATE_FILE = "engine.json"
 RESTART_KINDS = ("restart", "apply", "rollback")
 DRAIN_FLAG = "shutdown-timeout"  # what actuator.drain_flags adds
+JOURNAL_LAG = 30.0  # seconds journald may take to hold a dead process's last lines
 HISTORY_PRUNE_EVERY = 3600.0
 # engine.json is rewritten (and fsynced) at most this often, and after every action: a crash
 # costs at most this much of the state's progress, never the baseline. Every tick cost 1.5 ms.
@@ -254,9 +255,9 @@ class Daemon:
         self._saved_at = -math.inf
         self.last: Decision | None = None
         self._unit_seen: UnitFacts | None = None  # the unit as the last sample saw it
-        # Why vLLM is down, read from the journal once per state of the unit: (the unit's
-        # state, whether someone stopped it, vLLM's own error line).
-        self._down_read: tuple[tuple[Any, ...], str, str] | None = None
+        # Why vLLM is down, read from the journal per state of the unit (_why_down): (the
+        # unit's state, who stopped it, vLLM's own error line, when first read, monotonic).
+        self._down_read: tuple[tuple[Any, ...], str, str, float] | None = None
         self._restart_mono: dict[int, float] = {}  # ledger action id -> its monotonic start
         self._probe_failing = ""  # "outcome: detail" of the failing probes, reported once
         self._burning: dict[str, str] = {}  # objective -> its burn alert last reported
@@ -575,21 +576,24 @@ class Daemon:
         """With vLLM not answering: whether someone stopped its unit on purpose (a stop job
         or a kill they asked systemd for since it last became active) and vLLM's own error
         line, from the journal, read again when the unit's state changes, and while no line
-        was found (journald may not have the dying process's last lines yet)."""
+        was found in the first JOURNAL_LAG seconds (journald may not have the dying process's
+        last lines yet; a clean stop has none, and is not read again every tick)."""
         unit = sample.unit
         if unit is None or (sample.vllm is not None and unit.active_state == "active"):
             return {}
         key = (unit.active_state, unit.sub_state, unit.invocation_id, unit.n_restarts)
-        if self._down_read is None or self._down_read[0] != key or not self._down_read[2]:
+        read = self._down_read
+        first = read[3] if read is not None and read[0] == key else sample.mono
+        if read is None or read[0] != key or (not read[2] and sample.mono - first < JOURNAL_LAG):
             name, since = self.parts.config.vllm.unit, unit.active_since or 0.0
             stopped = (
                 unitlog.stopped_on_purpose(name, since)
                 if unit.active_state in ("inactive", "failed", "deactivating")
                 else ""
             )
-            self._down_read = (key, stopped, unitlog.why_it_failed(name, since) or "")
-        _key, stopped, line = self._down_read
-        return {"stopped": stopped, "exit_line": line}
+            line = unitlog.why_it_failed(name, since) or ""
+            self._down_read = read = (key, stopped, line, first)
+        return {"stopped": read[1], "exit_line": read[2]}
 
     def _send_probe(self, sample: Sample) -> None:
         """Send the probe the engine asked for (never when switched off: its settings then
