@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
+from tests.conftest import metrics
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get
 from vkvagent import cli, config, controls, status
@@ -285,6 +286,10 @@ def test_vllm_ending_without_vkvagent_asking_is_reported(tmp_path: Path) -> None
         seen("active", "running", 0, "g")
         seen("deactivating", "stop-sigterm", 0, "g")
         seen("inactive", "dead", 0, "g", stopped="systemd: Stopping vllm.service...")
+        # A start that failed, a tick catching it half-way: no run of vLLM ended.
+        seen("activating", "start", 0, "h")
+        seen("deactivating", "stop-sigterm", 0, "h")
+        seen("failed", "failed", 0, "h")
     finally:
         daemon.close()
     exits = [e for e in events_of(stream) if e["event"] == "unit.exited"]
@@ -340,6 +345,15 @@ def test_a_missing_error_line_is_looked_for_again_only_while_journald_may_lag(
         assert tick(200.0, failed)["exit_line"] == "RuntimeError: Engine core died"
         assert tick(202.0, failed)["exit_line"] == "RuntimeError: Engine core died"
         assert len(reads) == JOURNAL_LAG / 2 + 1
+        # A hang while active, vLLM answering again, then another hang in the same state: the
+        # second is read afresh, not given the first one's answer.
+        hung = replace(down, active_state="active", sub_state="running")
+        lines.append("")
+        assert tick(300.0, hung)["exit_line"] == ""
+        answered = Sample(time=1e9 + 302, mono=302.0, vllm=metrics(), unit=hung)
+        assert daemon._why_down(answered) == {}
+        lines.append("torch.OutOfMemoryError: CUDA out of memory")
+        assert tick(400.0, hung)["exit_line"] == "torch.OutOfMemoryError: CUDA out of memory"
     finally:
         daemon.close()
 

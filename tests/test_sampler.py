@@ -212,11 +212,16 @@ def test_vllms_memory_is_read_from_its_containers_cgroup_when_the_engine_keeps_i
     assert unit_facts(state, root).memory_bytes == 40 * 2**20
 
     # A new start of the unit: the engine is asked again. While it cannot say (the container
-    # not made yet), the unit's group, and asked again RETRY seconds later, not every tick.
+    # not made yet), no memory (the client's few MB, then vLLM's GBs, would read as growth),
+    # and it is asked again RETRY seconds later, not every tick.
     restarted = replace(state, invocation_id="cd" * 16)
     (tmp_path / "pid").write_text("")
-    assert groups.of(restarted, 200.0) == "/system.slice/vllm.service"
-    assert groups.of(restarted, 200.0 + MemoryGroup.RETRY - 1) == "/system.slice/vllm.service"
+    assert groups.of(restarted, 200.0) is None
+    assert groups.of(restarted, 200.0 + MemoryGroup.RETRY - 1) is None
+    unknown = unit_facts(restarted, root, None)
+    assert (unknown.memory_bytes, unknown.memory_anon_bytes, unknown.memory_max_bytes) == (
+        None, None, None,
+    )  # fmt: skip
     assert asks() == 2
     (tmp_path / "pid").write_text("4242\n")
     assert groups.of(restarted, 200.0 + MemoryGroup.RETRY) == "/system.slice/docker-9f2c.scope"
@@ -229,6 +234,12 @@ def test_vllms_memory_is_read_from_its_containers_cgroup_when_the_engine_keeps_i
         state, invocation_id="ef" * 16, exec_start=(ExecCommand(podman_run[0], podman_run, False),)
     )
     assert groups.of(split, 300.0) == "/system.slice/vllm.service"
+    # A container without a name to ask about: the unit's cgroup, nothing asked.
+    unnamed = tuple(word for word in run if word not in ("--name", "vllm"))
+    anonymous = replace(
+        state, invocation_id="23" * 16, exec_start=(ExecCommand(run[0], unnamed, False),)
+    )
+    assert groups.of(anonymous, 350.0) == "/system.slice/vllm.service" and asks() == 4
     # vLLM itself as the unit's command: nothing to ask.
     bare = replace(
         state,

@@ -62,6 +62,7 @@ STEPS = (
 # TimeoutStopSec= beyond vLLM's --shutdown-timeout: its teardown after the drain (the worker's
 # exit took 8 s on 0.32's CPU build), so that systemd's SIGKILL never cuts the drain short.
 STOP_MARGIN = 30
+DRAIN_FLAG = vflags.CATALOGUE["shutdown-timeout"]  # vLLM's own drain on SIGTERM
 
 
 class ActuatorError(VkvagentError):
@@ -289,22 +290,28 @@ class Actuator:
         drain's budget) on a version known to have it, unless graceful_shutdown is off or
         the unit's ExecStop= would kill vLLM's container before that drain ends
         (``engine_stop_too_short``). [vllm.flags] may set it otherwise."""
-        flag = vflags.CATALOGUE["shutdown-timeout"]
-        if not self.settings.graceful_shutdown or vllm_version is None:
-            return {}
-        try:
-            version = vflags.parse_version(vllm_version)
-        except ValueError:
-            return {}
         drain = math.ceil(self.settings.drain_timeout)
-        if not flag.available(version) or engine_stop_too_short(state or self._unit(), drain):
+        if not self._may_drain_itself(vllm_version):
             return {}
-        return {flag.name: drain}
+        if engine_stop_too_short(state or self._unit(), drain):
+            return {}
+        return {DRAIN_FLAG.name: drain}
 
-    def drain_cut_short(self) -> str:
-        """Why vLLM cannot drain itself in this unit's container (``engine_stop_too_short``);
-        "" when it can."""
+    def drain_cut_short(self, vllm_version: str | None) -> str:
+        """Why a vLLM that could drain itself cannot in this unit's container
+        (``engine_stop_too_short``); "" when it can, or could not anyway."""
+        if not self._may_drain_itself(vllm_version):
+            return ""
         return engine_stop_too_short(self._unit(), math.ceil(self.settings.drain_timeout))
+
+    def _may_drain_itself(self, vllm_version: str | None) -> bool:
+        """graceful_shutdown on, and a vLLM version known to have --shutdown-timeout."""
+        if not self.settings.graceful_shutdown or vllm_version is None:
+            return False
+        try:
+            return DRAIN_FLAG.available(vflags.parse_version(vllm_version))
+        except ValueError:
+            return False
 
     def drain_plan(self, vllm_version: str | None) -> Plan | None:
         """The change a plain restart carries so that vLLM drains by itself from then on: the

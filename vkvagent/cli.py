@@ -871,7 +871,7 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     if drains:
         shown = " ".join(f"--{name} {value}" for name, value in drains.items())
         print(f"{shown}: vLLM drains when stopped ([restart] graceful_shutdown)", file=out)
-    elif settings.restart.graceful_shutdown and (cut := actuator.drain_cut_short()):
+    elif cut := actuator.drain_cut_short(actuator.vllm_version()):
         print(f"no --shutdown-timeout: {cut}", file=out)
     attestable = ", ".join(plan.attestable) or "none"
     unproven = ", ".join(f for f in plan.flags if f not in plan.attestable) or "none"

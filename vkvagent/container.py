@@ -12,6 +12,7 @@ always understood.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -64,7 +65,6 @@ _BOOLEANS = _words("""
 rm detach interactive tty init privileged read-only read-only-tmpfs replace publish-all
 quiet sig-proxy no-healthcheck no-hosts oom-kill-disable disable-content-trust http-proxy
 rootfs tls-verify help debug remote syslog experimental tls tlsverify no-hostname env-host
-all ignore latest
 """)
 _LAUNCHER = re.compile(r"vllm|vkvagent|python(\d+(\.\d+)?)?")  # what starts vLLM outside one
 # What an engine runs that is no `run`: vkvagent can watch and restart it, not rewrite it.
@@ -117,17 +117,21 @@ class Container:
         return int(pid) if done.returncode == 0 and pid.isdigit() and int(pid) > 0 else None
 
 
-def engine_version(argv: Sequence[str], timeout: float = 10.0) -> str | None:
+def engine_version(argv: Sequence[str]) -> str | None:
     """The version of the container engine ``argv`` runs (``ENGINE --version``: "podman
     version 4.3.1"); None when ``argv`` runs none or the engine does not say."""
     start = _engine_at(argv)
-    if start is None:
-        return None
+    return None if start is None else _version(tuple(argv[: start + 1]))
+
+
+@functools.lru_cache(maxsize=8)
+def _version(program: tuple[str, ...]) -> str | None:
+    """Asked once a process: the daemon plans flags on every tick, and an engine's version
+    changes only with its package."""
     try:
         done = subprocess.run(
-            [*argv[: start + 1], "--version"],
-            check=False, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
+            [*program, "--version"], check=False, capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     found = re.search(r"version (\d+(\.\d+)+)", done.stdout)
@@ -172,9 +176,12 @@ def _run(argv: tuple[str, ...], start: int, engine: str) -> Container:
     return Container(engine, start, image, tuple(options), globals_end)
 
 
-# What `ENGINE stop` and `ENGINE kill` take before the container's name.
+# What `ENGINE stop` and `ENGINE kill` take, before or after the container's name.
 _STOP_VALUE = _words("time timeout signal cidfile filter")
 _STOP_SHORT_VALUE = frozenset("ts")
+_STOP_BOOLEANS = _words("all ignore latest")
+_STOP_SHORT_BOOLEANS = frozenset("ail")
+_KILL_SIGNALS = ("KILL", "SIGKILL", "9")
 DEFAULT_STOP_TIMEOUT = 10  # podman's and Docker's, unless `run --stop-timeout` says otherwise
 
 
@@ -198,13 +205,17 @@ def stop_grace(run: Container, stops: Sequence[Sequence[str]]) -> tuple[int, str
                 i += 1
             command = argv[i] if i < len(argv) else ""
             options: list[tuple[str, str | None]] = []
-            if command in ("stop", "kill"):
-                _options(argv, i + 1, _STOP_VALUE, _STOP_SHORT_VALUE, engine, options)
+            while command in ("stop", "kill") and i + 1 < len(argv):  # names, options between
+                i = _options(
+                    argv, i + 1, _STOP_VALUE, _STOP_SHORT_VALUE, engine, options,
+                    _STOP_BOOLEANS, _STOP_SHORT_BOOLEANS,
+                )  # fmt: skip
         except ContainerError:
             continue
         said = " ".join((engine, *argv[start + 1 :]))
-        if command == "kill":
-            found.append((0, said))
+        signals = [v for n, v in options if n in ("s", "signal") and v is not None]
+        if command == "kill" and (not signals or signals[-1].upper() in _KILL_SIGNALS):
+            found.append((0, said))  # another signal is no stop: systemd's own follows
         elif command == "stop":
             given = [v for n, v in options if n in ("t", "time", "timeout") and v is not None]
             default = run.option("stop-timeout") or str(DEFAULT_STOP_TIMEOUT)
@@ -221,6 +232,8 @@ def _options(
     short_values: frozenset[str],
     engine: str,
     out: list[tuple[str, str | None]],
+    booleans: frozenset[str] = _BOOLEANS,
+    short_booleans: frozenset[str] = _SHORT_BOOLEANS,
 ) -> int:
     """Read options from ``argv[i]`` on into ``out``; the index of the first other token."""
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
@@ -236,7 +249,7 @@ def _options(
                     raise ContainerError(f"{engine}: {token} needs a value")
                 out.append((name, argv[i + 1]))
                 i += 1
-            elif name in _BOOLEANS:
+            elif name in booleans:
                 out.append((name, None))
             else:
                 raise ContainerError(_unknown(engine, token))
@@ -251,7 +264,7 @@ def _options(
                     else:
                         raise ContainerError(f"{engine}: {token} needs a value")
                     break
-                if letter not in _SHORT_BOOLEANS:
+                if letter not in short_booleans:
                     raise ContainerError(_unknown(engine, token))
                 out.append((letter, None))
         i += 1

@@ -31,7 +31,7 @@ import sdnotify
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from vkvagent import __version__, apikey, config, controls, fleet, status, unitlog
-from vkvagent.actuator import STOP_MARGIN, Actuator, ActuatorError, Outcome, Plan
+from vkvagent.actuator import DRAIN_FLAG, STOP_MARGIN, Actuator, ActuatorError, Outcome, Plan
 from vkvagent.apikey import KeyFileError
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
@@ -55,7 +55,6 @@ from vkvagent.vllm import VllmClient
 
 STATE_FILE = "engine.json"
 RESTART_KINDS = ("restart", "apply", "rollback")
-DRAIN_FLAG = "shutdown-timeout"  # what actuator.drain_flags adds
 JOURNAL_LAG = 30.0  # seconds journald may take to hold a dead process's last lines
 HISTORY_PRUNE_EVERY = 3600.0
 # engine.json is rewritten (and fsynced) at most this often, and after every action: a crash
@@ -185,7 +184,7 @@ class Parts:
         [vllm.flags] sets them itself: never part of the flag set a change is judged by."""
         if not self.config.restart.graceful_shutdown:
             return frozenset()
-        return frozenset({DRAIN_FLAG}) - set(self.config.vllm.flags)
+        return frozenset({DRAIN_FLAG.name}) - set(self.config.vllm.flags)
 
     def replan(self) -> None:
         """Forget the plan: an action may have changed the unit's command line."""
@@ -255,6 +254,7 @@ class Daemon:
         self._saved_at = -math.inf
         self.last: Decision | None = None
         self._unit_seen: UnitFacts | None = None  # the unit as the last sample saw it
+        self._active_run = ""  # the invocation last seen active: its stop is an exit
         # Why vLLM is down, read from the journal per state of the unit (_why_down): (the
         # unit's state, who stopped it, vLLM's own error line, when first read, monotonic).
         self._down_read: tuple[tuple[Any, ...], str, str, float] | None = None
@@ -529,6 +529,8 @@ class Daemon:
         before, now = self._unit_seen, sample.unit
         if now is not None:
             self._unit_seen = now
+            if now.active_state == "active":
+                self._active_run = now.invocation_id
         if before is None or now is None:
             return
         unit = self.parts.config.vllm.unit
@@ -551,10 +553,11 @@ class Daemon:
                 stopped_by=None,
                 **fields,
             )
-        # From active, or from a stop a tick caught half-way (vLLM's shutdown takes seconds).
-        elif now.active_state in ("failed", "inactive") and before.active_state in (
-            "active",
-            "deactivating",
+        # From active, or from the stop of an active run that a tick caught half-way (vLLM's
+        # shutdown takes seconds); not a start that failed.
+        elif now.active_state in ("failed", "inactive") and (
+            before.active_state == "active"
+            or (before.active_state == "deactivating" and before.invocation_id == self._active_run)
         ):
             stopped = down.get("stopped", "")
             if stopped:
@@ -580,6 +583,7 @@ class Daemon:
         last lines yet; a clean stop has none, and is not read again every tick)."""
         unit = sample.unit
         if unit is None or (sample.vllm is not None and unit.active_state == "active"):
+            self._down_read = None  # the next outage reads afresh, if in the same state
             return {}
         key = (unit.active_state, unit.sub_state, unit.invocation_id, unit.n_restarts)
         read = self._down_read

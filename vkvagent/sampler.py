@@ -77,13 +77,16 @@ class Sampler:
 
 
 def unit_facts(
-    state: UnitState, cgroup_root: str | Path = CGROUP_ROOT, group: str = ""
+    state: UnitState, cgroup_root: str | Path = CGROUP_ROOT, group: str | None = ""
 ) -> UnitFacts:
     """The facts of ``state``, with the anon memory read from the unit's cgroup under
     ``cgroup_root`` (a file read, no D-Bus), or from ``group`` when vLLM's container lives
-    in a cgroup of its own (MemoryGroup): its charge and limit then too."""
+    in a cgroup of its own (MemoryGroup): its charge and limit then too. ``group`` None:
+    where vLLM's memory is is not known yet, and none is reported."""
     memory, limit = state.memory_current, state.memory_max
-    if group and group != state.control_group:
+    if group is None:
+        memory, limit = None, None
+    elif group and group != state.control_group:
         memory, limit = read_memory(group, cgroup_root)
     return UnitFacts(
         state.active_state,
@@ -92,7 +95,7 @@ def unit_facts(
         state.main_pid,
         memory,
         state.n_restarts,
-        read_anon(group or state.control_group, cgroup_root),
+        None if group is None else read_anon(group or state.control_group, cgroup_root),
         state.active_enter_timestamp / 1e6 if state.active_enter_timestamp else None,
         limit,
         state.restart_policy,
@@ -106,8 +109,10 @@ class MemoryGroup:
     container in a cgroup of its own (Docker's ``docker-ID.scope``, podman's
     ``libpod-ID.scope`` without ``--cgroups=split``), where the unit's memory is only the
     engine's client. The engine is asked where the container's first process is
-    (``ENGINE inspect``) once per start of the unit, and, until it answers, at most every
-    ``RETRY`` seconds; a unit that runs no container is never asked about."""
+    (``ENGINE inspect`` of its ``--name``) once per start of the unit, and, until it answers,
+    at most every ``RETRY`` seconds, the memory unknown meanwhile: the client's few MB, then
+    vLLM's GBs, would read as growth. A unit that runs no container, or one without a name to
+    ask about, is the unit's cgroup."""
 
     RETRY = 30.0
     ASK_TIMEOUT = 3.0  # the tick waits for the engine's answer: a hung dockerd costs this
@@ -117,36 +122,35 @@ class MemoryGroup:
         self._known: tuple[str, str] | None = None  # (invocation, cgroup)
         self._asked: tuple[str, float] = ("", 0.0)  # (invocation, when)
 
-    def of(self, state: UnitState, mono: float) -> str:
+    def of(self, state: UnitState, mono: float) -> str | None:
+        """The cgroup to read; None while the engine has not said where the container is."""
         unit, invocation = state.control_group, state.invocation_id
         if not unit or not state.exec_start:
             return unit
         if self._known is not None and self._known[0] == invocation:
             return self._known[1]
         if self._asked[0] == invocation and mono - self._asked[1] < self.RETRY:
-            return unit
+            return None
         self._asked = (invocation, mono)
         found = self._find(state)
-        if found:
+        if found is not None:
             self._known = (invocation, found)
-        return found or unit
+        return found
 
-    def _find(self, state: UnitState) -> str:
-        """The cgroup vLLM's container is in; "" while the engine cannot say."""
-        argv = state.exec_start[0].argv
+    def _find(self, state: UnitState) -> str | None:
+        argv = state.exec_start[-1].argv
         try:
             engine = container.find(argv)
         except container.ContainerError:  # plan and apply say why; the unit's memory here
             engine = None
-        if engine is None:
+        if engine is None or not engine.option("name"):
             return state.control_group
         pid = engine.main_pid(argv, timeout=self.ASK_TIMEOUT)
-        if pid is None:
-            return ""
         try:
-            paths = systemd_paths((self.proc / str(pid) / "cgroup").read_text("utf-8", "replace"))
+            text = (self.proc / str(pid) / "cgroup").read_text("utf-8", "replace") if pid else ""
         except OSError:
-            return ""
+            text = ""
+        paths = systemd_paths(text)
         if not paths:
-            return ""
+            return None
         return state.control_group if below(paths[0], state.control_group) else paths[0]
