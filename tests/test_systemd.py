@@ -508,3 +508,20 @@ def test_the_units_own_output_is_read_back_from_the_real_journal(sandbox: Sandbo
     assert past_first == ["before", *lines] and first != second
     assert reason == "ValueError: two"
     assert all(line not in other for line in lines)  # another unit's lines are not its
+
+
+def test_a_reload_waits_for_systemd_longer_than_other_calls(sandbox: Sandbox) -> None:
+    """A reload runs every generator and re-reads every unit; systemctl waits 180 s for it.
+    With a generator that takes 2 s, a client whose calls wait 1 s still sees it through; and
+    a call that waits no longer than its own bound still times out."""
+    generator = sandbox.root / "etc/systemd/system-generators/slow-generator"
+    generator.parent.mkdir(parents=True, exist_ok=True)
+    generator.write_text("#!/bin/sh\nsleep 2\n")
+    generator.chmod(0o755)
+    with Systemd(sandbox.bus_address, timeout=1) as impatient:
+        began = time.monotonic()
+        impatient.reload()
+        assert time.monotonic() - began >= 2
+        with pytest.raises(SystemdError) as raised:
+            impatient.reload(timeout=0.5)
+        assert raised.value.reason == TIMEOUT

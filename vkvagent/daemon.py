@@ -50,7 +50,7 @@ from vkvagent.ledger import Ledger, LedgerError
 from vkvagent.probe import Prober, ProbeResult
 from vkvagent.reconcile import FlagState, change_of, flags_key
 from vkvagent.sampler import Sampler
-from vkvagent.systemd import Systemd, SystemdError
+from vkvagent.systemd import RELOAD_TIMEOUT, Systemd, SystemdError
 from vkvagent.vllm import VllmClient
 
 STATE_FILE = "engine.json"
@@ -152,10 +152,12 @@ class Parts:
     @property
     def action_seconds(self) -> float:
         """The longest a restart may take, all of its timeouts added (vLLM drains once: by
-        itself during the stop, or in a wait for a quiet moment before it)."""
+        itself during the stop, or in a wait for a quiet moment before it; a flag change
+        reloads systemd twice when it is rolled back)."""
         r = self.config.restart
         hooks = r.hook_timeout * (bool(r.pre_stop) + bool(r.post_ready))
-        return hooks + r.drain_timeout + STOP_MARGIN + r.job_timeout + r.ready_timeout + 60.0
+        waits = r.drain_timeout + STOP_MARGIN + r.job_timeout + r.ready_timeout
+        return hooks + waits + 2 * RELOAD_TIMEOUT + 60.0
 
     def flag_plan(self, vllm_version: str | None, invocation: str | None) -> Plan | str | None:
         """The change [vllm.flags] asks for, planned against the unit once per config, vLLM

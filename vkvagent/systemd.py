@@ -39,6 +39,9 @@ UNAVAILABLE = "unavailable"
 ACCESS_DENIED = "access-denied"
 NO_SUCH_UNIT = "no-such-unit"
 TIMEOUT = "timeout"
+# systemctl daemon-reload's own bound: twice DefaultTimeoutSec, so that the generators a reload
+# runs have their 90 s. A reload took over 25 s (the bound of other calls) on a loaded host.
+RELOAD_TIMEOUT = 180.0
 ERROR = "error"
 
 _REASON_TEXT = {
@@ -235,7 +238,7 @@ class Systemd:
             else None,
         )
 
-    def reload(self, timeout: float | None = None) -> None:
+    def reload(self, timeout: float = RELOAD_TIMEOUT) -> None:
         """Reload every unit file (``systemctl daemon-reload``); returns once systemd has."""
         self._call("reload", None, _manager("Reload"), timeout)
 
