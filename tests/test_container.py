@@ -137,6 +137,11 @@ def test_an_image_that_looks_like_a_flag_value_is_read_as_the_engine_reads_it() 
         ([["/usr/bin/podman", "stop", "-t", "90", "vllm"], ["/usr/bin/podman", "rm", "vllm"]], 90),
         ([["/usr/bin/podman", "stop", "-t", "-1", "vllm"]], None),  # waits for ever
         ([["/bin/kill", "-TERM", "$MAINPID"]], None),  # systemd's stop, not the engine's
+        # Quadlet's ExecStop (podman 5.4): rm -f stops with the container's stop timeout.
+        ([["/usr/bin/podman", "rm", "-v", "-f", "-i", "--cidfile=/run/vllm.cid"]], 10),
+        ([["/usr/bin/podman", "rm", "--force", "--time", "45", "vllm"]], 45),
+        ([["/usr/bin/podman", "rm", "vllm"]], None),  # refused while it runs: no stop
+        ([["/usr/bin/docker", "rm", "-f", "vllm"]], 0),  # Docker's rm -f kills
         ([], None),
     ],
 )
@@ -146,7 +151,7 @@ def test_how_long_execstop_lets_vllm_drain(stops: list[list[str]], grace: int | 
     found = container.stop_grace(run, stops)
     assert (found[0] if found else None) == grace
     if found:
-        assert found[1].startswith(("podman ", "docker ")) and " vllm" in found[1]
+        assert found[1].startswith(("podman ", "docker ")) and "vllm" in found[1]
 
 
 def test_without_a_stop_timeout_execstop_gets_the_one_the_container_was_run_with() -> None:

@@ -176,11 +176,11 @@ def _run(argv: tuple[str, ...], start: int, engine: str) -> Container:
     return Container(engine, start, image, tuple(options), globals_end)
 
 
-# What `ENGINE stop` and `ENGINE kill` take, before or after the container's name.
+# What `ENGINE stop`, `kill` and `rm` take, before or after the container's name.
 _STOP_VALUE = _words("time timeout signal cidfile filter")
 _STOP_SHORT_VALUE = frozenset("ts")
-_STOP_BOOLEANS = _words("all ignore latest")
-_STOP_SHORT_BOOLEANS = frozenset("ail")
+_STOP_BOOLEANS = _words("all ignore latest force volumes depend")
+_STOP_SHORT_BOOLEANS = frozenset("ailfv")
 _KILL_SIGNALS = ("KILL", "SIGKILL", "9")
 DEFAULT_STOP_TIMEOUT = 10  # podman's and Docker's, unless `run --stop-timeout` says otherwise
 
@@ -188,10 +188,10 @@ DEFAULT_STOP_TIMEOUT = 10  # podman's and Docker's, unless `run --stop-timeout` 
 def stop_grace(run: Container, stops: Sequence[Sequence[str]]) -> tuple[int, str] | None:
     """How long the unit's ``ExecStop=`` commands let vLLM's container run after its stop
     signal before the engine kills it, and the command that says so: ``ENGINE stop -t N``
-    (without ``-t``, the run line's ``--stop-timeout`` or the engine's 10 s), ``ENGINE kill``
-    (0 s). None when no ExecStop= stops the container through an engine: then systemd's own
-    stop (SIGTERM to ``ENGINE run``, passed on to the container) and TimeoutStopSec= decide.
-    """
+    and ``podman rm -f -t N`` (Quadlet's ExecStop; without ``-t``, the run line's
+    ``--stop-timeout`` or the engine's 10 s), ``ENGINE kill`` and ``docker rm -f`` (0 s).
+    None when no ExecStop= stops the container through an engine: then systemd's own stop
+    (SIGTERM to ``ENGINE run``, passed on to the container) and TimeoutStopSec= decide."""
     found: list[tuple[int, str]] = []
     for stop in stops:
         argv = tuple(stop)
@@ -205,7 +205,7 @@ def stop_grace(run: Container, stops: Sequence[Sequence[str]]) -> tuple[int, str
                 i += 1
             command = argv[i] if i < len(argv) else ""
             options: list[tuple[str, str | None]] = []
-            while command in ("stop", "kill") and i + 1 < len(argv):  # names, options between
+            while command in ("stop", "kill", "rm") and i + 1 < len(argv):  # names, options
                 i = _options(
                     argv, i + 1, _STOP_VALUE, _STOP_SHORT_VALUE, engine, options,
                     _STOP_BOOLEANS, _STOP_SHORT_BOOLEANS,
@@ -214,9 +214,12 @@ def stop_grace(run: Container, stops: Sequence[Sequence[str]]) -> tuple[int, str
             continue
         said = " ".join((engine, *argv[start + 1 :]))
         signals = [v for n, v in options if n in ("s", "signal") and v is not None]
+        forced = any(n in ("f", "force") for n, _v in options)  # rm without it stops nothing
         if command == "kill" and (not signals or signals[-1].upper() in _KILL_SIGNALS):
             found.append((0, said))  # another signal is no stop: systemd's own follows
-        elif command == "stop":
+        elif command == "rm" and forced and engine != "podman":
+            found.append((0, said))  # docker's and nerdctl's rm -f kill
+        elif command == "stop" or (command == "rm" and forced):
             given = [v for n, v in options if n in ("t", "time", "timeout") and v is not None]
             default = run.option("stop-timeout") or str(DEFAULT_STOP_TIMEOUT)
             seconds = given[-1] if given else default
