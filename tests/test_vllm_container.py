@@ -179,7 +179,7 @@ def test_a_restart_drains_the_streams_in_flight_through_podman(box: Sandbox) -> 
             box, clients=3
         )
         stop = stop_requested(box)
-        if under_way_at_the_stop(streams, young, stop):
+        if under_way_at_the_stop(streams, young, stop, costs):
             break
     print(f"\nthe real vLLM in podman, a restart under 3 streaming clients: "
           f"{json.dumps(costs)}; clients: {streams.outcomes()}")  # fmt: skip

@@ -52,9 +52,9 @@ from tests.test_advice import sandbox_status
 from tests.test_daemon_systemd import AGENT, agent_unit, events, wait_event
 from vkvagent.engine.baseline import WindowStats, window_stats
 from vkvagent.engine.diagnosis import DiagnosisSettings, mix_change
-from vkvagent.engine.rates import quantile
 from vkvagent.engine.samples import Histogram, VllmMetrics
-from vkvagent.engine.slo import bracket, difference
+from vkvagent.engine.slo import bracket, difference, share_within
+from vkvagent.ledger import Action
 from vkvagent.vllm_metrics import Normaliser
 
 pytestmark = [pytest.mark.vllm, pytest.mark.systemd]
@@ -82,6 +82,11 @@ RENDERED = (
 def apply(box: Sandbox, flags: dict[str, object]) -> subprocess.CompletedProcess[str]:
     write_config(box, flags, timeout=START_TIMEOUT)
     return vkvagent(box, "apply", "--now", timeout=COMMAND_TIMEOUT)
+
+
+def step_times(action: Action) -> str:
+    """Each step of a ledger action, seconds from the action's start."""
+    return ", ".join(f"{s.step} {s.state} {s.at - action.started:.2f}" for s in action.steps)
 
 
 def models(box: Sandbox) -> dict[str, Any]:
@@ -169,37 +174,43 @@ def test_a_flag_the_model_cannot_take_is_rolled_back_with_vllms_own_words(
 # -- 3. a restart under traffic, and the time vkvagent adds ------------------------------------
 
 
+def five_more(traffic: Traffic, when: str) -> None:
+    served = traffic.count("ok")
+    wait_until(lambda: traffic.count("ok") >= served + 5, 60, f"completions {when}")
+
+
 def test_restart_under_client_traffic_and_the_time_vkvagent_adds(vllm_box: Sandbox) -> None:
     """vkvagent's share of a restart (everything before systemd's job) against vLLM's own
     start (the job to ready), in the same run; how late vkvagent notices ready (the journal's
-    "Application startup complete." to the ledger's ready step)."""
+    "Application startup complete." to the ledger's ready step). A host that stalls for tens
+    of seconds (seen once in CI, its steps unrecorded) is told from vkvagent waiting by a
+    second restart: vkvagent's own waits would recur."""
     write_config(vllm_box, {**FLAGS, "enable-prefix-caching": True}, timeout=START_TIMEOUT)
     with Traffic(vllm_box, clients=2) as traffic:
-        wait_until(lambda: traffic.count("ok") >= 5, 60, "completions before the restart")
-        restarted = vkvagent(vllm_box, "restart", "--reason", "test", timeout=COMMAND_TIMEOUT)
-        served_before = traffic.count("ok")
-        wait_until(
-            lambda: traffic.count("ok") >= served_before + 5, 60, "completions after the restart"
-        )
-    assert restarted.returncode == 0, output(restarted)
-    timing = TIMING.search(restarted.stdout)
-    assert timing, restarted.stdout
-    service, own = float(timing.group(1)), float(timing.group(2))
-    after = unit(vllm_box)
-    action = actions(vllm_box)[-1]
-    assert (action.kind, action.outcome) == ("restart", "done")
-    ready = next(s.at for s in action.steps if (s.step, s.state) == ("ready", "done"))
-    noticed = ready - startup_complete(vllm_box, after.invocation_id)
-    print(
-        f"\nreal vLLM {VERSION} restart under traffic: vLLM's own start {service:.1f} s, "
-        f"vkvagent's own {own:.2f} s, ready noticed {noticed:.2f} s after vLLM said so; "
-        f"clients: {dict(sorted(traffic.outcomes.items()))}"
-    )
+        for _attempt in range(2):
+            five_more(traffic, "before the restart")
+            restarted = vkvagent(vllm_box, "restart", "--reason", "test", timeout=COMMAND_TIMEOUT)
+            assert restarted.returncode == 0, output(restarted)
+            timing = TIMING.search(restarted.stdout)
+            assert timing, restarted.stdout
+            service, own = float(timing.group(1)), float(timing.group(2))
+            after = unit(vllm_box)
+            action = actions(vllm_box)[-1]
+            assert (action.kind, action.outcome) == ("restart", "done")
+            ready = next(s.at for s in action.steps if (s.step, s.state) == ("ready", "done"))
+            noticed = ready - startup_complete(vllm_box, after.invocation_id)
+            print(
+                f"\nreal vLLM {VERSION} restart under traffic: vLLM's own start {service:.1f} s, "
+                f"vkvagent's own {own:.2f} s, ready noticed {noticed:.2f} s after vLLM said so; "
+                f"clients: {dict(sorted(traffic.outcomes.items()))}; steps: {step_times(action)}"
+            )
+            if own < 5.0:
+                break
+        five_more(traffic, "after the restart")
     # The figures are bench/restart.py's to measure (target: vkvagent's own at most 1 s);
     # here, only that nothing waits where it should not.
-    assert own < 5.0
+    assert own < 5.0, step_times(action)
     assert 0 <= noticed < 5.0
-    assert traffic.count("ok") >= 10
 
 
 # -- 4. a crashed engine: systemd's Restart= brings vLLM back, vkvagent only reports -----------
@@ -359,34 +370,37 @@ def slo_attainment(box: Sandbox, objective: str) -> float | None:
     return None
 
 
-def first_tokens_under_load(box: Sandbox, seconds: float, clients: int = 8) -> list[float]:
-    """Each client's first-token times (``first_token_after``) over ``seconds`` of streaming
-    completions, one after another."""
+def first_tokens_under_load(box: Sandbox, seconds: float) -> list[float]:
+    """The clients' first-token times (``first_token_after``) over ``seconds`` of streaming
+    completions, each client's one after another: 2 clients for the first 40 %, then 16 (four
+    times the unit's 4 sequences). vLLM's first tokens come after its prefill alone, then
+    after a queue as well: two groups, buckets apart on any machine."""
     measured: list[float] = []
     lock = threading.Lock()
 
-    def client() -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+    def client(until: float) -> None:
+        while time.monotonic() < until:
             found = first_token_after(box, 24)
             with lock:
                 measured.append(found)
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    for share, clients in ((0.4, 2), (0.6, 16)):
+        until = time.monotonic() + share * seconds
+        threads = [threading.Thread(target=client, args=(until,)) for _ in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     return measured
 
 
 def test_the_daemons_ttft_attainment_is_what_the_clients_measured(vllm_box: Sandbox) -> None:
-    """[slo] ttft_seconds at the bound of vLLM's TTFT buckets nearest its own median under
-    this load: long prompts from twice as many streaming clients as the unit's 4 sequences
-    (the test before set them), so that TTFT is mostly vLLM's prefill and queue. The
-    daemon's attainment over the loaded run, from vLLM's histogram, is the share of the
-    clients' own first tokens that came within the target, give or take the share that fell
-    in the bucket holding it (the histogram's resolution)."""
+    """[slo] ttft_seconds at the bound of vLLM's TTFT buckets that held nearest half of its
+    first tokens under this load (``first_tokens_under_load``, on the unit's 4 sequences that
+    the test before set), so that the share within it is neither 0 nor 1. The daemon's
+    attainment over the loaded run, from vLLM's histogram, is the share of the clients' own
+    first tokens that came within the target, give or take the share that fell in the bucket
+    holding it (the histogram's resolution)."""
 
     def ttft() -> Histogram:
         status, page = vllm_box.http_get(8000, "/metrics")
@@ -397,12 +411,11 @@ def test_the_daemons_ttft_attainment_is_what_the_clients_measured(vllm_box: Sand
     before = ttft()
     first_tokens_under_load(vllm_box, 15)
     warm = difference(ttft(), before)
-    median = quantile(0.5, warm)
-    assert warm is not None and median is not None
-    # vLLM's own median, not the clients' (theirs adds HTTP and streaming), so that the
+    assert warm is not None and warm.count > 0
+    # vLLM's own buckets, not the clients' times (theirs add HTTP and streaming), so that the
     # daemon's figure is neither 0 nor 1 and the comparison can fail.
     bounds = warm.bounds[:-1]
-    target = min(bounds, key=lambda b: abs(math.log(b / median)))
+    target = min(bounds, key=lambda b: abs(share_within(warm, b) / warm.count - 0.5))
     config = DAEMON_CONFIG.format(timeout=START_TIMEOUT) + (
         f"[probe]\nenabled = false\n[slo]\navailability = 0.999\nttft_seconds = {target}\n"
     )
@@ -421,7 +434,7 @@ def test_the_daemons_ttft_attainment_is_what_the_clients_measured(vllm_box: Sand
     within = sum(t <= target for t in measured) / len(measured)
     in_bucket = sum(lower < t <= upper for t in measured) / len(measured)
     print(
-        f"\nreal vLLM {VERSION}: {len(measured)} streamed requests from 8 clients, TTFT "
+        f"\nreal vLLM {VERSION}: {len(measured)} streamed requests from 2, then 16 clients, TTFT "
         f"target {target} s (bucket {lower}-{upper} s holds {in_bucket:.3f} of them); "
         f"the clients measured {within:.3f} within it, the daemon {found:.3f}"
     )
