@@ -146,7 +146,8 @@ def test_engine_sections_mirror_the_engine_settings_key_for_key(name: str, engin
     keys = {f.name: f.default for f in dataclasses.fields(section)}
     wanted = {f.name: f.default for f in dataclasses.fields(engine)}
     if name == "policy":  # the drain belongs to [restart], which the actuator reads too
-        assert wanted.pop("drain_max_in_flight") == Config().restart.drain_max_in_flight
+        for key in ("drain_max_in_flight", "drain_timeout"):
+            assert wanted.pop(key) == getattr(Config().restart, key)
         # A crash loop's thresholds are the operator's policy, and liveness's to apply.
         for key in ("crash_loop_exits", "crash_loop_window"):
             assert keys.pop(key) == getattr(LivenessSettings(), key)

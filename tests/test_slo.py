@@ -10,6 +10,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from tests.conftest import window_stats
+from vkvagent.config import Config, RestartConfig
 from vkvagent.engine import (
     EngineState,
     Histogram,
@@ -21,6 +23,7 @@ from vkvagent.engine import (
     VllmMetrics,
     decide,
 )
+from vkvagent.engine.baseline import WindowStats
 from vkvagent.engine.policy import Controls, TrafficProfile, evaluate, rate_bin
 from vkvagent.engine.rates import quantile
 from vkvagent.engine.slo import (
@@ -34,6 +37,7 @@ from vkvagent.engine.slo import (
     difference,
     share_within,
 )
+from vkvagent.engine.tick import _budget
 
 BOUNDS = (0.1, 0.5, 1.0, 2.5, math.inf)
 SLO = SloSettings(availability=0.999, ttft_seconds=2.0, itl_seconds=0.1)
@@ -381,3 +385,18 @@ def test_a_wall_clock_set_back_far_does_not_blind_the_tallies() -> None:
         SloState.from_json({**data, "counted": float("nan")})
     with pytest.raises(ValueError, match=r"^slo state: "):
         SloState.from_json({**data, "rings": [{"1": [1, 1, 0, 0, float("inf"), 0]}, {}, {}]})
+
+
+def test_a_restart_is_priced_with_the_drain_the_operator_allows() -> None:
+    """A drain refuses new requests until the longest in flight is done: about twice the mean
+    answer at this ITL, and at most [restart] drain_timeout, which the engine is given."""
+    slow = window_stats(itl=1.0)  # 209-token answers at 1 s a token: 418 s to drain
+
+    def outage(stats: WindowStats, drain_timeout: float) -> float:
+        settings = Settings(policy=PolicySettings(drain_timeout=drain_timeout))
+        return _budget(settings, EngineState(), stats, T0).outage
+
+    assert outage(slow, 120.0) - outage(slow, 30.0) == 90.0
+    assert outage(window_stats(), 120.0) == outage(window_stats(), 30.0)  # 9.4 s either way
+    restart = replace(RestartConfig(), drain_timeout=30.0)
+    assert replace(Config(), restart=restart).engine_settings().policy.drain_timeout == 30.0

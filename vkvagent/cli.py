@@ -978,7 +978,7 @@ def _apply(args: argparse.Namespace, out: TextIO) -> int:
     settings = config.load(args.config)
     actuator = _actuator(settings, sys.stderr)
     if args.at_next_window:
-        wait_for_window(settings.policy.settings(settings.restart.drain_max_in_flight), out)
+        wait_for_window(settings.policy.settings(settings.restart), out)
     with actuator.exclusive():
         _recovered(actuator, out)
         plan = _plan_for(actuator, settings)

@@ -621,13 +621,16 @@ class PolicyConfig:
         min=60, max=WEEK,
     )  # fmt: skip
 
-    def settings(self, drain_max_in_flight: int = 0) -> PolicySettings:
-        """The engine's settings (the drain comes from [restart]); ValueError when keys
+    def settings(self, restart: RestartConfig | None = None) -> PolicySettings:
+        """The engine's settings (the drain's from [restart]); ValueError when keys
         contradict each other."""
         values = _values(self)
         for name in ("crash_loop_exits", "crash_loop_window"):  # liveness's (engine_settings)
             del values[name]
-        return PolicySettings(**values, drain_max_in_flight=drain_max_in_flight)
+        r = restart or RestartConfig()
+        return PolicySettings(
+            **values, drain_max_in_flight=r.drain_max_in_flight, drain_timeout=r.drain_timeout
+        )
 
 
 def _values(section: Any) -> dict[str, Any]:
@@ -796,7 +799,7 @@ class Config:
     def engine_settings(self, mode: str | None = None) -> Settings:
         """The engine's settings from this (loaded, hence valid) configuration; ``mode``
         overrides ``policy.mode``."""
-        rules = self.policy.settings(self.restart.drain_max_in_flight)
+        rules = self.policy.settings(self.restart)
         if mode is not None:
             rules = dataclasses.replace(rules, mode=mode)
         probe_after = self.probe.after if self.probe.enabled else 0.0
@@ -912,7 +915,7 @@ def _engine_problems(built: Config, origins: Mapping[tuple[str, ...], str]) -> l
     parts: dict[str, Callable[[], object]] = {
         "baseline": built.baseline.settings,
         "diagnosis": built.diagnosis.settings,
-        "policy": lambda: built.policy.settings(built.restart.drain_max_in_flight),
+        "policy": lambda: built.policy.settings(built.restart),
         "slo": built.slo.settings,
         "fleet": built.fleet.check,
         "restart": built.restart.check,

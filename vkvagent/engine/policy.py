@@ -139,6 +139,7 @@ class PolicySettings:
     max_uptime: float = 0.0  # opt-in scheduled restart after this uptime; 0: never
     escalate_after: int = 2  # restarts in a row that did not help: stop until resumed
     drain_max_in_flight: int = 0  # handed to the actuator; emergencies skip the drain
+    drain_timeout: float = 120.0  # [restart]'s: the longest a drain refuses new requests
     # Whether a restart for anything but an emergency may go outside the windows: never (the
     # operator's windows hold), or "when_cheaper": when waiting for the next window costs more
     # than the restart (with an [slo], more latency budget than the availability budget it

@@ -867,9 +867,9 @@ def _budget(
     rate = stats.requests_per_s if stats is not None else None
     outage = state.plan.outage if state.plan is not None else DEFAULT_OUTAGE
     # A drain refuses new requests until the longest in flight is done: about twice the
-    # mean answer at this ITL, up to the drain's default limit.
+    # mean answer at this ITL, up to the drain's limit.
     if stats is not None and stats.output_per_request and stats.itl:
-        outage += min(DRAIN_LIMIT, 2 * stats.output_per_request * stats.itl)
+        outage += min(settings.policy.drain_timeout, 2 * stats.output_per_request * stats.itl)
     return Budget(
         settings.slo,
         state.slo,
@@ -877,9 +877,6 @@ def _budget(
         rate if rate is not None else _expected_rate(settings.policy, state, now),
         outage,
     )
-
-
-DRAIN_LIMIT = 120.0  # seconds: [restart] drain_timeout's default
 
 
 # The plan is made again every hour on the hour (evidence ages), and whenever the past runs
