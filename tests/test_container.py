@@ -3,6 +3,8 @@ flags rewritten after the image, and the lines that cannot be read refused in on
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from vkvagent import container
@@ -161,3 +163,19 @@ def test_without_a_stop_timeout_execstop_gets_the_one_the_container_was_run_with
         120,
         "docker stop vllm",
     )
+
+
+def test_the_unit_quadlet_generates_is_read_with_its_stop() -> None:
+    """The service podman 5.4.2's Quadlet writes for a .container with ``Exec=`` and
+    ``PodmanArgs=--stop-timeout 30`` (``quadlet -dryrun``, %t and %N resolved as systemd
+    shows them): vLLM's flags after the image, and podman's rm -f that stops it after 30 s."""
+    start = (
+        "/usr/bin/podman run --name vllm --cidfile=/run/vllm.cid --replace --rm --cgroups=split "
+        "--sdnotify=conmon -d --stop-timeout 30 localhost/vllm:test --model /models/m "
+        "--max-num-seqs 4"
+    )
+    stop = "/usr/bin/podman rm -v -f -i --cidfile=/run/vllm.cid"
+    run = container.find(shlex.split(start))
+    assert run is not None
+    assert shlex.split(start)[run.image + 1 :] == ["--model", "/models/m", "--max-num-seqs", "4"]
+    assert container.stop_grace(run, [shlex.split(stop)]) == (30, stop.replace("/usr/bin/", ""))
