@@ -233,7 +233,13 @@ def test_vllms_memory_is_read_from_its_containers_cgroup_when_the_engine_keeps_i
     split = replace(
         state, invocation_id="ef" * 16, exec_start=(ExecCommand(podman_run[0], podman_run, False),)
     )
-    assert groups.of(split, 300.0) == "/system.slice/vllm.service"
+    assert groups.of(split, 300.0) == "/system.slice/vllm.service" and asks() == 4
+    # Said on the command line (Quadlet writes --cgroups=split): nothing asked.
+    said = (*podman_run[:2], "--cgroups=split", *podman_run[2:])
+    quadlet = replace(
+        split, invocation_id="fe" * 16, exec_start=(ExecCommand(said[0], said, False),)
+    )
+    assert groups.of(quadlet, 320.0) == "/system.slice/vllm.service" and asks() == 4
     # A container without a name to ask about: the unit's cgroup, nothing asked.
     unnamed = tuple(word for word in run if word not in ("--name", "vllm"))
     anonymous = replace(

@@ -104,11 +104,17 @@ def unit_facts(
     )
 
 
+def _in_the_units_cgroup(run: container.Container) -> bool:
+    """podman keeps the container in (or below) the unit's cgroup with ``--cgroups=split``
+    (Quadlet's), ``disabled`` or ``no-conmon``: nothing to ask the engine."""
+    return run.engine == "podman" and run.option("cgroups") in ("split", "disabled", "no-conmon")
+
+
 class MemoryGroup:
     """The cgroup that holds vLLM's memory: the unit's, unless a container engine keeps the
     container in a cgroup of its own (Docker's ``docker-ID.scope``, podman's
-    ``libpod-ID.scope`` without ``--cgroups=split``), where the unit's memory is only the
-    engine's client. The engine is asked where the container's first process is
+    ``libpod-ID.scope`` unless ``--cgroups`` says otherwise), where the unit's memory is only
+    the engine's client. The engine is asked where the container's first process is
     (``ENGINE inspect`` of its ``--name``) once per start of the unit, and, until it answers,
     at most every ``RETRY`` seconds, the memory unknown meanwhile: the client's few MB, then
     vLLM's GBs, would read as growth. A unit that runs no container, or one without a name to
@@ -143,7 +149,7 @@ class MemoryGroup:
             engine = container.find(argv)
         except container.ContainerError:  # plan and apply say why; the unit's memory here
             engine = None
-        if engine is None or not engine.option("name"):
+        if engine is None or not engine.option("name") or _in_the_units_cgroup(engine):
             return state.control_group
         pid = engine.main_pid(argv, timeout=self.ASK_TIMEOUT)
         try:
