@@ -4,11 +4,17 @@ flags rewritten after the image, and the lines that cannot be read refused in on
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import pytest
 
 from vkvagent import container
+from vkvagent.actuator import Actuator, RestartSettings, engine_stop_too_short
+from vkvagent.dropin import DropinFile
 from vkvagent.flags import VllmCommandError, apply_flags, parse_command
+from vkvagent.ledger import Ledger
+from vkvagent.systemd import ExecCommand, Systemd, UnitState
+from vkvagent.vllm import VllmClient
 
 IMAGE = "vllm/vllm-openai:v0.11.0"
 PODMAN = [
@@ -144,6 +150,9 @@ def test_an_image_that_looks_like_a_flag_value_is_read_as_the_engine_reads_it() 
         ([["/usr/bin/podman", "rm", "--force", "--time", "45", "vllm"]], 45),
         ([["/usr/bin/podman", "rm", "vllm"]], None),  # refused while it runs: no stop
         ([["/usr/bin/docker", "rm", "-f", "vllm"]], 0),  # Docker's rm -f kills
+        ([["/usr/bin/podman", "rm", "--force=false", "vllm"]], None),
+        ([["/usr/bin/docker", "stop", "--signal=SIGKILL", "vllm"]], 0),
+        ([["/usr/bin/docker", "stop", "-s", "SIGTERM", "-t", "60", "vllm"]], 60),
         ([], None),
     ],
 )
@@ -179,3 +188,58 @@ def test_the_unit_quadlet_generates_is_read_with_its_stop() -> None:
     assert run is not None
     assert shlex.split(start)[run.image + 1 :] == ["--model", "/models/m", "--max-num-seqs", "4"]
     assert container.stop_grace(run, [shlex.split(stop)]) == (30, stop.replace("/usr/bin/", ""))
+
+
+def unit_with(start: str, stop: str) -> UnitState:
+    """An active vllm.service running ``start``, stopped by ``stop``."""
+    argv = tuple(shlex.split(start))
+    return UnitState(
+        "vllm.service", "loaded", "active", "running", "success", 41, "ab" * 16, 1, 0, 0,
+        (ExecCommand(argv[0], argv, False),), "/etc/systemd/system/vllm.service", (), 5,
+        10_000_000, "/system.slice/vllm.service", exec_stop=(tuple(shlex.split(stop)),),
+    )  # fmt: skip
+
+
+RUN = "/usr/bin/podman run --name vllm --cgroups=split IMAGE --model m"
+QUADLET_STOP = "/usr/bin/podman rm -v -f -i --cidfile=/run/vllm.cid"
+
+
+def test_an_execstop_too_short_for_the_drain_is_named_with_the_fix_its_engine_takes() -> None:
+    """engine_stop_too_short: a drain of 90 s needs 120 s before the engine kills vLLM. The
+    fix named is the one the ExecStop= takes: -t for stop; for Quadlet's podman rm -f, the
+    run's --stop-timeout; for docker rm -f, which kills at once, a stop before it."""
+
+    def said(start: str, stop: str) -> str:
+        return engine_stop_too_short(unit_with(start, stop), 90)
+
+    assert "give the engine's stop -t 120 or more" in said(RUN, "/usr/bin/podman stop vllm")
+    quadlet = said(RUN, QUADLET_STOP)
+    assert quadlet.startswith(f"ExecStop= `{QUADLET_STOP[9:]}` kills")
+    assert "--stop-timeout 120 or more (Quadlet: PodmanArgs=)" in quadlet
+    docker = said(RUN.replace("podman", "docker"), "/usr/bin/docker rm -f vllm")
+    assert "kills vLLM's container 0 s after" in docker
+    assert "stop the container with `docker stop -t 120` first" in docker
+    longer = RUN.replace("--cgroups", "--stop-timeout 120 --cgroups")
+    assert said(longer, "/usr/bin/podman rm -f vllm") == ""
+
+
+def test_plan_names_a_stop_too_short_while_vllms_version_is_not_known(tmp_path: Path) -> None:
+    """vLLM down (no version to read): plan says the drain is cut short, as config check
+    does; a version known to lack --shutdown-timeout, or graceful_shutdown off: nothing."""
+
+    class OneUnit(Systemd):  # the unit as systemd would show it; no bus needed
+        def unit(self, name: str) -> UnitState:
+            return unit_with(RUN, QUADLET_STOP)
+
+    def actuator(graceful: bool) -> Actuator:
+        return Actuator(
+            unit="vllm.service", systemd=OneUnit("unix:path=/nonexistent"),
+            ledger=Ledger(tmp_path), dropin=DropinFile("vllm.service", tmp_path, tmp_path),
+            probe=VllmClient("http://127.0.0.1:9"), state_dir=tmp_path,
+            settings=RestartSettings(drain_timeout=90, graceful_shutdown=graceful),
+        )  # fmt: skip
+
+    assert "kills vLLM's container 10 s after" in actuator(True).drain_cut_short(None)
+    assert "kills vLLM's container 10 s after" in actuator(True).drain_cut_short("0.32.0")
+    assert actuator(True).drain_cut_short("0.5.0") == ""  # no --shutdown-timeout to cut
+    assert actuator(False).drain_cut_short(None) == ""

@@ -299,8 +299,11 @@ class Actuator:
 
     def drain_cut_short(self, vllm_version: str | None) -> str:
         """Why a vLLM that could drain itself cannot in this unit's container
-        (``engine_stop_too_short``); "" when it can, or could not anyway."""
-        if not self._may_drain_itself(vllm_version):
+        (``engine_stop_too_short``); "" when it can, or could not anyway. A version not known
+        (vLLM down) is taken to have --shutdown-timeout, as `config check` takes it."""
+        if not self.settings.graceful_shutdown:
+            return ""
+        if vllm_version is not None and not self._may_drain_itself(vllm_version):
             return ""
         return engine_stop_too_short(self._unit(), math.ceil(self.settings.drain_timeout))
 
@@ -1196,13 +1199,19 @@ def engine_stop_too_short(state: UnitState, drain: int) -> str:
     except (ActuatorError, container.ContainerError):
         return ""
     grace = None if run is None or not drain else container.stop_grace(run, state.exec_stop)
-    if grace is None or grace[0] >= drain + STOP_MARGIN:
+    need = drain + STOP_MARGIN
+    if grace is None or grace[0] >= need:
         return ""
+    if " rm " not in f" {grace[1]} ":
+        fix = f"give the engine's stop -t {need} or more"
+    elif run is not None and run.engine == "podman":  # Quadlet's rm -f: the run's timeout
+        fix = f"run the container with --stop-timeout {need} or more (Quadlet: PodmanArgs=)"
+    else:
+        fix = f"stop the container with `{run.engine if run else 'ENGINE'} stop -t {need}` first"
     return (
         f"ExecStop= `{grace[1]}` kills vLLM's container {grace[0]} s after its stop signal, "
         f"before a drain of {drain} s and vLLM's teardown end: vkvagent drains by waiting for "
-        f"a quiet moment before the stop instead; give the engine's stop -t "
-        f"{drain + STOP_MARGIN} or more to let vLLM drain itself"
+        f"a quiet moment before the stop instead; {fix} to let vLLM drain itself"
     )
 
 

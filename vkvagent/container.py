@@ -214,9 +214,12 @@ def stop_grace(run: Container, stops: Sequence[Sequence[str]]) -> tuple[int, str
             continue
         said = " ".join((engine, *argv[start + 1 :]))
         signals = [v for n, v in options if n in ("s", "signal") and v is not None]
-        forced = any(n in ("f", "force") for n, _v in options)  # rm without it stops nothing
-        if command == "kill" and (not signals or signals[-1].upper() in _KILL_SIGNALS):
+        forced = any(n in ("f", "force") and v != "false" for n, v in options)  # else no stop
+        killing = not signals or signals[-1].upper() in _KILL_SIGNALS
+        if command == "kill" and killing:
             found.append((0, said))  # another signal is no stop: systemd's own follows
+        elif command == "stop" and signals and killing:
+            found.append((0, said))  # stop --signal=KILL: no grace
         elif command == "rm" and forced and engine != "podman":
             found.append((0, said))  # docker's and nerdctl's rm -f kill
         elif command == "stop" or (command == "rm" and forced):
