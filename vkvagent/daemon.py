@@ -152,12 +152,12 @@ class Parts:
     @property
     def action_seconds(self) -> float:
         """The longest a restart may take, all of its timeouts added (vLLM drains once: by
-        itself during the stop, or in a wait for a quiet moment before it; a flag change
-        reloads systemd twice when it is rolled back)."""
+        itself during the stop, or in a wait for a quiet moment before it; a flag change that
+        is rolled back reloads systemd and restarts vLLM twice)."""
         r = self.config.restart
         hooks = r.hook_timeout * (bool(r.pre_stop) + bool(r.post_ready))
-        waits = r.drain_timeout + STOP_MARGIN + r.job_timeout + r.ready_timeout
-        return hooks + waits + 2 * RELOAD_TIMEOUT + 60.0
+        starts = 2 * (RELOAD_TIMEOUT + r.job_timeout + r.ready_timeout)
+        return hooks + r.drain_timeout + STOP_MARGIN + starts + 60.0
 
     def flag_plan(self, vllm_version: str | None, invocation: str | None) -> Plan | str | None:
         """The change [vllm.flags] asks for, planned against the unit once per config, vLLM
