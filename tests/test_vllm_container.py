@@ -43,6 +43,7 @@ from tests.test_vllm_drain import (
     ASKED,
     GO,
     configure,
+    nothing_cut_off,
     restart_when_the_engine_holds_a_young_stream,
     stop_requested,
     under_way_at_the_stop,
@@ -179,6 +180,7 @@ def test_a_restart_drains_the_streams_in_flight_through_podman(box: Sandbox) -> 
             box, clients=3
         )
         stop = stop_requested(box)
+        nothing_cut_off(streams, young, costs, said)
         if under_way_at_the_stop(streams, young, stop, costs):
             break
     print(f"\nthe real vLLM in podman, a restart under 3 streaming clients: "

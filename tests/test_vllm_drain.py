@@ -148,9 +148,18 @@ def under_way_at_the_stop(
 ) -> bool:
     """The premise of a drain test: the young stream the restart was let go for was still
     under way when the stop was asked for, and vkvagent's look just before it counted at
-    least one request in flight."""
+    least one request in flight. An attempt that misses it is tried again only after
+    ``nothing_cut_off`` held for it: a retry never hides a stream cut short."""
     counted = costs["in_flight"] is not None and costs["in_flight"] >= 1
     return counted and any(s.started == young and s.ended > stop for s in streams.streams)
+
+
+def nothing_cut_off(streams: Streams, young: float, costs: dict[str, Any], said: str) -> None:
+    """What every drained attempt must show, its premise met or not: vkvagent counted nothing
+    cut off, and the young stream finished whole."""
+    assert costs["aborted"] == 0, said
+    held = [s.outcome for s in streams.streams if s.started == young]
+    assert held == ["ok"], streams.outcomes()
 
 
 def test_a_drained_restart_lets_the_streams_in_flight_finish(vllm_box: Sandbox) -> None:
@@ -180,6 +189,7 @@ def test_a_drained_restart_lets_the_streams_in_flight_finish(vllm_box: Sandbox) 
             f"release): {json.dumps(costs)}; clients: {streams.outcomes()}; in flight at the "
             f"stop (outcome, seconds under way): {begun}"
         )
+        nothing_cut_off(streams, young, costs, said)
         if under_way_at_the_stop(streams, young, stop, costs):
             break
     assert costs["drain_mode"] == "vllm", said

@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
-import math
 import shlex
 import subprocess
 import threading
@@ -53,7 +52,7 @@ from tests.test_daemon_systemd import AGENT, agent_unit, events, wait_event
 from vkvagent.engine.baseline import WindowStats, window_stats
 from vkvagent.engine.diagnosis import DiagnosisSettings, mix_change
 from vkvagent.engine.samples import Histogram, VllmMetrics
-from vkvagent.engine.slo import bracket, difference, share_within
+from vkvagent.engine.slo import difference, share_within
 from vkvagent.ledger import Action
 from vkvagent.vllm_metrics import Normaliser
 
@@ -399,8 +398,8 @@ def test_the_daemons_ttft_attainment_is_what_the_clients_measured(vllm_box: Sand
     first tokens under this load (``first_tokens_under_load``, on the unit's 4 sequences that
     the test before set), so that the share within it is neither 0 nor 1. The daemon's
     attainment over the loaded run, from vLLM's histogram, is the share of the clients' own
-    first tokens that came within the target, give or take the share that fell in the bucket
-    holding it (the histogram's resolution)."""
+    first tokens that came within the target, or more by those the clients saw just past it
+    (their HTTP and streaming on top of vLLM's own time)."""
 
     def ttft() -> Histogram:
         status, page = vllm_box.http_get(8000, "/metrics")
@@ -430,16 +429,19 @@ def test_the_daemons_ttft_attainment_is_what_the_clients_measured(vllm_box: Sand
     found = slo_attainment(vllm_box, "ttft")
     vllm_box.run("systemctl", "stop", AGENT)
     assert found is not None
-    lower, upper = bracket(bounds, target) or (0.0, math.inf)
+    above = min(b for b in warm.bounds if b > target)
     within = sum(t <= target for t in measured) / len(measured)
-    in_bucket = sum(lower < t <= upper for t in measured) / len(measured)
+    late = sum(target < t <= above for t in measured) / len(measured)
     print(
         f"\nreal vLLM {VERSION}: {len(measured)} streamed requests from 2, then 16 clients, TTFT "
-        f"target {target} s (bucket {lower}-{upper} s holds {in_bucket:.3f} of them); "
+        f"target {target} s (the bucket above it, to {above} s, holds {late:.3f} of them); "
         f"the clients measured {within:.3f} within it, the daemon {found:.3f}"
     )
     assert 0.05 < found < 0.95, "a target the load makes neither trivial nor hopeless"
-    assert abs(found - within) <= max(in_bucket, 0.01)
+    # The target is a bound: vLLM's share within it is exact. The clients' times add HTTP and
+    # streaming to vLLM's, so theirs is no higher, and lower by at most those that landed
+    # just past the target (a sample's edge aside: 0.01).
+    assert -0.01 <= found - within <= late + 0.01
 
 
 def slo_metrics_up(box: Sandbox) -> bool:
