@@ -1198,16 +1198,17 @@ def engine_stop_too_short(state: UnitState, drain: int) -> str:
         run = container.find(_argv(state))
     except (ActuatorError, container.ContainerError):
         return ""
-    grace = None if run is None or not drain else container.stop_grace(run, state.exec_stop)
-    need = drain + STOP_MARGIN
+    if run is None or not drain:
+        return ""
+    grace, need = container.stop_grace(run, state.exec_stop), drain + STOP_MARGIN
     if grace is None or grace[0] >= need:
         return ""
     if " rm " not in f" {grace[1]} ":
         fix = f"give the engine's stop -t {need} or more"
-    elif run is not None and run.engine == "podman":  # Quadlet's rm -f: the run's timeout
+    elif run.engine == "podman":  # Quadlet's rm -f: stopped after the run's timeout
         fix = f"run the container with --stop-timeout {need} or more (Quadlet: PodmanArgs=)"
     else:
-        fix = f"stop the container with `{run.engine if run else 'ENGINE'} stop -t {need}` first"
+        fix = f"stop the container with `{run.engine} stop -t {need}` first"
     return (
         f"ExecStop= `{grace[1]}` kills vLLM's container {grace[0]} s after its stop signal, "
         f"before a drain of {drain} s and vLLM's teardown end: vkvagent drains by waiting for "
