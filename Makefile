@@ -44,6 +44,15 @@ ifeq ($(strip $(VKVAGENT_DEBS)),)
 VKVAGENT_DEBS := $(HOME)/.cache/vkvagent/debs
 endif
 export VKVAGENT_DEBS
+# Quadlet, podman's systemd generator, which Debian 12's podman 4.3 lacks: Debian 13's (podman
+# 5.4, which needs only libc) runs on .container files in tests/test_container.py and as the
+# generator of the sandbox's systemd in tests/test_container_unit.py. Fetched from Debian 13's
+# archive with apt's lists kept beside it, so the host's apt never sees that suite.
+VKVAGENT_QUADLET := $(VKVAGENT_DEBS)/quadlet/usr/libexec/podman/quadlet
+export VKVAGENT_QUADLET
+QUADLET_APT = -o Dir::Etc::sourcelist=$(VKVAGENT_DEBS)/trixie/sources.list \
+	-o Dir::Etc::sourceparts=- -o Dir::State::Lists=$(VKVAGENT_DEBS)/trixie/lists \
+	-o Dir::Cache=$(VKVAGENT_DEBS)/trixie/cache -o APT::Sandbox::User=root
 deps:
 	@missing=""; \
 	for package in $(DEBS); do \
@@ -77,6 +86,16 @@ deps:
 		mkdir -p "$(VKVAGENT_DEBS)" && cd "$(VKVAGENT_DEBS)" && \
 		{ apt-get download syslog-ng-core 2>/dev/null || \
 			{ apt-get update -q && apt-get download syslog-ng-core; }; }; \
+	fi
+	@if [ ! -x "$(VKVAGENT_QUADLET)" ]; then \
+		mkdir -p "$(VKVAGENT_DEBS)/trixie/lists/partial" "$(VKVAGENT_DEBS)/trixie/cache" && \
+		echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg]" \
+			"http://deb.debian.org/debian trixie main" >"$(VKVAGENT_DEBS)/trixie/sources.list" && \
+		apt-get $(QUADLET_APT) update -q && cd "$(VKVAGENT_DEBS)/trixie" && \
+		apt-get $(QUADLET_APT) download podman && mkdir -p "$(VKVAGENT_DEBS)/quadlet" && \
+		dpkg-deb --fsys-tarfile podman_*.deb | \
+			tar -x -C "$(VKVAGENT_DEBS)/quadlet" ./usr/libexec/podman/quadlet && \
+		rm -rf "$(VKVAGENT_DEBS)/trixie" && "$(VKVAGENT_QUADLET)" -version; \
 	fi
 
 # The real vLLM the `vllm` tests run as vllm.service: vLLM's CPU build in its own Python 3.11

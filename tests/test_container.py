@@ -3,14 +3,24 @@ flags rewritten after the image, and the lines that cannot be read refused in on
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from vkvagent import container
-from vkvagent.actuator import Actuator, RestartSettings, engine_stop_too_short
-from vkvagent.dropin import DropinFile
+from vkvagent.actuator import (
+    QUADLET_UNIT_DIR,
+    Actuator,
+    ActuatorError,
+    RestartSettings,
+    dropin_for,
+    engine_stop_too_short,
+)
+from vkvagent.dropin import DropinFile, split_exec_start
 from vkvagent.flags import VllmCommandError, apply_flags, parse_command
 from vkvagent.ledger import Ledger
 from vkvagent.systemd import ExecCommand, Systemd, UnitState
@@ -243,3 +253,84 @@ def test_plan_names_a_stop_too_short_while_vllms_version_is_not_known(tmp_path: 
     assert "kills vLLM's container 10 s after" in actuator(True).drain_cut_short("0.32.0")
     assert actuator(True).drain_cut_short("0.5.0") == ""  # no --shutdown-timeout to cut
     assert actuator(False).drain_cut_short(None) == ""
+
+
+QUADLET_FILE = """[Unit]
+Description=vLLM
+[Container]
+Image=localhost/vllm:test
+ContainerName=vllm
+PodmanArgs=--stop-timeout 80 --ipc=host
+Volume=/srv/models:/models:ro
+Exec="/models/My Model" --served-model-name "at 50%%" --max-num-seqs 8
+[Service]
+TimeoutStopSec=20
+"""
+
+
+def quadlet() -> str:
+    """Debian 13's Quadlet, which `make deps` fetches (Debian 12's podman has none)."""
+    program = os.environ.get("VKVAGENT_QUADLET", "")
+    if not os.access(program, os.X_OK):
+        if os.environ.get("CI") == "true":
+            pytest.fail("no Quadlet (CI=true: not skipped): make deps fetches it")
+        pytest.skip("no Quadlet: make deps fetches it")
+    return program
+
+
+def generated(program: str, *dirs: Path) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The command line of the vllm.service Quadlet generates from ``dirs`` (``-dryrun``), as
+    systemd reads it, and the last value of each of the unit's keys."""
+    done = subprocess.run(
+        [program, "-dryrun"], env={"QUADLET_UNIT_DIRS": ":".join(map(str, dirs))},
+        capture_output=True, text=True, check=True, timeout=30,
+    )  # fmt: skip
+    unit = done.stdout.split("---vllm.service---\n", 1)[1]
+    keys = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line)
+    (command,) = split_exec_start(keys["ExecStart"], specifiers={"t": "/run", "N": "vllm"})
+    return command.argv, keys
+
+
+def test_quadlet_generates_the_command_line_planned_from_vkvagents_container_dropin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quadlet 5.4 itself reads the .container and the drop-in vkvagent writes beside it: the
+    unit it generates runs exactly the planned command line (podman's part untouched, vLLM's
+    arguments quoted through Exec=, a space and a % included), stopped as the drain needs."""
+    program = quadlet()
+    monkeypatch.setattr(container, "QUADLET", (program,))  # the generator, not podman 4.3
+    files, mine = tmp_path / "containers", tmp_path / "etc"
+    files.mkdir()
+    (files / "vllm.container").write_text(QUADLET_FILE)
+    before, _keys = generated(program, files)
+
+    class Quadlets(Systemd):  # the generated unit as systemd shows it; no bus needed
+        def unit(self, name: str) -> UnitState:
+            state = unit_with(shlex.join(before), QUADLET_STOP)
+            return replace(state, source_path=str(files / "vllm.container"))
+
+    systemd = Quadlets("unix:path=/nonexistent")
+    dropin = dropin_for("vllm.service", systemd.unit("vllm.service").source_path, tmp_path)
+    assert dropin.path == QUADLET_UNIT_DIR / "vllm.container.d" / "90-vkvagent.conf"
+    dropin.path = mine / "vllm.container.d" / dropin.path.name
+    actuator = Actuator(
+        unit="vllm.service", systemd=systemd, ledger=Ledger(tmp_path), dropin=dropin,
+        probe=VllmClient("http://127.0.0.1:9"), state_dir=tmp_path,
+        settings=RestartSettings(drain_timeout=45, graceful_shutdown=True),
+    )  # fmt: skip
+    plan = actuator.plan({"max-num-seqs": 4}, "0.32.0")
+    image = before.index("localhost/vllm:test")
+    assert plan.after[: image + 1] == before[: image + 1]
+    assert plan.after[image + 1 :] == (
+        "/models/My Model", "--served-model-name", "at 50%", "--max-num-seqs", "4",
+        "--shutdown-timeout", "45",
+    )  # fmt: skip
+    actuator._write(plan.after, systemd.unit("vllm.service"))  # what apply writes
+    assert "[Container]\nExec=" in dropin.path.read_text()
+    after, keys = generated(program, files, mine)
+    assert after == plan.after
+    assert (keys["TimeoutStopSec"], keys["KillMode"]) == ("75", "mixed")  # 45 s and a margin
+    # The .container edited since: not for vkvagent to build on.
+    (files / "vllm.container").write_text(QUADLET_FILE.replace("--max-num-seqs 8", "--seed 1"))
+    with pytest.raises(ActuatorError, match="vllm.container changed since vkvagent derived"):
+        actuator._check_foreign(systemd.unit("vllm.service"))

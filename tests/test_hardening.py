@@ -49,6 +49,8 @@ def test_the_shipped_unit_allows_the_default_configuration_and_nothing_else() ->
     assert hardening.refusals(config.Config(), sandbox) == []
     assert sandbox.access("/var/lib/vkvagent/history.sqlite") == WRITE
     assert sandbox.access("/etc/systemd/system/vllm.service.d") == WRITE
+    assert sandbox.access("/etc/containers/systemd/vllm.container.d") == WRITE
+    assert sandbox.access("/etc/containers/systemd/other.container") == READ
     assert sandbox.access("/etc/systemd/system/other.service.d") == READ
     assert sandbox.access("/var/lib/node_exporter") == READ
     assert sandbox.access("/proc/1/environ") == READ
@@ -79,6 +81,29 @@ def test_each_setting_the_unit_refuses_is_named_with_the_drop_in_that_allows_it(
         "# restart.pre_stop: only if it writes there\n"
         "ReadWritePaths=-/var/lib/lb\n"
     )
+
+
+def test_a_unit_quadlet_generates_needs_its_container_files_drop_in_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM run by Quadlet from my-vllm.container: vkvagent writes the drop-in of that file,
+    which the shipped unit allows for vllm.container alone."""
+    quadlet = tmp_path / "containers"
+    quadlet.mkdir()
+    (quadlet / "my-vllm.container").write_text("[Container]\nImage=vllm/vllm-openai\n")
+    (quadlet / "vllm.container").write_text("[Container]\nImage=vllm/vllm-openai\n")
+    monkeypatch.setattr(hardening, "QUADLET_DIRS", (str(quadlet),))
+    shipped = Sandbox.parse([SHIPPED])
+    assert hardening.refusals(load(tmp_path, '[vllm]\nunit = "vllm"\n'), shipped) == []
+    found = hardening.refusals(load(tmp_path, '[vllm]\nunit = "my-vllm"\n'), shipped)
+    directory = "/etc/containers/systemd/my-vllm.container.d"
+    assert [r.message for r in found][1:] == [
+        f"my-vllm.service: vkvagent.service cannot write the drop-in directory {directory} "
+        "of its Quadlet file (ProtectSystem=strict)"
+    ]
+    text = hardening.dropin(found)
+    assert text is not None
+    assert f"ExecStartPre=+/bin/mkdir -p {directory}\nReadWritePaths=-{directory}\n" in text
 
 
 def test_the_printed_drop_in_once_installed_silences_every_warning(

@@ -538,6 +538,9 @@ attempt("read environ", lambda: open(f"/proc/{vllm}/environ", "rb").read())
 attempt("read cmdline", lambda: open(f"/proc/{vllm}/cmdline", "rb").read())
 attempt("write mem", lambda: open(f"/proc/{vllm}/mem", "wb").close())
 attempt("write drop-in dir", lambda: write("/etc/systemd/system/vllm.service.d/probe.conf"))
+attempt("write Quadlet drop-in dir",
+        lambda: write("/etc/containers/systemd/vllm.container.d/probe.conf"))
+attempt("write Quadlet dir", lambda: write("/etc/containers/systemd/probe.container"))
 attempt("write state", lambda: write("/var/lib/vkvagent/probe"))
 attempt("write /etc/vkvagent", lambda: write("/etc/vkvagent/probe.toml"))
 attempt("write other drop-in", lambda: write("/etc/systemd/system/probe.conf"))
@@ -664,6 +667,7 @@ def test_the_units_sandbox_grants_what_the_agent_needs_and_nothing_more(
         "[Service]\nType=oneshot\nWatchdogSec=0\nRestart=no\nExecStart=\n"
         f"ExecStart=/usr/bin/python3 -sE /usr/local/lib/vkvagent-probe.py {vllm}\n",
     )
+    (sandbox.root / "etc/containers/systemd").mkdir(parents=True)  # podman's, with Quadlet
     sandbox.run("systemctl", "daemon-reload")
     started = start(sandbox)
     assert started.returncode == 0, f"{started.stderr}\njournal:\n{journal(sandbox)}"
@@ -673,6 +677,8 @@ def test_the_units_sandbox_grants_what_the_agent_needs_and_nothing_more(
         "read cmdline": "ok",
         "write mem": "EROFS",  # ReadOnlyPaths=/proc
         "write drop-in dir": "ok",  # created by ExecStartPre=+mkdir on this fresh host
+        "write Quadlet drop-in dir": "ok",  # vllm.container.d/, made there too
+        "write Quadlet dir": "EROFS",
         "write state": "ok",
         "write /etc/vkvagent": "EROFS",
         "write other drop-in": "EROFS",
@@ -689,6 +695,8 @@ def test_the_units_sandbox_grants_what_the_agent_needs_and_nothing_more(
     model = hardening.Sandbox.installed(sandbox.root)
     assert model is not None
     for name, path in (("write drop-in dir", "/etc/systemd/system/vllm.service.d"),
+                       ("write Quadlet drop-in dir", "/etc/containers/systemd/vllm.container.d"),
+                       ("write Quadlet dir", "/etc/containers/systemd"),
                        ("write state", "/var/lib/vkvagent"),
                        ("write /etc/vkvagent", "/etc/vkvagent"),
                        ("write other drop-in", "/etc/systemd/system"),

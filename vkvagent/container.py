@@ -12,7 +12,6 @@ always understood.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import subprocess
@@ -121,21 +120,43 @@ def engine_version(argv: Sequence[str]) -> str | None:
     """The version of the container engine ``argv`` runs (``ENGINE --version``: "podman
     version 4.3.1"); None when ``argv`` runs none or the engine does not say."""
     start = _engine_at(argv)
-    return None if start is None else _version(tuple(argv[: start + 1]))
+    return None if start is None else _version((*argv[: start + 1], "--version"))
 
 
-@functools.lru_cache(maxsize=8)
-def _version(program: tuple[str, ...]) -> str | None:
-    """Asked once a process: the daemon plans flags on every tick, and an engine's version
-    changes only with its package."""
+# Where Quadlet is installed: as systemd's generator, and as the program that link names.
+QUADLET = ("/usr/lib/systemd/system-generators/podman-system-generator",
+           "/usr/libexec/podman/quadlet")  # fmt: skip
+QUADLET_DROPINS = (4, 8, 0)  # the first podman whose Quadlet reads NAME.container.d/
+
+
+def quadlet_version(argv: Sequence[str]) -> str | None:
+    """The version of the Quadlet that generates a unit running ``argv``: the generator's own
+    (``quadlet -version``: "5.4.2"), else that of the podman it runs, which ships with it."""
+    for program in QUADLET:
+        if os.access(program, os.X_OK):
+            found = _version((program, "-version"))
+            if found is not None:
+                return found
+    return engine_version(argv)
+
+
+_VERSIONS: dict[tuple[str, ...], str] = {}
+
+
+def _version(command: tuple[str, ...]) -> str | None:
+    """Asked once a process, once it answers: the daemon plans flags on every tick, and a
+    version changes only with its package."""
+    if command in _VERSIONS:
+        return _VERSIONS[command]
     try:
-        done = subprocess.run(
-            [*program, "--version"], check=False, capture_output=True, text=True, timeout=10
-        )
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    found = re.search(r"version (\d+(\.\d+)+)", done.stdout)
-    return found.group(1) if done.returncode == 0 and found else None
+    found = re.search(r"\d+(\.\d+)+", done.stdout)
+    if done.returncode != 0 or found is None:
+        return None
+    _VERSIONS[command] = found.group()
+    return found.group()
 
 
 def _engine_at(argv: Sequence[str]) -> int | None:

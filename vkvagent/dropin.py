@@ -12,7 +12,10 @@ A drop-in looks like::
     ExecStart=
     ExecStart=/usr/bin/vllm serve "/models/My Model" --max-num-seqs 128
 
-The empty ``ExecStart=`` clears the unit's command so the next one replaces it. The hash covers
+The empty ``ExecStart=`` clears the unit's command so the next one replaces it. For a unit
+Quadlet generates from a ``.container`` file, the drop-in is that file's
+(``vllm.container.d/90-vkvagent.conf``), and ``[Container] Exec=`` with vLLM's arguments after
+the image takes the place of ``[Service] ExecStart=``. The hash covers
 every other byte of the file, so any edit by someone else (``is_foreign_edit``) is detected.
 
 Quoting follows systemd.service(5) "COMMAND LINES" as ``config_parse_exec()`` implements it
@@ -245,18 +248,39 @@ def render_dropin(
     ``render_exec_start``. ``stop``: how systemd stops it (``STOP_KEYS``: ``TimeoutStopSec``,
     ``KillMode``), for a vLLM that drains. The file ends in a newline and carries its own hash.
     """
+    exec_start = render_exec_start(argv, path=path, prefix=prefix, escape_dollar=escape_dollar)
+    return _signed(unit, source_hash, f"[Service]\nExecStart=\nExecStart={exec_start}\n", stop)
+
+
+def render_container_dropin(
+    unit: str,
+    args: Sequence[Arg],
+    *,
+    source_hash: str,
+    escape_dollar: bool = True,
+    stop: Mapping[str, str] | None = None,
+) -> str:
+    """The drop-in of a Quadlet ``.container`` file (``NAME.container.d/``) that gives the
+    image ``args`` (vLLM's arguments): ``[Container] Exec=``, the last of which the generator
+    uses, and the ``stop`` settings, which it copies into the service's ``[Service]``. The
+    generator copies Exec='s words into ExecStart= as written, so they are quoted as there."""
+    words = " ".join(quote_exec_arg(arg, escape_dollar=escape_dollar) for arg in args)
+    return _signed(unit, source_hash, f"[Container]\nExec={words}\n", stop)
+
+
+def _signed(unit: str, source_hash: str, body: str, stop: Mapping[str, str] | None) -> str:
+    """vkvagent's header, ``body``, the ``[Service]`` stop settings, and the hash of it all."""
     if not _UNIT_NAME.fullmatch(unit):
         raise ValueError(f"not a unit name: {unit!r}")
     if not _SHA256.fullmatch(source_hash):
         raise ValueError(f"source_hash must be 64 lowercase hex digits, got {source_hash!r}")
-    exec_start = render_exec_start(argv, path=path, prefix=prefix, escape_dollar=escape_dollar)
-    head = f"{HEADER}\n{UNIT_KEY}{unit}\n{SOURCE_KEY}{source_hash}\n"
     stop = stop or {}
     if set(stop) - set(STOP_KEYS) or any(not _STOP_VALUE.fullmatch(v) for v in stop.values()):
         raise ValueError(f"not stop settings vkvagent writes: {dict(stop)!r}")
-    body = f"[Service]\nExecStart=\nExecStart={exec_start}\n" + "".join(
-        f"{key}={stop[key]}\n" for key in STOP_KEYS if key in stop
-    )
+    if stop and not body.startswith("[Service]"):
+        body += "[Service]\n"
+    body += "".join(f"{key}={stop[key]}\n" for key in STOP_KEYS if key in stop)
+    head = f"{HEADER}\n{UNIT_KEY}{unit}\n{SOURCE_KEY}{source_hash}\n"
     digest = hashlib.sha256((head + body).encode("utf-8")).hexdigest()
     return f"{head}{HASH_KEY}{digest}\n{body}"
 
@@ -321,13 +345,13 @@ def is_foreign_edit(text: str) -> bool:
 
 
 def other_settings(text: str) -> list[str]:
-    """The ``Section.Key`` of every assignment besides ``[Service] ExecStart=`` and the stop
-    settings vkvagent writes itself (what a re-rendered vkvagent drop-in would drop)."""
-    return [
-        f"{section}.{key}"
-        for section, key, _value in _assignments(text)
-        if section != "Service" or (key != "ExecStart" and key not in STOP_KEYS)
-    ]
+    """The ``Section.Key`` of every assignment besides ``[Service] ExecStart=`` (a Quadlet
+    drop-in's ``[Container] Exec=``) and the stop settings vkvagent writes itself (what a
+    re-rendered vkvagent drop-in would drop)."""
+    ours = {("Service", "ExecStart"), ("Container", "Exec")}
+    ours |= {("Service", key) for key in STOP_KEYS}
+    return [f"{section}.{key}" for section, key, _value in _assignments(text)
+            if (section, key) not in ours]  # fmt: skip
 
 
 def _assignments(text: str) -> list[tuple[str, str, str]]:

@@ -26,6 +26,10 @@ UNIT_PATH = ("etc/systemd/system", "run/systemd/system", "usr/lib/systemd/system
              "lib/systemd/system")  # fmt: skip
 # Where the agent writes vLLM's drop-in, and where the operator's drop-ins for this unit go.
 SYSTEMD_DIR = "/etc/systemd/system"
+# Quadlet's directories, and the administrator's, where a `.container` file's drop-ins go.
+QUADLET_DIRS = ("/etc/containers/systemd", "/run/containers/systemd",
+                "/usr/share/containers/systemd")  # fmt: skip
+QUADLET_DIR = QUADLET_DIRS[0]
 ROOT = Path("/")  # below which the installed unit is looked for
 DROPIN = f"{SYSTEMD_DIR}/{UNIT}.d/50-paths.conf"
 
@@ -156,6 +160,12 @@ def refusals(cfg: Config, sandbox: Sandbox) -> list[Refusal]:
     found = _writable(
         sandbox, "vllm.unit", cfg.vllm.unit, unit_dir, f"its drop-in directory {unit_dir}"
     )
+    name = cfg.vllm.unit.rsplit(".", 1)[0] + ".container"
+    if any(os.path.exists(os.path.join(d, name)) for d in QUADLET_DIRS):  # vLLM runs by Quadlet
+        found += _writable(
+            sandbox, "vllm.unit", cfg.vllm.unit, f"{QUADLET_DIR}/{name}.d",
+            f"the drop-in directory {QUADLET_DIR}/{name}.d of its Quadlet file",
+        )  # fmt: skip
     found = [dataclasses.replace(r, mkdir=True) for r in found]  # made on a fresh host too
     found += _writable(sandbox, "agent.state_dir", cfg.agent.state_dir, cfg.agent.state_dir, "it")
     if cfg.metrics.textfile:
