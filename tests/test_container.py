@@ -332,5 +332,5 @@ def test_quadlet_generates_the_command_line_planned_from_vkvagents_container_dro
     assert (keys["TimeoutStopSec"], keys["KillMode"]) == ("75", "mixed")  # 45 s and a margin
     # The .container edited since: not for vkvagent to build on.
     (files / "vllm.container").write_text(QUADLET_FILE.replace("--max-num-seqs 8", "--seed 1"))
-    with pytest.raises(ActuatorError, match="vllm.container changed since vkvagent derived"):
+    with pytest.raises(ActuatorError, match=r"vllm\.container changed since vkvagent derived"):
         actuator._check_foreign(systemd.unit("vllm.service"))
