@@ -597,9 +597,11 @@ def test_demo_shows_health_degradation_diagnosis_and_decision() -> None:
     assert main(["demo", "--time-scale", "600"], out, io.StringIO()) == 0
     text = out.getvalue()
     summary = text[text.index("summary:") :]
-    # The first judged verdict is healthy, near the baseline (noise on a loaded machine aside).
+    # The first judged verdict is healthy, not below the baseline. On a loaded machine the
+    # simulator's tokens, counted at 600x over stretched scrape intervals, may read well above
+    # it (1.47 in one CI run): faster is healthy too.
     first = re.search(r"healthy   speed/baseline  ([0-9.]+)", text)
-    assert first is not None and 0.8 <= float(first.group(1)) <= 1.3, text
+    assert first is not None and float(first.group(1)) >= 0.8, text
     healthy = re.search(r"baseline learned and healthy at ([0-9.]+) h", summary)
     degraded = re.search(r"degradation diagnosed at ([0-9.]+) h", summary)
     assert healthy and degraded and float(healthy.group(1)) < float(degraded.group(1)), text
