@@ -30,6 +30,7 @@ from vkvagent.dropin import (
     other_settings,
     parse_dropin,
     quote_exec_arg,
+    render_container_dropin,
     render_dropin,
     render_exec_start,
     split_exec_start,
@@ -587,3 +588,20 @@ def test_systemd_itself_reads_back_the_argvs(unit_dir: Path) -> None:
             parse_dropin(render_dropin(name, argv, source_hash=SOURCE)).exec_start or ""
         )
         assert list(parsed.argv) == dumped[name]
+
+
+def test_a_container_drop_in_refuses_what_quadlet_cannot_pass_through_exec() -> None:
+    """Quadlet unquotes Exec= and quotes the words again: "" vanishes and ";" comes out bare,
+    a command separator in ExecStart=. Anything else passes (tests/test_container.py runs
+    Quadlet itself on spaces and %)."""
+    good = render_container_dropin(
+        "vllm.service",
+        ["/m", "--x", "a b", "50%"],
+        source_hash="0" * 64,
+        stop={"TimeoutStopSec": "60"},
+    )
+    assert '[Container]\nExec=/m --x "a b" "50%%"\n[Service]\nTimeoutStopSec=60\n' in good
+    assert not is_foreign_edit(good)
+    for bad in ("", ";"):
+        with pytest.raises(ValueError, match="Quadlet cannot pass the argument"):
+            render_container_dropin("vllm.service", ["/m", bad], source_hash="0" * 64)

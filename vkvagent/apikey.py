@@ -40,6 +40,13 @@ ON_COMMAND_LINE = (
     "VLLM_API_KEY; a container needs -e VLLM_API_KEY, without a value)"
 )
 
+# The same for a unit Quadlet generates: there the key comes from the .container file.
+ON_QUADLET_LINE = (
+    "the command line Quadlet generates spells out vLLM's API key: Environment=VLLM_API_KEY= "
+    "in the .container becomes podman's --env VLLM_API_KEY=..., which any user can read in "
+    "ps; give it by EnvironmentFile= or Secret=NAME,type=env,target=VLLM_API_KEY instead"
+)
+
 
 class KeyFileError(NeedsOperator):
     """``[vllm] api_key_file`` cannot be used (one line; the key is never in it)."""

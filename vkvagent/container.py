@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -140,23 +141,24 @@ def quadlet_version(argv: Sequence[str]) -> str | None:
     return engine_version(argv)
 
 
-_VERSIONS: dict[tuple[str, ...], str] = {}
+_VERSIONS: dict[tuple[str, ...], tuple[str | None, float]] = {}
+_ASK_AGAIN = 300.0  # seconds before a command that did not say its version is asked again
 
 
 def _version(command: tuple[str, ...]) -> str | None:
-    """Asked once a process, once it answers: the daemon plans flags on every tick, and a
-    version changes only with its package."""
-    if command in _VERSIONS:
-        return _VERSIONS[command]
+    """Asked once a process once it answers, and at most every _ASK_AGAIN while it does not:
+    the daemon plans flags on every tick, a version changes only with its package, and an
+    engine that hangs costs its 10 s timeout."""
+    found, asked = _VERSIONS.get(command, (None, -_ASK_AGAIN))
+    if found is not None or time.monotonic() - asked < _ASK_AGAIN:
+        return found
     try:
         done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=10)
+        said = re.search(r"\d+(\.\d+)+", done.stdout) if done.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
-        return None
-    found = re.search(r"\d+(\.\d+)+", done.stdout)
-    if done.returncode != 0 or found is None:
-        return None
-    _VERSIONS[command] = found.group()
-    return found.group()
+        said = None
+    _VERSIONS[command] = (said.group() if said else None, time.monotonic())
+    return _VERSIONS[command][0]
 
 
 def _engine_at(argv: Sequence[str]) -> int | None:

@@ -263,7 +263,12 @@ def render_container_dropin(
     """The drop-in of a Quadlet ``.container`` file (``NAME.container.d/``) that gives the
     image ``args`` (vLLM's arguments): ``[Container] Exec=``, the last of which the generator
     uses, and the ``stop`` settings, which it copies into the service's ``[Service]``. The
-    generator copies Exec='s words into ExecStart= as written, so they are quoted as there."""
+    generator unquotes Exec='s words and quotes them again for ExecStart=, where ``%``, ``$``
+    and escapes mean what they do here; an empty word it drops and a lone ``;`` it leaves bare,
+    a command separator there: both are refused (ValueError)."""
+    for arg in args:
+        if isinstance(arg, str) and arg in ("", ";"):
+            raise ValueError(f"Quadlet cannot pass the argument {arg!r} through Exec=")
     words = " ".join(quote_exec_arg(arg, escape_dollar=escape_dollar) for arg in args)
     return _signed(unit, source_hash, f"[Container]\nExec={words}\n", stop)
 
