@@ -15,8 +15,8 @@ A drop-in looks like::
 The empty ``ExecStart=`` clears the unit's command so the next one replaces it. For a unit
 Quadlet generates from a ``.container`` file, the drop-in is that file's
 (``vllm.container.d/90-vkvagent.conf``), and ``[Container] Exec=`` with vLLM's arguments after
-the image takes the place of ``[Service] ExecStart=``. The hash covers
-every other byte of the file, so any edit by someone else (``is_foreign_edit``) is detected.
+the image takes the place of ``[Service] ExecStart=``. The hash covers every other byte of
+the file, so any edit by someone else (``is_foreign_edit``) is detected.
 
 Quoting follows systemd.service(5) "COMMAND LINES" as ``config_parse_exec()`` implements it
 (src/core/load-fragment.c): each word is read by ``extract_first_word(EXTRACT_UNQUOTE |
