@@ -111,7 +111,7 @@ export VKVAGENT_VLLM_HOME
 VLLM_PYTHON := $(VKVAGENT_VLLM_HOME)/venv/bin/python
 PY311 ?= $(shell pyenv prefix 3.11 2>/dev/null)/bin/python3
 
-vllm-real: $(VKVAGENT_VLLM_HOME)/model/.made
+vllm-real: $(VKVAGENT_VLLM_HOME)/model/.made $(VKVAGENT_VLLM_HOME)/venv/.amx
 
 $(VKVAGENT_VLLM_HOME)/venv/.installed:
 	$(call check-python,$(PY311),Python 3.11)
@@ -122,6 +122,12 @@ $(VKVAGENT_VLLM_HOME)/venv/.installed:
 	# exist). A text model needs none of them.
 	$(VLLM_PYTHON) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PYTHON) -c 'import vllm.entrypoints.openai.api_server'
+	touch $@
+
+# vLLM's CPU attention uses AMX where the CPU has it without asking Linux for it (SIGILL at the
+# first request): a .pth file of the venv asks in every process (tests/vllm_amx.pth).
+$(VKVAGENT_VLLM_HOME)/venv/.amx: tests/vllm_amx.pth $(VKVAGENT_VLLM_HOME)/venv/.installed
+	cp tests/vllm_amx.pth "$$($(VLLM_PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/vkvagent-amx.pth"
 	touch $@
 
 # The facts of that vLLM's argument parser, which the flag catalogue is checked against.
