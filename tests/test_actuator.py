@@ -681,6 +681,63 @@ def test_a_drained_restart_gives_vllm_its_shutdown_timeout_then_lets_it_drain(
     assert "[shutdown] EngineCore: request processing complete" in said
 
 
+def test_a_unit_that_drains_under_the_default_killmode_gets_killmode_mixed_first() -> None:
+    """The operator's unit has --shutdown-timeout but systemd's default KillMode=control-group,
+    whose SIGTERM reaches vLLM's engine too: the first restart writes vkvagent's drop-in with
+    the same command line and KillMode=mixed (a quiet moment's drain for that stop), and
+    only the next one is vLLM's drain."""
+    own = sim_unit("--shutdown-timeout", "10")
+    with Sandbox(units={VLLM: own}) as box:
+        box.wait_http()
+        assert unit(box).kill_mode == "control-group"
+        write_config(box, {}, restart={"graceful_shutdown": True, "drain_timeout": 10})
+        planned = vkvagent(box, "plan")
+        assert "the next restart writes KillMode=mixed first" in planned.stdout, output(planned)
+        first = vkvagent(box, "restart", "--reason", "test")
+        assert first.returncode == 0, output(first)
+        assert "done: restarted with systemd's stop settings for the drain" in first.stdout
+        text = dropin_text(box)
+        assert text is not None and text.endswith("\nTimeoutStopSec=40\nKillMode=mixed\n")
+        assert dropin_argv(text) == tuple(sim_argv("--shutdown-timeout", "10"))
+        (action,) = actions(box)
+        assert (action.kind, action.outcome, action.detail["changes"]) == ("apply", "done", {})
+        assert unit(box).kill_mode == "mixed"
+        assert "KillMode=mixed first" not in vkvagent(box, "plan").stdout
+
+        second = vkvagent(box, "restart", "--reason", "test")
+        assert second.returncode == 0, output(second)
+        latest = actions(box)[-1]
+        assert (latest.kind, latest.detail["costs"]["drain_mode"]) == ("restart", "vllm")
+
+
+def test_a_stop_that_signals_the_engine_too_is_no_drain_of_vllms(tmp_path: Path) -> None:
+    """KillMode=control-group with vLLM's engine in the unit's cgroup: systemd's SIGTERM
+    reaches the engine, which fails what it runs, so --shutdown-timeout drains nothing."""
+    from vkvagent.actuator import Actuator
+
+    group = "/system.slice/vllm.service"
+    for pid in (42, 43):  # the API server (MainPID) and its engine core
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cgroup").write_text(f"0::{group}\n")
+
+    class _Proc:
+        proc = tmp_path
+
+    def state(kill_mode: str, main_pid: int = 42) -> UnitState:
+        return UnitState(
+            VLLM, "loaded", "active", "running", "success", main_pid, "ab" * 16, 0, 0, None,
+            (), "/etc/systemd/system/vllm.service", (), 5, 10_000_000, control_group=group,
+            kill_mode=kill_mode,
+        )  # fmt: skip
+
+    reaches = Actuator._stop_reaches_the_engine
+    assert reaches(_Proc(), state("control-group"))  # type: ignore[arg-type]
+    assert not reaches(_Proc(), state("mixed"))  # type: ignore[arg-type]
+    (tmp_path / "43").rename(tmp_path / "44")  # the engine elsewhere: a container's scope
+    (tmp_path / "44" / "cgroup").write_text("0::/machine.slice/libpod-1.scope\n")
+    assert not reaches(_Proc(), state("control-group"))  # type: ignore[arg-type]
+
+
 class _Watched:
     """What a stop's watch needs of the actuator: /metrics pages in turn (None: refused) and
     a clock that moves one second a look."""

@@ -73,7 +73,11 @@ def container_box_fixture() -> Iterator[Sandbox]:
         argv = podman.run_argv(IMAGE, *FLAGS, engine=ENGINE, mounts=[str(HOME), base])
         box.write_unit(
             "vllm.service",
-            podman.container_unit(argv, service="TimeoutStopSec=60\nRestart=always"),
+            # KillMode=mixed: the stop's SIGTERM goes to podman alone, which passes it on to
+            # vLLM's API server; under the default, it would reach vLLM's engine as well.
+            podman.container_unit(
+                argv, service="TimeoutStopSec=60\nKillMode=mixed\nRestart=always"
+            ),
         )
         box.run("systemctl", "daemon-reload")
         box.run("systemctl", "start", "vllm.service")

@@ -350,7 +350,9 @@ class Actuator:
         try:
             running = vflags.parse_command(current)
             changes = {n: v for n, v in wanted.items() if running.value(n) != v}
-            if not changes:
+            # The flags alone do not drain where the unit's stop signals vLLM's engine too:
+            # the drop-in's KillMode=mixed (``_stop_settings``) is then the change.
+            if not changes and state.kill_mode != "control-group":
                 return None
             after = tuple(vflags.apply_flags(current, wanted, vllm_version=vllm_version))
         except vflags.VllmCommandError:
@@ -507,7 +509,7 @@ class Actuator:
         return self._finish(
             action,
             "done",
-            "restarted" + (" with the new flags" if change else ""),
+            "restarted" + (_with(plan) if change and plan is not None else ""),
             started,
             ended=ready_at,
             service_seconds=ready_at - stop.requested,
@@ -842,11 +844,20 @@ class Actuator:
     def _shutdown_timeout(self, state: UnitState) -> int:
         """The running vLLM's --shutdown-timeout (the process's own command line, else the
         unit's): seconds it drains after SIGTERM; 0 when it aborts or is not running."""
-        if state.active_state != "active":
+        if state.active_state != "active" or self._stop_reaches_the_engine(state):
             return 0
         seconds = _drains_for(_cmdline(self.proc, state.main_pid) or _argv(state))
         # Cut short by the engine's stop: a wait for a quiet moment drains instead.
         return 0 if engine_stop_too_short(state, seconds) else seconds
+
+    def _stop_reaches_the_engine(self, state: UnitState) -> bool:
+        """Whether systemd's stop sends its SIGTERM to vLLM's engine core and workers as well
+        as to the API server (KillMode=control-group, with more processes in the unit's cgroup
+        than its main one): they then fail the requests in flight at once instead of draining
+        them (measured on 0.32, docs/operations.md), so the drain is a quiet moment's."""
+        if state.kill_mode != "control-group":
+            return False
+        return any(pid != state.main_pid for pid in pids_in(state.control_group, self.proc))
 
     def _write(self, argv: tuple[str, ...], state: UnitState) -> None:
         if self._stored_base() is None or self.dropin.read() is None:
@@ -1255,6 +1266,10 @@ class _Stop:
         down = None if ready_at is None else ready_at - self.requested
         missed = None if self.rate is None or down is None else self.rate * down
         return Costs(self.drain, self.in_flight, aborted, drained, down, missed)
+
+
+def _with(plan: Plan) -> str:
+    return " with the new flags" if plan.changes else " with systemd's stop settings for the drain"
 
 
 def _drains_for(argv: tuple[str, ...]) -> int:

@@ -867,11 +867,19 @@ def _plan(args: argparse.Namespace, out: TextIO) -> int:
     if not plan.changed:
         said = "already runs with these flags" if settings.vllm.flags else "needs no change"
         print(f"the unit {said}", file=out)
-    drains = actuator.drain_flags(actuator.vllm_version())
+    version = actuator.vllm_version()
+    drains = actuator.drain_flags(version)
     if drains:
         shown = " ".join(f"--{name} {value}" for name, value in drains.items())
         print(f"{shown}: vLLM drains when stopped ([restart] graceful_shutdown)", file=out)
-    elif cut := actuator.drain_cut_short(actuator.vllm_version()):
+        drain = actuator.drain_plan(version)
+        if drain is not None and not drain.changes:
+            print(
+                "the next restart writes KillMode=mixed first: under the unit's KillMode="
+                "control-group systemd's stop reaches vLLM's engine too, failing what it runs",
+                file=out,
+            )
+    elif cut := actuator.drain_cut_short(version):
         print(f"no --shutdown-timeout: {cut}", file=out)
     attestable = ", ".join(plan.attestable) or "none"
     unproven = ", ".join(f for f in plan.flags if f not in plan.attestable) or "none"

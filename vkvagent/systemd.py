@@ -134,6 +134,8 @@ class UnitState:
     source_path: str = ""
     # ExecStop= commands' argv (a container engine's `stop -t N` bounds vLLM's drain).
     exec_stop: tuple[tuple[str, ...], ...] = ()
+    # KillMode=: control-group (systemd's default) sends the stop's SIGTERM to every process.
+    kill_mode: str = ""
     # vLLM's API key as the unit gives it (apikey.from_unit); never shown.
     api_key: ApiKey | None = field(default=None, repr=False, compare=False)
 
@@ -229,6 +231,7 @@ class Systemd:
             inactive_enter_timestamp=unit.get("InactiveEnterTimestamp", 0),
             source_path=unit.get("SourcePath", ""),
             exec_stop=tuple(apikey.mask_argv(entry[1]) for entry in service.get("ExecStop", [])),
+            kill_mode=service.get("KillMode", ""),
             api_key=apikey.from_unit(
                 commands[-1][1] if commands else (),
                 service.get("Environment", ()),
