@@ -41,6 +41,7 @@ from tests.test_actuator import actions, cmdline, unit
 from tests.test_daemon_systemd import AGENT, agent_unit, log
 from tests.test_vllm_drain import (
     ASKED,
+    ATTEMPTS,
     GO,
     configure,
     nothing_cut_off,
@@ -179,7 +180,7 @@ def test_a_restart_drains_the_streams_in_flight_through_podman(box: Sandbox) -> 
     box.run("mkdir", "-p", "/var/lib/lb")
     hold = ["/bin/sh", "-c", f"touch {ASKED}; while [ ! -e {GO} ]; do sleep 0.01; done"]
     configure(box, f"pre_stop = {json.dumps(hold)}")
-    for _attempt in range(3):
+    for _attempt in range(ATTEMPTS):
         said, costs, streams, young, _let_go = restart_when_the_engine_holds_a_young_stream(
             box, clients=3
         )
