@@ -186,6 +186,17 @@ def test_engine_sections_reach_the_engine(etc: Path) -> None:
     assert p.drain_max_in_flight == 4 and isinstance(p.max_uptime, float)
 
 
+def test_the_drain_a_restart_is_priced_at_is_vllms_own_from_vllm_flags(etc: Path) -> None:
+    """[vllm.flags] shutdown-timeout overrides [restart] drain_timeout on vLLM's command line
+    (``Actuator.drain_flags``), so it bounds the drain the [slo] budget prices a restart at."""
+    write(etc / "config.toml", "[restart]\ndrain_timeout = 90\n")
+    assert config.load(etc, as_root=False).engine_settings().policy.drain_timeout == 90.0
+    write(
+        etc / "config.toml", "[restart]\ndrain_timeout = 90\n[vllm.flags]\nshutdown_timeout = 20\n"
+    )
+    assert config.load(etc, as_root=False).engine_settings().policy.drain_timeout == 20.0
+
+
 @pytest.mark.parametrize(
     ("text", "line", "expected"),
     [

@@ -802,6 +802,10 @@ class Config:
         rules = self.policy.settings(self.restart)
         if mode is not None:
             rules = dataclasses.replace(rules, mode=mode)
+        # vLLM drains for as long as [vllm.flags] tells it to, which overrides drain_timeout.
+        drain = flags.validate(self.vllm.flags, None, check_versions=False).get("shutdown-timeout")
+        if isinstance(drain, int):
+            rules = dataclasses.replace(rules, drain_timeout=float(drain))
         probe_after = self.probe.after if self.probe.enabled else 0.0
         return Settings(
             baseline=self.baseline.settings(),
