@@ -270,10 +270,11 @@ class Streams(Clients):
         self.streams: list[Stream] = []
         self._open: dict[int, float] = {}  # each client's stream under way: when it began
 
-    def under_way(self) -> list[float]:
-        """When each stream under way began (wall clock)."""
+    def under_way(self, client: int | None = None) -> list[float]:
+        """When each stream under way began (wall clock); ``client``: that client's alone
+        (client 0 asks for the longest answers)."""
         with self._lock:
-            return list(self._open.values())
+            return [t for n, t in self._open.items() if client is None or n == client]
 
     def count(self, outcome: str) -> int:
         with self._lock:
@@ -302,10 +303,10 @@ class Streams(Clients):
         while not self._stop.is_set():
             started = time.time()
             with self._lock:
-                self._open[threading.get_ident()] = started
+                self._open[number] = started
             outcome = self._stream(tokens)
             with self._lock:
-                del self._open[threading.get_ident()]
+                del self._open[number]
                 if outcome is not None:
                     self.streams.append(Stream(started, time.time(), outcome))
             if outcome is None:
