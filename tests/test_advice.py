@@ -25,7 +25,7 @@ from tests.test_diagnosis import gpu as gpu_reading
 from vkvagent import advice, config, flags, status
 from vkvagent.atomicfile import write_atomically
 from vkvagent.cli import main
-from vkvagent.engine.diagnosis import PROMPT_HEAVY, kv_advice
+from vkvagent.engine.kv import PROMPT_HEAVY, kv_advice
 from vkvagent.jsonsafe import finite
 
 KV_FULL = dict(kv_usage=0.96, preemptions_per_s=0.25, waiting=30.0, running=16.0)

@@ -11,7 +11,6 @@ import pytest
 
 from tests.conftest import FIXTURES, metrics
 from tests.conftest import window_stats as window
-from vkvagent import flags
 from vkvagent.engine.baseline import Capacity, Regime, WindowStats, compare
 from vkvagent.engine.diagnosis import (
     CAUSES,
@@ -23,18 +22,14 @@ from vkvagent.engine.diagnosis import (
     DiagnosisSettings,
     DiagnosisState,
     Due,
-    EngineWindow,
-    Hysteresis,
-    Leak,
-    MemoryPoint,
-    ProbeFacts,
-    Progress,
     Situation,
-    Stall,
     diagnose,
-    kv_advice,
-    memory_growth,
 )
+from vkvagent.engine.engines import EngineWindow
+from vkvagent.engine.hysteresis import Hysteresis
+from vkvagent.engine.kv import Leak
+from vkvagent.engine.memory import MemoryPoint, memory_growth
+from vkvagent.engine.progress import ProbeFacts, Progress, Stall
 from vkvagent.engine.samples import EngineSignals, GpuReading, VllmMetrics
 from vkvagent.gpu import GpuReader, RecordedBackend
 
@@ -111,58 +106,6 @@ def test_the_cause_lists_split_into_fixable_and_vetoed() -> None:
 # -- hysteresis --------------------------------------------------------------------------------
 
 
-def test_a_symptom_becomes_active_only_after_the_hold_and_leaves_above_the_upper_line() -> None:
-    h = Hysteresis()
-    h = h.step(True, False, 0.0, hold=900.0)
-    assert not h.active and h.pending_since == 0.0
-    h = h.step(True, False, 899.0, hold=900.0)
-    assert not h.active
-    h = h.step(True, False, 900.0, hold=900.0)
-    assert h.active and h.active_since == 900.0 and h.held_for(960.0) == 960.0
-    assert h.step(False, False, 1000.0, hold=900.0) == h  # between the lines: still active
-    assert h.step(None, None, 1000.0, hold=900.0) == h  # no evidence: unchanged
-    assert h.step(False, True, 1000.0, hold=900.0) == Hysteresis()
-
-
-def test_noise_between_the_lines_neither_resets_nor_fires_the_clock() -> None:
-    h = Hysteresis().step(True, False, 0.0, hold=900.0)
-    h = h.step(False, False, 400.0, hold=900.0)  # 0.78: between enter 0.75 and leave 0.85
-    assert h.pending_since == 0.0 and not h.active
-    h = h.step(True, False, 800.0, hold=900.0)  # crossed again within the hold: same clock
-    h = h.step(False, False, 850.0, hold=900.0)
-    assert h.pending_since == 0.0 and not h.active
-    assert h.step(True, False, 960.0, hold=900.0).active
-    assert h.step(False, True, 960.0, hold=900.0) == Hysteresis()  # clearly back: reset
-
-
-def test_one_dip_before_a_quiet_night_and_one_after_are_not_a_held_symptom() -> None:
-    h = Hysteresis().step(True, False, 0.0, hold=900.0)  # 23:50, one slow window
-    h = h.step(None, None, 3600.0, hold=900.0)  # the quiet night: no evidence at all
-    assert h == Hysteresis()  # not crossed again within the hold: forgotten
-    h = h.step(True, False, 8400.0, hold=900.0)  # 02:10, one slow window again
-    assert not h.active and h.pending_since == 8400.0
-
-
-def test_a_lighter_window_is_no_evidence_against_a_pending_symptom() -> None:
-    # Bursty traffic: slow at 5.7 requests/s, fine at 2.9, slow again 10 minutes on.
-    h = Hysteresis().step(True, False, 0.0, hold=900.0, load=5.7)
-    h = h.step(True, False, 300.0, hold=900.0, load=4.2)  # a window across both: the lightest
-    assert h.load == 4.2
-    light = h.step(False, True, 420.0, hold=900.0, load=2.9)  # back to 0.95, at half the load
-    assert (light.pending_since, light.load) == (0.0, 4.2)  # never seen that light: kept
-    assert light.step(True, False, 960.0, hold=900.0, load=5.7).active  # held the 15 min
-    # A window as heavy as the lightest it was seen at (less its noise) shows it gone.
-    assert h.step(False, True, 420.0, hold=900.0, load=3.8) == Hysteresis()
-    # Not seen again within the hold, it is forgotten as any other.
-    assert light.step(False, True, 1300.0, hold=900.0, load=2.9) == Hysteresis()
-    # Crossed again after that, its load starts over.
-    stale = light.step(None, None, 1300.0, hold=900.0).step(True, False, 1400.0, 900.0, load=6.0)
-    assert stale.pending_since == 1400.0 and stale.load == 6.0
-    # Active, it is cleared at any load: the run stays due for its cause (Due) instead.
-    active = light.step(True, False, 960.0, hold=900.0, load=5.7)
-    assert active.step(False, True, 1000.0, hold=900.0, load=2.9) == Hysteresis()
-
-
 def test_a_window_without_a_known_rate_is_not_lighter() -> None:
     slow = situation(window(**SLOW))
     _, state = run([slow, situation()])
@@ -170,19 +113,6 @@ def test_a_window_without_a_known_rate_is_not_lighter() -> None:
     unrated = situation(window(requests_per_s=None, arrivals_per_s=None))  # counters reset
     _, state = run([slow, unrated])
     assert state.speed == Hysteresis()  # no rate is not a light load
-
-
-def test_a_symptom_crossed_at_a_load_it_was_seen_gone_at_starts_over() -> None:
-    # Slow once at 6 requests/s, then fine for 14 minutes as the evening's load falls to 4,
-    # then slow once at 4: the fine windows at 4 show that one alone, not a held symptom.
-    h = Hysteresis().step(True, False, 0.0, hold=900.0, load=6.0)
-    for t in range(30, 900, 30):
-        h = h.step(False, True, float(t), hold=900.0, load=max(4.0, 5.3 - 0.05 * (t // 30 - 1)))
-    assert h.pending_since == 0.0 and h.cleared == pytest.approx(5.3)
-    again = h.step(True, False, 900.0, hold=900.0, load=4.0)
-    assert not again.active and again.pending_since == 900.0 and again.cleared is None
-    # Crossed at a load heavier than any it was seen gone at, the clock runs on.
-    assert h.step(True, False, 900.0, hold=900.0, load=6.0).active
 
 
 def test_hysteresis_state_round_trips_through_json() -> None:
@@ -198,44 +128,6 @@ def test_hysteresis_state_round_trips_through_json() -> None:
 
 
 # -- the stall clock ---------------------------------------------------------------------------
-
-
-def test_the_stall_clock_runs_while_work_is_pending_and_no_counter_moves() -> None:
-    busy = metrics(num_requests_running=4.0, generation_tokens_total=100.0,
-                   engine_steps_total=50.0)  # fmt: skip
-    moved = replace(busy, engine_steps_total=51.0)
-    none = ProbeFacts()
-    p = Progress().observe(None, busy, 0.0)  # first sample: the clock starts, no accusation
-    assert p.since == 0.0 and p.advanced == 0.0
-    p = p.observe(busy, busy, 10.0)
-    assert p.stalled(busy, 130.0, none) == Stall(130.0, "requests pending")
-    assert p.observe(busy, moved, 140.0).since == 140.0  # one engine step is progress
-    idle = replace(busy, num_requests_running=0.0)
-    assert p.observe(busy, idle, 140.0).since == 140.0  # nothing to do is not a stall
-    assert p.observe(busy, idle, 140.0).advanced == 0.0  # ...nor progress
-    assert p.stalled(idle, 500.0, none) == Stall()
-    queued = replace(busy, num_requests_running=0.0, num_requests_waiting=3.0)
-    assert p.stalled(queued, 130.0, none).seconds == 130.0  # a queue nobody serves stalls too
-    blind = metrics(num_requests_running=4.0)  # no counters at all: cannot tell
-    assert p.observe(blind, blind, 50.0).since == 50.0
-
-
-def test_a_probe_without_an_answer_is_pending_work_counted_from_the_last_progress() -> None:
-    """The hung vLLM 0.32 engine: gauges frozen at 0 pending, counters still, /metrics fast."""
-    frozen = metrics(num_requests_running=0.0, generation_tokens_total=100.0,
-                     engine_steps_total=50.0)  # fmt: skip
-    p = Progress().observe(None, frozen, 0.0)
-    for t in (10.0, 20.0, 30.0, 40.0, 50.0, 60.0):
-        p = p.observe(frozen, frozen, t)
-    assert p.advanced == 0.0 and p.stalled(frozen, 60.0, ProbeFacts()) == Stall()  # idle?
-    in_flight = ProbeFacts(last_sent=30.0)
-    assert p.stalled(frozen, 60.0, in_flight) == Stall()  # not unanswered until it gives up
-    timed_out = ProbeFacts(unanswered=30.0, last_sent=30.0)
-    assert p.stalled(frozen, 60.0, timed_out) == Stall(60.0, "a probe got no answer")
-    # A probe sent before the counters last moved says nothing of the engine since.
-    moved = replace(frozen, generation_tokens_total=101.0)
-    later = p.observe(frozen, moved, 70.0)
-    assert later.stalled(moved, 100.0, timed_out) == Stall()
 
 
 def test_an_answered_probe_is_never_a_stall_whatever_the_gauges_say() -> None:
@@ -669,55 +561,6 @@ def test_a_memory_leak_is_timed_against_the_units_memory_max() -> None:
     assert "MemoryMax" not in unlimited.summary
 
 
-def test_memory_that_is_flat_noisy_short_or_from_an_earlier_run_is_not_growth() -> None:
-    assert memory_growth(S, leak(0.0, noise=GIB)) is None  # big swings, no trend
-    assert memory_growth(S, leak(1024)) is None  # grows, but 20 MiB is not a problem
-    assert memory_growth(S, leak(128 * 1024, minutes=50)) is None  # not an hour yet
-    assert memory_growth(S, leak(128 * 1024), since=60.0 * 45) is None  # this run: 45 min
-    assert memory_growth(S, []) is None
-
-
-def kv_suggestion(*args: Any) -> dict[str, Any]:
-    return {name: advice.value for name, advice in kv_advice(*args).items()}
-
-
-def test_kv_suggestions_stay_within_the_catalogue_and_only_use_what_is_known() -> None:
-    full = kv_suggestion(CAPACITY, {"gpu-memory-utilization": 0.9, "max-num-seqs": 256,
-                                    "max-num-batched-tokens": 16384}, {})  # fmt: skip
-    assert full == {"gpu-memory-utilization": 0.93, "max-num-seqs": 32,
-                    "max-num-batched-tokens": 8192}  # fmt: skip
-    flags.validate(full, None, check_versions=False)  # raises if any is out of range
-    # Already high memory, a cap already lower, a small chunk: nothing to suggest.
-    tight = kv_suggestion(CAPACITY, {"gpu-memory-utilization": 0.95, "max-num-seqs": 16,
-                                     "max-num-batched-tokens": 2048}, {})  # fmt: skip
-    assert tight == {}
-    # Nothing known but the cache_config label and the fresh concurrency.
-    assert kv_suggestion(CAPACITY, {}, {"gpu_memory_utilization": "0.92"}) == {
-        "gpu-memory-utilization": 0.95,
-        "max-num-seqs": 32,
-    }
-
-
-@pytest.mark.parametrize(
-    ("given", "chunk"),
-    [
-        ({"enable-chunked-prefill": True, "max-model-len": 8192}, 4096),
-        ({"enable-chunked-prefill": False, "max-model-len": 8192}, None),  # already the floor
-        ({"enable-chunked-prefill": False}, None),  # the floor is not known
-        ({"max-model-len": 6000}, 6000),  # chunking unknown (V0's default may be off)
-        ({}, 4096),
-    ],
-)
-def test_the_prefill_chunk_is_never_halved_below_what_vllm_starts_with(
-    given: dict[str, Any], chunk: int | None
-) -> None:
-    suggested = kv_suggestion(CAPACITY, {**given, "max-num-batched-tokens": 8192}, {})
-    assert suggested.get("max-num-batched-tokens") == chunk
-    # Whatever is suggested, vLLM starts with it.
-    merged = {**given, "max-num-batched-tokens": 8192, **suggested}
-    flags.validate(merged, None, check_versions=False)
-
-
 def test_settings_refuse_inverted_thresholds() -> None:
     with pytest.raises(ValueError):
         DiagnosisSettings(enter_ratio=0.9, leave_ratio=0.8)
@@ -868,15 +711,6 @@ def test_an_engine_whose_queue_is_unknown_is_judged_without_failing() -> None:
     result, _ = run(held(situation(engines=(*peers, unknown))), lenient)
     assert result.cause == "kv_stranded"
     assert result.summary.startswith("engine 3 of 4: ? requests wait on it")
-
-
-def test_a_suggested_memory_share_is_one_the_agent_may_set() -> None:
-    from vkvagent.engine.diagnosis import MEMORY_SHARE_TOP
-    from vkvagent.flags import CATALOGUE
-
-    limit = CATALOGUE["gpu-memory-utilization"]
-    assert limit.minimum is not None and limit.maximum is not None
-    assert limit.minimum < MEMORY_SHARE_TOP <= limit.maximum
 
 
 def test_a_kv_leak_is_told_at_any_load_before_it_binds() -> None:

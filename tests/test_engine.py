@@ -33,8 +33,9 @@ from vkvagent.engine import (
 )
 from vkvagent.engine.baseline import Baseline, Regime
 from vkvagent.engine.diagnosis import CAUSES
-from vkvagent.engine.policy import PolicySettings, RestartRecord, TrafficProfile, rate_bin
+from vkvagent.engine.policy import PolicySettings, RestartRecord
 from vkvagent.engine.samples import GpuReading, Sample
+from vkvagent.engine.traffic import TrafficProfile, rate_bin
 from vkvagent.gpu import GpuReader, RecordedBackend
 from vkvagent.sim import exposition
 from vkvagent.sim.stats import ServerInfo

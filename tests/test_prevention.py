@@ -10,16 +10,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from vkvagent.engine.policy import (
-    PREVENTION,
-    TYPICAL_MIN_VALUES,
-    Controls,
-    PolicySettings,
-    RestartRecord,
-    TrafficProfile,
-    evaluate,
-    rate_bin,
-)
+from vkvagent.engine.policy import PREVENTION, Controls, PolicySettings, RestartRecord, evaluate
 from vkvagent.engine.prevention import (
     BUCKET,
     DEFAULT_OUTAGE,
@@ -33,6 +24,7 @@ from vkvagent.engine.prevention import (
     judged,
     plan,
 )
+from vkvagent.engine.traffic import TYPICAL_MIN_VALUES, TrafficProfile, rate_bin
 
 HOUR = 3600.0
 NOW = 1.74e9

@@ -20,7 +20,7 @@ from tests.test_daemon import events_of, process_start, write_config
 from vkvagent import status
 from vkvagent.daemon import Daemon
 from vkvagent.demo import scaled_clock
-from vkvagent.engine.diagnosis import ProbeFacts
+from vkvagent.engine.progress import ProbeFacts
 from vkvagent.history import History
 from vkvagent.probe import Prober, ProbeResult, outcome_of
 from vkvagent.vllm import VllmClient

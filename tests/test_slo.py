@@ -24,7 +24,7 @@ from vkvagent.engine import (
     decide,
 )
 from vkvagent.engine.baseline import WindowStats
-from vkvagent.engine.policy import Controls, TrafficProfile, evaluate, rate_bin
+from vkvagent.engine.policy import Controls, evaluate
 from vkvagent.engine.rates import quantile
 from vkvagent.engine.slo import (
     Budget,
@@ -38,6 +38,7 @@ from vkvagent.engine.slo import (
     share_within,
 )
 from vkvagent.engine.tick import _budget
+from vkvagent.engine.traffic import TrafficProfile, rate_bin
 
 BOUNDS = (0.1, 0.5, 1.0, 2.5, math.inf)
 SLO = SloSettings(availability=0.999, ttft_seconds=2.0, itl_seconds=0.1)

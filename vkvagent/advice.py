@@ -1,7 +1,7 @@
 """The daemon's flag suggestion as a change to review: a TOML diff and a conf.d file.
 
 The daemon's last diagnosis (``status.json``) may carry a suggestion: the vLLM flags the engine
-would change against KV pressure (``engine.diagnosis.kv_advice``). This module turns it into a
+would change against KV pressure (``engine.kv.kv_advice``). This module turns it into a
 change of the ``[vllm.flags]`` table: each suggested flag merged into the effective table
 (spelled as the operator's files spell it, so no flag is given twice), the ones this vLLM
 release lacks left out with the reason, a unified diff of the table, and the ``conf.d`` file

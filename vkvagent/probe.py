@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vkvagent.engine.diagnosis import ProbeFacts
+from vkvagent.engine.progress import ProbeFacts
 from vkvagent.vllm import ScrapeError, VllmClient
 
 UNANSWERED = frozenset({"timeout", "error"})  # outcomes that count towards a stall

@@ -29,8 +29,7 @@ from typing import Any
 
 from vkvagent.engine import BaselineSettings, SpeedChange, speed_change
 from vkvagent.engine.baseline import Baseline
-from vkvagent.engine.diagnosis import optional_float
-from vkvagent.engine.samples import FlagValue
+from vkvagent.engine.samples import FlagValue, optional_float
 
 APPLY_MODES = ("next-window", "with-next-restart", "manual")
 # A change's verdict: what its run's fresh speed says, against the run before it.

@@ -42,8 +42,10 @@ from typing import Any
 
 from vkvagent.engine import EngineState, Observation, RunState, Settings
 from vkvagent.engine.baseline import METRICS, Baseline, BaselineSettings, Regime
-from vkvagent.engine.diagnosis import DiagnosisSettings, MemoryPoint, ProbeFacts
+from vkvagent.engine.diagnosis import DiagnosisSettings
+from vkvagent.engine.memory import MemoryPoint
 from vkvagent.engine.policy import PolicySettings, RestartRecord
+from vkvagent.engine.progress import ProbeFacts
 from vkvagent.engine.samples import (
     THROTTLE_REASONS,
     GpuReading,

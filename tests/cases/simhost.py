@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from types import MappingProxyType
 
 from vkvagent.engine import Decision, EngineState, Observation, Settings, decide
-from vkvagent.engine.diagnosis import MemoryPoint
+from vkvagent.engine.memory import MemoryPoint
 from vkvagent.engine.policy import RestartRecord
 from vkvagent.engine.samples import Histogram, Sample, VllmMetrics
 from vkvagent.gpu import GpuReader, RecordedBackend

@@ -1,23 +1,22 @@
 """The decision engine: pure functions over values, no clock, no I/O.
 
-``decide(settings, state, observation, now) -> Decision`` is one tick: the baseline
-(``baseline``), the diagnosis (``diagnosis``) and the policy (``policy``) over windows of
-samples (``rates``). The values it reads (``samples``) and the GPU fault table
-(``gpu_faults``) import nothing of vkvagent. Nothing in this package imports an adapter: the
-daemon, replay, the demo and the benchmark feed it the same way, and tests/test_layers.py
-keeps it so.
+``decide(settings, state, observation, now) -> Decision`` is one tick (``tick``): the
+baseline (``baseline``, carried from run to run: ``carry``), the diagnosis (``diagnosis``,
+from its held symptoms: ``hysteresis``, ``progress``, ``kv``, ``memory``, ``engines``,
+``gpu_vetoes``) and the policy (``policy``, with this host's ``traffic`` and its ``slo``) over
+windows of samples (``rates``) a caller keeps (``recent``). The values it reads (``samples``)
+and the GPU fault table (``gpu_faults``) import nothing of vkvagent. Nothing in this package
+imports an adapter: the daemon, replay, the demo and the benchmark feed it the same way, and
+tests/test_layers.py keeps it so.
 """
 
 from vkvagent.engine.baseline import BaselineSettings, SpeedChange, speed_change
-from vkvagent.engine.diagnosis import (
-    CAUSES,
-    FIXABLE,
-    VETOED,
-    DiagnosisSettings,
-    MemoryPoint,
-    ProbeFacts,
-)
-from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
+from vkvagent.engine.carry import server_identity
+from vkvagent.engine.diagnosis import CAUSES, FIXABLE, VETOED, DiagnosisSettings
+from vkvagent.engine.memory import MemoryPoint
+from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord
+from vkvagent.engine.progress import ProbeFacts
+from vkvagent.engine.recent import Recent
 from vkvagent.engine.samples import (
     EngineSignals,
     FlagValue,
@@ -32,12 +31,11 @@ from vkvagent.engine.tick import (
     Decision,
     EngineState,
     Observation,
-    Recent,
     RunState,
     Settings,
     decide,
-    server_identity,
 )
+from vkvagent.engine.traffic import TrafficProfile
 
 __all__ = [
     "ACTIONS",

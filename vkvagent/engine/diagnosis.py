@@ -19,21 +19,24 @@ readings, the held-symptom state) and returns values, the new state included.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Union
+from typing import Any, Union
 
-from vkvagent.engine import liveness
+from vkvagent.engine import gpu_vetoes, liveness
 from vkvagent.engine.baseline import Capacity, Comparison, WindowStats
-from vkvagent.engine.gpu_faults import describe_xid, is_fault
+from vkvagent.engine.engines import EngineWindow, lagging_engine
+from vkvagent.engine.hysteresis import Hysteresis
+from vkvagent.engine.kv import kv_advice, kv_clear, kv_leak, kv_signature, stranded_signature
 from vkvagent.engine.liveness import Found
+from vkvagent.engine.memory import MemoryPoint, memory_growth
+from vkvagent.engine.progress import Progress, Stall
 from vkvagent.engine.samples import (
-    EngineSignals,
     FlagValue,
     GpuReading,
     Sample,
-    VllmMetrics,
+    num_text,
+    optional_float,
     utc_text,
 )
 
@@ -51,17 +54,6 @@ HELD = FIXABLE - {"stall", "unresponsive", *liveness.CAUSES}
 # pressure the server serves less, so its served load falls into a lighter regime.
 LOAD_BOUND = frozenset({"kv_pressure", "kv_stranded"})
 CAUSES = (*sorted(FIXABLE), *sorted(VETOED), "engine_down")
-# The largest --gpu-memory-utilization a suggestion goes to: what is left is the CUDA context,
-# activations and fragmentation (flags.CATALOGUE lets an operator go to 0.98).
-MEMORY_SHARE_TOP = 0.95
-# Prefix caching can only save prompt work: suggested when prompt tokens are at least this share
-# of the tokens processed (docs/tuning.md).
-PROMPT_HEAVY = 0.5
-# Prefix-cache hits / queries at or above this: requests share prefixes, so the block size,
-# the granularity of a hit, matters.
-PREFIX_SHARED = 0.2
-# CUDA's default block size (vLLM's CacheConfig); other platforms pick their own (CPU: 128).
-CUDA_BLOCK_SIZE = 16
 
 EvidenceValue = Union[float, int, str, bool, None]
 Evidence = Mapping[str, EvidenceValue]
@@ -112,198 +104,6 @@ class DiagnosisSettings:
 
 
 # -- state carried between calls ---------------------------------------------------------------
-
-
-# A window at this share of the lightest load a symptom was seen at, or more, can show it gone:
-# the same load, give or take its minute-to-minute noise.
-SAME_LOAD_SHARE = 0.9
-
-
-@dataclass(frozen=True)
-class Hysteresis:
-    """A symptom that must hold for ``hold`` seconds to become active, and stays active until
-    its leaving condition is seen. Times are monotonic seconds (``Sample.mono``)."""
-
-    active: bool = False
-    pending_since: float | None = None
-    active_since: float | None = None
-    last_entering: float | None = None  # when the entering threshold was last crossed
-    load: float | None = None  # the lightest load (requests/s) it was crossed at
-    # The heaviest of the lighter loads it was seen gone at: evidence once it is crossed at a
-    # load as light.
-    cleared: float | None = None
-
-    def step(
-        self,
-        entering: bool | None,
-        leaving: bool | None,
-        now: float,
-        hold: float,
-        load: float | None = None,
-    ) -> Hysteresis:
-        """``entering``: the symptom's threshold is crossed now; ``leaving``: it is clearly
-        gone. In between (or None: no evidence, e.g. no baseline at this load) nothing
-        changes, so noise around the entering threshold neither resets the clock nor fires:
-        the symptom becomes active when it is crossed again ``hold`` after it first was. A
-        symptom not crossed again within ``hold`` is forgotten, so one dip before a quiet night
-        and one after it are not a held symptom. With ``load`` (the window's), a lighter window
-        (under SAME_LOAD_SHARE of the lightest load it was crossed at) does not show a pending
-        symptom gone: bursty traffic's light minutes are no evidence against a slowdown seen
-        at its heavy ones. They count once it is crossed at a load that light: if one showed
-        it gone there, it starts over. An active one is cleared as before: the run stays due
-        for its cause (``Due``), which recovers only under comparable load."""
-        seen_at = None if self.active else self.load
-        lighter = seen_at is not None and load is not None and load < seen_at * SAME_LOAD_SHARE
-        if leaving and not lighter:
-            return Hysteresis()
-        if self.active:
-            return self
-        if not entering:
-            if self.last_entering is not None and now - self.last_entering > hold:
-                return Hysteresis()
-            if leaving and load is not None:  # (lighter, so load is known) kept for later
-                return replace(self, cleared=max(self.cleared or 0.0, load))
-            return self
-        # Not crossed within the hold, or crossed at a load it was seen gone at since: it
-        # starts over from this crossing.
-        starts_over = (self.last_entering is not None and now - self.last_entering > hold) or (
-            load is not None and self.cleared is not None and self.cleared >= load * SAME_LOAD_SHARE
-        )
-        since = self.pending_since if self.pending_since is not None and not starts_over else now
-        loads = [x for x in (None if starts_over else self.load, load) if x is not None]
-        lightest = min(loads) if loads else None
-        if now - since >= hold:
-            return Hysteresis(True, since, now, now, lightest)
-        cleared = None if starts_over else self.cleared
-        return Hysteresis(False, since, None, now, lightest, cleared)
-
-    def held_for(self, now: float) -> float:
-        return 0.0 if self.pending_since is None else now - self.pending_since
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "active": self.active,
-            "pending_since": self.pending_since,
-            "active_since": self.active_since,
-            "last_entering": self.last_entering,
-            "load": self.load,
-            "cleared": self.cleared,
-        }
-
-    @classmethod
-    def from_json(cls, data: Any) -> Hysteresis:
-        return cls(
-            bool(data["active"]),
-            optional_float(data["pending_since"]),
-            optional_float(data["active_since"]),
-            optional_float(data.get("last_entering")),
-            optional_float(data.get("load")),  # these two absent in state saved before them
-            optional_float(data.get("cleared")),
-        )
-
-
-@dataclass(frozen=True)
-class Progress:
-    """The stall clocks (monotonic seconds): ``since``, when the engine last showed progress
-    or had, by its gauges, nothing to do; ``advanced``, when a work counter last moved (the
-    first sample of a run counts as a move, rather than accuse the engine)."""
-
-    since: float | None = None
-    advanced: float | None = None
-    # With several data-parallel engines, ``since`` of each (engine label, since): one engine
-    # stuck among busy ones moves the totals nowhere near a stall.
-    engines: tuple[tuple[str, float], ...] = ()
-
-    def observe(self, before: VllmMetrics | None, after: VllmMetrics, mono: float) -> Progress:
-        moved = before is None or self.advanced is None or _advanced(before, after)
-        advanced = mono if moved else self.advanced
-        since = mono if moved or self.since is None or _pending(after) <= 0 else self.since
-        return Progress(since, advanced, self._engines(before, after, mono))
-
-    def _engines(
-        self, before: VllmMetrics | None, after: VllmMetrics, mono: float
-    ) -> tuple[tuple[str, float], ...]:
-        if len(after.per_engine) < 2:
-            return ()
-        clocks = dict(self.engines)
-        previous = {e.engine: e for e in before.per_engine} if before is not None else {}
-        out: list[tuple[str, float]] = []
-        for engine in after.per_engine:
-            old, since = previous.get(engine.engine), clocks.get(engine.engine)
-            if old is None or since is None or _advanced(old, engine) or _pending(engine) <= 0:
-                since = mono
-            out.append((engine.engine, since))
-        return tuple(out)
-
-    def stalled(self, latest: VllmMetrics, mono: float, probe: ProbeFacts) -> Stall:
-        """How long the engine has had work and made no progress: work by its gauges (no
-        longer counted from a probe answered since), or a probe sent since its counters last
-        moved that got no answer (then counted from that last move: the probe proves the
-        engine was not idle but stuck)."""
-        answered = probe.answered if probe.answered is not None else -math.inf
-        gauges, evidence = 0.0, "requests pending"
-        if self.since is not None and _pending(latest) > 0:
-            gauges = max(0.0, mono - max(self.since, answered))
-        signals = {e.engine: e for e in latest.per_engine}
-        for engine, since in self.engines:
-            signal = signals.get(engine)
-            if signal is not None and _pending(signal) > 0:
-                stuck = max(0.0, mono - max(since, answered))
-                if stuck > gauges:
-                    gauges = stuck
-                    evidence = f"requests pending on engine {engine} of {len(signals)}"
-        probed = 0.0
-        if (
-            probe.unanswered is not None
-            and self.advanced is not None
-            and probe.unanswered >= self.advanced
-        ):
-            probed = max(0.0, mono - max(self.advanced, answered))
-        if probed > gauges:
-            return Stall(probed, "a probe got no answer")
-        return Stall(gauges, evidence if gauges else "")
-
-
-@dataclass(frozen=True)
-class Stall:
-    """How long the engine has had work without progress, and what says it had work."""
-
-    seconds: float = 0.0
-    evidence: str = ""  # "requests pending" (the gauges), "a probe got no answer", or ""
-
-
-@dataclass(frozen=True)
-class ProbeFacts:
-    """What the active probe found (monotonic send times): the last probe answered, the
-    latest unanswered one since (timed out, or a server error) and the last sent. All None:
-    no probe (replay, or the probe switched off)."""
-
-    answered: float | None = None
-    unanswered: float | None = None
-    last_sent: float | None = None
-
-
-def _pending(signals: VllmMetrics | EngineSignals) -> float:
-    return (signals.num_requests_running or 0) + (signals.num_requests_waiting or 0)
-
-
-def _advanced(before: VllmMetrics | EngineSignals, after: VllmMetrics | EngineSignals) -> bool:
-    compared = False
-    for read in _WORK:
-        old, new = read(before), read(after)
-        if old is not None and new is not None:
-            compared = True
-            if new != old:  # up, or down after a reset: either way the engine moved
-                return True
-    return not compared  # nothing to compare: cannot tell, so do not accuse
-
-
-_WORK: tuple[Callable[[VllmMetrics | EngineSignals], float | None], ...] = (
-    lambda m: m.generation_tokens_total,
-    lambda m: m.engine_steps_total,
-    lambda m: m.prompt_tokens_total,
-    lambda m: m.request_success_total,
-)
 
 
 @dataclass(frozen=True)
@@ -373,12 +173,14 @@ class Due:
 class DiagnosisState:
     """Everything diagnosis remembers between calls."""
 
-    speed: Hysteresis = Hysteresis()
-    kv: Hysteresis = Hysteresis()
-    stranded: Hysteresis = Hysteresis()
-    lagging: Hysteresis = Hysteresis()  # one data-parallel engine far behind the others
-    leak: Hysteresis = Hysteresis()  # KV blocks held beyond what the running requests take
-    progress: Progress = Progress()
+    speed: Hysteresis = field(default_factory=Hysteresis)
+    kv: Hysteresis = field(default_factory=Hysteresis)
+    stranded: Hysteresis = field(default_factory=Hysteresis)
+    # One data-parallel engine far behind the others:
+    lagging: Hysteresis = field(default_factory=Hysteresis)
+    # KV blocks held beyond what the running requests take:
+    leak: Hysteresis = field(default_factory=Hysteresis)
+    progress: Progress = field(default_factory=Progress)
     throttled_at: float | None = None  # monotonic time a throttled GPU was last seen
     throttle_note: str = ""
     fault_at: float | None = None  # monotonic time a GPU fault was last seen
@@ -461,26 +263,7 @@ class DiagnosisState:
         )
 
 
-def optional_float(value: Any) -> float | None:
-    """A number or None from JSON state; ValueError for anything else."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected a number or null, got {value!r}")
-    return float(value)
-
-
 # -- inputs and result -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MemoryPoint:
-    """The vLLM unit's memory at one moment (systemd's MemoryCurrent), with the requests the
-    run had served by then (``request_success_total``)."""
-
-    mono: float
-    bytes: float
-    requests_served: float
 
 
 @dataclass(frozen=True)
@@ -494,7 +277,7 @@ class Situation:
     learning: str  # why there is no baseline yet (warm-up), or ""
     capacity: Capacity | None = None  # the heaviest load the fresh run served cleanly
     gpus: Sequence[tuple[GpuReading, ...]] = ()  # readings of each sample not seen before
-    stall: Stall = Stall()
+    stall: Stall = field(default_factory=Stall)
     unresponsive: str | None = None  # vLLM silent past unresponsive_after, in words
     memory: Sequence[MemoryPoint] = ()  # oldest first
     memory_limit: float | None = None  # the unit's MemoryMax, bytes; None: unlimited
@@ -507,7 +290,7 @@ class Situation:
     flags: Mapping[str, FlagValue] = field(default_factory=dict)  # the flags in effect
     cache_config: Mapping[str, str] = field(default_factory=dict)
     # Whose fresh baseline ``comparison`` is against: "this run's", or "an earlier run's" at a
-    # load this run has not learned (engine.CARRY_SPEED).
+    # load this run has not learned (carry.CARRY_SPEED).
     baseline_of: str = "this run's"
     engines: Sequence[EngineWindow] = ()  # each data-parallel engine over the window (2 or more)
     prefix_hit_ratio: float | None = None  # prefix-cache hits / queries over the window
@@ -516,23 +299,6 @@ class Situation:
     # compared regime's, else the fresh capacity's (per request, neither depends much on the
     # load).
     fresh: Mapping[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class EngineWindow:
-    """One data-parallel engine over the window: its means and rates (None: not on the page)."""
-
-    engine: str
-    kv_usage: float | None
-    waiting: float | None
-    generation_tokens_per_s: float | None
-    preemptions_per_s: float | None
-
-    def words(self) -> str:
-        return (
-            f"engine {self.engine}: KV {_num(self.kv_usage)}, {_num(self.waiting, '.1f')} "
-            f"waiting, {_num(self.generation_tokens_per_s, '.0f')} tokens/s"
-        )
 
 
 @dataclass(frozen=True)
@@ -651,7 +417,7 @@ def _diagnose(
     fresh_clock = (
         situation.comparison.baseline.get("sm_clock_ratio") if situation.comparison else None
     )
-    state = _remember_gpus(s, state, situation.gpus, fresh_clock, now)
+    state = gpu_vetoes.remember(s, state, situation.gpus, fresh_clock, now)
     faulty = state.fault_at is not None and now - state.fault_at < s.fault_memory
     if situation.unresponsive is not None:
         if faulty:  # a GPU fault can hang vLLM, and a restart does not repair the GPU
@@ -691,9 +457,9 @@ def _diagnose(
     state = _step_symptoms(s, state, situation, now)
     # One engine far behind its peers enters below enter_ratio of them and leaves only
     # once it serves leave_ratio: ``lagging`` is the engine still behind by the latter.
-    lagging = _lagging(s, situation.engines, s.leave_ratio)
+    lagging = lagging_engine(s, situation.engines, s.leave_ratio)
     if situation.engines:
-        entering = _lagging(s, situation.engines, s.enter_ratio) is not None
+        entering = lagging_engine(s, situation.engines, s.enter_ratio) is not None
         state = replace(state, lagging=state.lagging.step(entering, lagging is None, now, s.hold))
     evidence: dict[str, EvidenceValue] = _window_evidence(stats, cmp, situation)
     if cmp is not None and cmp.ratio is not None:
@@ -718,7 +484,7 @@ def _diagnose(
         )
         return Diagnosis("stall", line, evidence, symptom="no progress"), state
 
-    throttle = _throttle(s, state, now)
+    throttle = gpu_vetoes.throttle(s, state, now)
     if throttle:
         evidence["gpu_throttle"] = throttle
     capacity = situation.capacity
@@ -731,8 +497,8 @@ def _diagnose(
 
     if state.stranded.active and stats is not None and capacity is not None:
         symptom = (
-            f"{_num(stats.waiting, '.1f')} requests wait while KV usage is "
-            f"{_num(stats.kv_usage)}, serving {_num(stats.generation_tokens_per_s, '.0f')}"
+            f"{num_text(stats.waiting, '.1f')} requests wait while KV usage is "
+            f"{num_text(stats.kv_usage)}, serving {num_text(stats.generation_tokens_per_s, '.0f')}"
             f" tokens/s where the fresh server served "
             f"{capacity.generation_tokens_per_s:.0f} without a queue"
         )
@@ -762,13 +528,13 @@ def _diagnose(
             symptom=symptom,
         ), state
 
-    leak = _kv_leak(s, stats, situation.fresh, capacity, state.heaviest)
+    leak = kv_leak(s, stats, situation.fresh, capacity, state.heaviest)
     if state.leak.active and leak is not None and stats is not None and capacity is not None:
         evidence["kv_leaked"] = leak.leaked
         evidence["kv_leak_loss"] = leak.loss
         symptom = (
-            f"{leak.leaked:.0%} of the KV cache held beyond what {_num(stats.running, '.1f')} "
-            f"running requests take at their fresh share (KV usage {_num(stats.kv_usage)}); "
+            f"{leak.leaked:.0%} of the KV cache held beyond what {num_text(stats.running, '.1f')} "
+            f"running requests take at their fresh share (KV usage {num_text(stats.kv_usage)}); "
             f"the heaviest load served cleanly, {leak.load:.2f} requests/s, takes KV usage "
             f"{leak.needs:.2f} fresh and leaves {leak.room:.0%}"
         )
@@ -834,16 +600,16 @@ def _step_symptoms(
         s.hold,
         load,
     )
-    kv = None if stats is None else _kv_signature(s, stats)
-    kv_gone = None if stats is None else _kv_clear(s, stats)
-    stranded = _stranded_signature(s, stats, capacity)
+    kv = None if stats is None else kv_signature(s, stats)
+    kv_gone = None if stats is None else kv_clear(s, stats)
+    stranded = stranded_signature(s, stats, capacity)
     # Under pressure (preempting) the cache is full whatever leaks: the storm is its own
     # symptom, and a leak is told only by a server not preempting.
     calm = stats is not None and (stats.preemptions_per_s or 0.0) < s.min_preemptions_per_s
     heaviest = state.heaviest
     if stats is not None and calm and (stats.waiting or 0.0) < 0.5:
         heaviest = max(heaviest or 0.0, _demand(stats))
-    leak = _kv_leak(s, stats, fresh, capacity, heaviest)
+    leak = kv_leak(s, stats, fresh, capacity, heaviest)
     leaking = None if leak is None else leak.leaked >= leak.room and calm
     sealed = None if leak is None else leak.leaked < leak.room / 2
     return replace(
@@ -871,110 +637,6 @@ def _declining(s: DiagnosisSettings, situation: Situation) -> bool:
     return situation.decline is not None and situation.decline >= s.trend_loss
 
 
-def _lagging(
-    s: DiagnosisSettings, engines: Sequence[EngineWindow], ratio: float
-) -> tuple[EngineWindow, str] | None:
-    """One data-parallel engine with requests waiting on it that serves less than ``ratio``
-    of what its peers serve (their median): saturated or stranded while the totals, averaged
-    and summed over every engine, look fine. The engine and the words."""
-    if len(engines) < 2:
-        return None
-    for engine in engines:
-        rate = engine.generation_tokens_per_s
-        peers = sorted(
-            e.generation_tokens_per_s
-            for e in engines
-            if e is not engine and e.generation_tokens_per_s is not None
-        )
-        if rate is None or not peers or (engine.waiting or 0.0) < s.min_waiting:
-            continue
-        peer = peers[len(peers) // 2]
-        if peer > 0 and rate < peer * ratio:
-            return engine, (
-                f"engine {engine.engine} of {len(engines)}: {_num(engine.waiting, '.1f')} "
-                "requests wait "
-                f"on it at KV usage {_num(engine.kv_usage)}, {_num(engine.preemptions_per_s)} "
-                f"preemptions/s, serving {rate:.0f} tokens/s where its peers serve {peer:.0f}"
-            )
-    return None
-
-
-@dataclass(frozen=True)
-class Leak:
-    """KV blocks held beyond what the running requests take at their fresh share."""
-
-    leaked: float  # the share of the cache leaked
-    load: float  # the heaviest load (requests/s) this run served cleanly, or the fresh peak's
-    needs: float  # the KV usage that load takes on the fresh server
-    room: float  # the leak at which that load fills the cache (kv_full), at least kv_leak
-    full: float  # kv_full
-
-    @property
-    def loss(self) -> float:
-        """The share of that load the leak leaves no room for: what waiting costs once it
-        comes again (the cache holds kv_full - leaked of the ``needs`` it takes)."""
-        return min(1.0, max(0.0, self.leaked + self.needs - self.full) / self.needs)
-
-
-def _kv_leak(
-    s: DiagnosisSettings,
-    stats: WindowStats | None,
-    fresh: Mapping[str, float],
-    capacity: Capacity | None,
-    heaviest: float | None,
-) -> Leak | None:
-    """The usage beyond what the running requests take at their fresh share (a request's
-    share hardly depends on the load, so any fresh regime tells; the request mix is checked
-    apart), against the room the heaviest load this run served cleanly leaves: the fresh
-    peak's usage scaled by the load (a lower bound: a busier server holds each request
-    longer). None without a fresh share and a fresh peak to tell by."""
-    if stats is None or stats.kv_usage is None or stats.running is None:
-        return None
-    usage, running = fresh.get("kv_usage"), fresh.get("running")
-    if not usage or not running or capacity is None or not capacity.kv_usage:
-        return None
-    if not capacity.requests_per_s > 0:
-        return None
-    load = max(capacity.requests_per_s, heaviest or 0.0)
-    needs = capacity.kv_usage * load / capacity.requests_per_s
-    leaked = stats.kv_usage - stats.running * usage / running
-    return Leak(leaked, load, needs, max(s.kv_leak, s.kv_full - needs), s.kv_full)
-
-
-def _kv_signature(s: DiagnosisSettings, stats: WindowStats) -> bool:
-    """KV near full, preemptions going on and requests waiting: all three together."""
-    return (
-        stats.kv_usage is not None
-        and stats.kv_usage >= s.kv_full
-        and (stats.preemptions_per_s or 0.0) >= s.min_preemptions_per_s
-        and (stats.waiting or 0.0) >= s.min_waiting
-    )
-
-
-def _kv_clear(s: DiagnosisSettings, stats: WindowStats) -> bool:
-    """KV pressure is over: usage well below full, or no preemption, or no queue."""
-    return (
-        stats.kv_usage is None
-        or stats.kv_usage < s.kv_stranded_below
-        or (stats.preemptions_per_s or 0.0) < s.min_preemptions_per_s
-        or (stats.waiting or 0.0) < s.min_waiting
-    )
-
-
-def _stranded_signature(
-    s: DiagnosisSettings, stats: WindowStats | None, capacity: Capacity | None
-) -> bool | None:
-    """Requests wait beside free KV while the server serves clearly less than the load its
-    fresh self served without a queue. None: no fresh capacity to compare with."""
-    if stats is None or stats.kv_usage is None or stats.waiting is None:
-        return None
-    if stats.waiting < s.min_waiting or stats.kv_usage >= s.kv_stranded_below:
-        return False
-    if capacity is None or stats.generation_tokens_per_s is None:
-        return None
-    return stats.generation_tokens_per_s < capacity.generation_tokens_per_s * s.enter_ratio
-
-
 def _kv_pressure(
     s: DiagnosisSettings,
     state: DiagnosisState,
@@ -991,8 +653,8 @@ def _kv_pressure(
     stats = situation.stats
     assert stats is not None
     symptom = (
-        f"KV usage {_num(stats.kv_usage)}, {_num(stats.preemptions_per_s)} "
-        f"preemptions/s, {_num(stats.waiting, '.1f')} waiting, for "
+        f"KV usage {num_text(stats.kv_usage)}, {num_text(stats.preemptions_per_s)} "
+        f"preemptions/s, {num_text(stats.waiting, '.1f')} waiting, for "
         f"{_minutes(state.kv.held_for(now))}"
     )
     capacity = situation.capacity
@@ -1112,267 +774,6 @@ def _veto(
     return None
 
 
-# -- GPUs --------------------------------------------------------------------------------------
-
-
-def _remember_gpus(
-    s: DiagnosisSettings,
-    state: DiagnosisState,
-    gpus: Sequence[tuple[GpuReading, ...]],
-    fresh_clock: float | None,
-    now: float,
-) -> DiagnosisState:
-    """Throttling and faults are seen in some samples only (an XID is reported once); keep
-    the latest of each, so it vetoes for as long as it can explain a held symptom. Only
-    hardware, driver and unknown XIDs are faults: an application one is what a restart fixes
-    (``engine.gpu_faults.XIDS``)."""
-    throttled: list[str] = []
-    faults: list[str] = []
-    for readings in gpus:
-        for gpu in readings:
-            if _throttled(s, gpu, fresh_clock):
-                throttled.append(
-                    f"GPU {gpu.index} {'+'.join(gpu.throttled_by)}, SM clock "
-                    f"{gpu.sm_clock_mhz:.0f}/{gpu.sm_clock_max_mhz:.0f} MHz"
-                )
-            faults.extend(
-                f"GPU {gpu.index} {describe_xid(xid)}" for xid in gpu.xid_errors if is_fault(xid)
-            )
-            if gpu.ecc_uncorrected_volatile:
-                faults.append(
-                    f"GPU {gpu.index} {gpu.ecc_uncorrected_volatile} uncorrectable ECC errors"
-                )
-    if throttled:
-        state = replace(state, throttled_at=now, throttle_note=throttled[-1])
-    if faults:
-        state = replace(state, fault_at=now, fault_note="; ".join(dict.fromkeys(faults)))
-    return state
-
-
-def _throttled(s: DiagnosisSettings, gpu: GpuReading, fresh_clock: float | None) -> bool:
-    """Slowed against the workload's will, and by more than the fresh server was at this
-    load (``fresh_clock``: its SM clock / maximum, when known).
-
-    A busy GPU at its power cap runs far below its maximum clock all day (an H200 under a
-    full load: 1425 of 1980 MHz at 700 W, recorded in tests/fixtures/gpu), so the power cap
-    counts only against the fresh server's clock: alone, it neither explains a slowdown nor
-    stops a baseline from being learned. Heat and hardware slowdowns count against the
-    maximum clock until the fresh one is known."""
-    clock, top = gpu.sm_clock_mhz, gpu.sm_clock_max_mhz
-    if not gpu.throttled_by or clock is None or not top:
-        return False
-    if fresh_clock is None and gpu.throttled_by == ("sw_power_cap",):
-        return False
-    reference = 1.0 if fresh_clock is None else min(1.0, fresh_clock)
-    return clock / top < reference * (1 - s.throttle_clock_drop)
-
-
-def _throttle(s: DiagnosisSettings, state: DiagnosisState, now: float) -> str:
-    """The throttling that can still explain a symptom held for ``hold``, or ""."""
-    if state.throttled_at is not None and now - state.throttled_at <= s.hold:
-        return state.throttle_note
-    return ""
-
-
-# -- memory ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MemoryTrend:
-    """Memory rising with requests served: the fit behind ``host_memory_growth``."""
-
-    grown: float  # bytes, along the fitted line over the requests served in the series
-    per_request: float  # bytes per request served (the slope)
-    correlation: float
-    current: float  # bytes now
-    span: float  # seconds covered
-    limit: float | None = None  # the unit's MemoryMax; None: unlimited
-    # Seconds until ``current`` reaches ``limit`` at the series' mean growth per second (its
-    # requests at the rate they came); None without a limit.
-    to_limit: float | None = None
-
-    def evidence(self) -> dict[str, EvidenceValue]:
-        found: dict[str, EvidenceValue] = {
-            "memory_growth_bytes": self.grown,
-            "bytes_per_request": self.per_request,
-            "memory_correlation": self.correlation,
-            "memory_bytes": self.current,
-            "memory_span_s": self.span,
-        }
-        if self.limit is not None and self.to_limit is not None:
-            found["memory_max_bytes"] = self.limit
-            found["memory_limit_in_s"] = self.to_limit
-        return found
-
-
-def memory_growth(
-    s: DiagnosisSettings,
-    points: Sequence[MemoryPoint],
-    since: float | None = None,
-    limit: float | None = None,
-) -> MemoryTrend | None:
-    """Memory that rises steadily with requests served (a per-request leak), or None.
-
-    A least-squares line of bytes against requests served, over this run's points (those
-    from monotonic time ``since`` on; oldest first): it must span ``memory_min_span``,
-    follow requests closely (correlation) and have grown ``memory_min_growth``. At most
-    ``_FIT_POINTS`` points, evenly spread, enter the fit, so a long series costs no more.
-    With ``limit`` (MemoryMax), when the growth reaches it at the series' pace."""
-    first = 0 if since is None else _first_from(points, since)
-    if len(points) - first < 6 or points[-1].mono - points[first].mono < s.memory_min_span:
-        return None
-    step = max(1, (len(points) - first) // _FIT_POINTS)
-    kept = list(points[first::step])
-    if kept[-1] is not points[-1]:
-        kept.append(points[-1])
-    n = len(kept)
-    mean_r = sum(p.requests_served for p in kept) / n
-    mean_b = sum(p.bytes for p in kept) / n
-    srr = sum((p.requests_served - mean_r) ** 2 for p in kept)
-    sbb = sum((p.bytes - mean_b) ** 2 for p in kept)
-    srb = sum((p.requests_served - mean_r) * (p.bytes - mean_b) for p in kept)
-    if srr <= 0 or sbb <= 0:
-        return None
-    slope = srb / srr
-    correlation = srb / math.sqrt(srr * sbb)
-    grown = slope * (kept[-1].requests_served - kept[0].requests_served)
-    if slope <= 0 or correlation < s.memory_min_correlation or grown < s.memory_min_growth:
-        return None
-    span = kept[-1].mono - kept[0].mono
-    to_limit = None if limit is None else max(0.0, limit - kept[-1].bytes) * span / grown
-    return MemoryTrend(grown, slope, correlation, kept[-1].bytes, span, limit, to_limit)
-
-
-_FIT_POINTS = 64
-
-
-def _first_from(points: Sequence[MemoryPoint], since: float) -> int:
-    """Index of the first point at or after ``since`` (binary search; bisect's ``key`` needs
-    Python 3.10)."""
-    low, high = 0, len(points)
-    while low < high:
-        middle = (low + high) // 2
-        if points[middle].mono < since:
-            low = middle + 1
-        else:
-            high = middle
-    return low
-
-
-# -- suggestion --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Advice:
-    """One flag change a diagnosis suggests, and why (words with the numbers behind them)."""
-
-    value: FlagValue
-    reason: str
-
-
-def kv_advice(
-    capacity: Capacity,
-    flags: Mapping[str, FlagValue],
-    cache_config: Mapping[str, str],
-    *,
-    stats: WindowStats | None = None,
-    prefix_hit_ratio: float | None = None,
-    on_gpu: bool = False,
-) -> dict[str, Advice]:
-    """Flag changes that give KV more room or ask less of it, for an operator to review, each
-    argued: a little more memory for the cache; at most 1.5 times the concurrency the fresh
-    server needed at its heaviest clean load (more only preempts); half the prefill chunk;
-    prefix caching where the request mix is mostly prompt; CUDA's block size where an
-    operator's larger one costs prefix-cache hits. Only values derived from what is known,
-    each within the catalogue's limits; unknown never suggests (docs/tuning.md).
-
-    ``flags``: the flags in effect; ``cache_config``: vLLM's ``cache_config_info`` labels;
-    ``on_gpu``: NVML saw a GPU (the block size is only suggested there: other platforms pick
-    their own, the CPU build 128)."""
-    out: dict[str, Advice] = {}
-    pressure = (
-        f"KV usage {_num(stats.kv_usage)} with {_num(stats.preemptions_per_s)} preemptions/s"
-        if stats is not None
-        else "KV pressure"
-    )
-    memory = _number(flags.get("gpu-memory-utilization"))
-    if memory is None:
-        memory = _number(cache_config.get("gpu_memory_utilization"))
-    top = MEMORY_SHARE_TOP
-    # vLLM 0.32's --kv-cache-memory-bytes sizes the KV cache itself: the share does not.
-    sized = _number(cache_config.get("kv_cache_memory_bytes"))
-    if memory is not None and memory < top and not sized:
-        share = round(min(top, memory + 0.03), 2)
-        out["gpu-memory-utilization"] = Advice(
-            share,
-            f"{pressure} at a load the fresh server served cleanly: {memory:g} -> {share:g} "
-            "gives the KV cache more blocks (what is left after weights and activations is "
-            f"KV), the remedy vLLM's preemption warning names; never above {top:g}",
-        )
-    seqs = _number(flags.get("max-num-seqs"))
-    if capacity.running is not None:
-        cap = max(8, math.ceil(capacity.running * 1.5 / 8) * 8)
-        if seqs is None or cap < seqs:
-            was = "no cap set" if seqs is None else f"{seqs:g} allowed"
-            out["max-num-seqs"] = Advice(
-                cap,
-                f"the fresh server ran {capacity.running:.1f} requests at once at its heaviest "
-                f"clean load ({capacity.requests_per_s:.2f} requests/s); {cap} (1.5 times that, "
-                f"in steps of 8) keeps the batch the KV cache held ({was}): more are admitted "
-                "only to be preempted",
-            )
-    batched = _number(flags.get("max-num-batched-tokens"))
-    chunked = flags.get("enable-chunked-prefill")
-    length = _number(flags.get("max-model-len"))
-    # Without chunked prefill a step must hold a whole prompt: never below --max-model-len,
-    # and nothing when that is not known (vLLM refuses to start below it).
-    if batched is not None and batched > 2048 and (chunked is not False or length is not None):
-        # Never below 2048, nor below the sequences one step must hold.
-        sequences = _number(out["max-num-seqs"].value) if "max-num-seqs" in out else seqs
-        floor = max(2048, sequences or 1, length if chunked is not True and length else 0)
-        chunk = int(max(floor, batched // 2))
-        if chunk < batched:
-            out["max-num-batched-tokens"] = Advice(
-                chunk,
-                f"half the prefill chunk ({batched:g} -> {chunk}): a step admits fewer new "
-                "prompt tokens into the KV cache at once, so a burst of long prompts preempts "
-                "less; never below 2048, --max-num-seqs, nor, without chunked prefill, "
-                "--max-model-len",
-            )
-    caching = _flag_bool(
-        flags.get("enable-prefix-caching"), cache_config.get("enable_prefix_caching")
-    )
-    prompt_share = stats.prompt_share if stats is not None else None
-    if caching is False and prompt_share is not None and prompt_share >= PROMPT_HEAVY:
-        caching = True
-        out["enable-prefix-caching"] = Advice(
-            True,
-            f"prompt tokens are {prompt_share:.0%} of the tokens processed and prefix caching "
-            "is off: a prefix that requests share (a system prompt, a conversation so far) is "
-            "prefilled and held in KV once per request instead of once; cached blocks no "
-            "request holds count as free, so it takes no KV room from running requests",
-        )
-    block = _number(flags.get("block-size"))  # only an operator's own choice, never a platform's
-    shared = (
-        prefix_hit_ratio >= PREFIX_SHARED
-        if prefix_hit_ratio is not None
-        else prompt_share is not None and prompt_share >= PROMPT_HEAVY
-    )
-    if on_gpu and caching and block is not None and block > CUDA_BLOCK_SIZE and shared:
-        hits = (
-            f"{prefix_hit_ratio:.0%} of prompt tokens are prefix-cache hits"
-            if prefix_hit_ratio is not None
-            else f"prompt tokens are {_num(prompt_share, '.0%')} of the tokens processed"
-        )
-        out["block-size"] = Advice(
-            CUDA_BLOCK_SIZE,
-            f"{hits}, and a hit is counted in whole blocks: with --block-size {block:g} each "
-            f"shared prefix loses on average {block / 2:g} tokens of hits and each request "
-            f"half a block of KV; {CUDA_BLOCK_SIZE} is CUDA's default",
-        )
-    return out
-
-
 def _flag_values(data: object) -> dict[str, FlagValue]:
     """A suggestion read back from engine.json: flag names and plain values only."""
     if not isinstance(data, Mapping):
@@ -1383,26 +784,6 @@ def _flag_values(data: object) -> dict[str, FlagValue]:
             raise ValueError(f"due: suggestion {name!r} must be a number, a boolean or text")
         out[str(name)] = value
     return out
-
-
-def _flag_bool(value: FlagValue | None, label: str | None) -> bool | None:
-    """A boolean flag in effect: as set on the command line, else as cache_config_info shows
-    it (``"True"``/``"False"``); None when neither says."""
-    if isinstance(value, bool):
-        return value
-    if label in ("True", "False"):
-        return label == "True"
-    return None
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
 
 
 # -- words -------------------------------------------------------------------------------------
@@ -1459,10 +840,6 @@ def _quiet_summary(
     # Within the band, what the hysteresis holds decides the word, as it decides the action:
     # a ratio read against the leaving line alone flipped between words at one speed.
     return f"healthy: speed {cmp.ratio:.2f} of baseline at {situation.regime}"
-
-
-def _num(value: float | None, spec: str = ".2f") -> str:
-    return "?" if value is None else format(value, spec)
 
 
 def _minutes(seconds: float) -> str:

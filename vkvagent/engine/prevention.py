@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from vkvagent.engine.diagnosis import optional_float
+from vkvagent.engine.samples import optional_float
 
 BUCKET = 1800.0  # seconds of uptime per point of a run's speed track
 TRACKED = 48 * 3600.0  # uptime tracked: a decline that waits longer is left to diagnosis

@@ -2,7 +2,8 @@
 
 Plain frozen dataclasses that import nothing of vkvagent, so anything may import them: the
 adapters that make them (``vllm_metrics``, ``gpu``, ``sampler``), the history that stores them,
-and the engine that judges them.
+and the engine that judges them; with the few helpers every reader of them shares (a time, a
+number as words write it, a number read back from JSON state).
 """
 
 from __future__ import annotations
@@ -22,6 +23,20 @@ FlagValue = Union[bool, int, float, str]
 def utc_text(at: float) -> str:
     """``at`` (UTC, Unix seconds) as reasons, evidence and reports write it."""
     return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def num_text(value: float | None, spec: str = ".2f") -> str:
+    """A number as reasons and evidence write it: ``"?"`` when it is not known."""
+    return "?" if value is None else format(value, spec)
+
+
+def optional_float(value: Any) -> float | None:
+    """A number or None from JSON state; ValueError for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number or null, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,15 @@ multiwindow burn rates of the SRE workbook (``BURNS``). Pure, like the rest of t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vkvagent.engine.samples import Histogram
+from vkvagent.engine.rates import is_reset
+from vkvagent.engine.samples import Histogram, Sample, VllmMetrics
+
+if TYPE_CHECKING:  # tick imports this module: its observation is a type here
+    from vkvagent.engine.tick import Observation
 
 OBJECTIVES = ("availability", "ttft", "itl")
 # The status's windows: seconds, with the period's own length standing for "period".
@@ -449,6 +453,84 @@ def counts(settings: SloSettings, interval: Interval) -> Counts:
         good = share_within(interval.itl, settings.itl_seconds)
         out = replace(out, itl_good=good, itl_all=interval.itl.count)
     return out
+
+
+def count_samples(
+    settings: SloSettings,
+    slo: SloState,
+    observed: Observation,
+    fresh: Sequence[Sample],
+    *,
+    stalled: bool,
+    unresponsive: bool,
+    down_rate: float | None,
+    fresh_run: bool,
+    rate: float | None,
+) -> SloState:
+    """The objectives' tallies with the samples not read before, and the requests restarts
+    cut off or refused: each interval between two answers of one run by its counters' and
+    histograms' deltas; one in which vLLM was down, loading, stalled or unresponsive as the
+    requests this host sends then (``down_rate``); a new run's first answer from its process
+    start, when that came after the answer before (else its counters hold what vLLM served
+    before the agent looked). ``fresh_run``: this run is fresh, its latency is what a
+    restart brings back."""
+    for record in sorted(observed.restarts, key=lambda r: r.time):
+        failed = (record.cut_off or 0.0) + (record.refused or 0.0)
+        if failed > 0 and (slo.counted is None or record.time > slo.counted):
+            slo = replace(slo.add(settings, record.time, Counts(failed=failed), late=True),
+                          counted=record.time)  # fmt: skip
+    if not fresh:
+        return slo
+    first, seen = fresh[0].mono, None
+    before = next((x for x in reversed(observed.samples) if x.mono < first), None)
+    valid = next((x for x in reversed(observed.samples) if x.mono < first and x.vllm), None)
+    for sample in fresh:
+        found: Interval | None = None
+        metrics = sample.vllm
+        if metrics is None or observed.unit_active is False or stalled:
+            # Down, loading, stalled or hung: what this host's clients send meanwhile is
+            # refused. A scrape that only timed out (vLLM silent) is not, until vLLM is
+            # unresponsive: the next answer's counters say what it served meanwhile.
+            if metrics is not None or not sample.vllm_silent or unresponsive:
+                gap = sample.mono - before.mono if before is not None else 0.0
+                found = Interval(gap, refused_rate=down_rate)
+        elif valid is not None and valid.vllm and not is_reset(valid.vllm, metrics):
+            found = scraped_interval(valid.vllm, metrics, sample.mono - valid.mono)
+        elif valid is not None and (metrics.process_start_time or 0) >= valid.time:
+            # vLLM started after the last look: its counters hold only this run's.
+            found = scraped_interval(None, metrics, sample.mono - valid.mono)
+        if found is not None and found.answered is not None and found.seconds > 0:
+            seen = (found.answered + found.errors) / found.seconds
+        if found is not None:
+            tally = counts(settings, found)
+            slo = slo.add(settings, sample.time, tally)
+            if fresh_run and metrics is not None and metrics.process_start_time:
+                slo = slo.counted_fresh(f"{metrics.process_start_time:.3f}", tally)
+        before = sample
+        if metrics is not None:
+            valid = sample
+    rate = rate if rate is not None else seen
+    return slo if rate is None else replace(slo, last_rate=rate)
+
+
+def scraped_interval(old: VllmMetrics | None, new: VllmMetrics, seconds: float) -> Interval:
+    """What vLLM's counters say of the time between two scrapes of one run (``old`` None:
+    since it started)."""
+
+    def grown(read: Callable[[VllmMetrics], float | None]) -> float | None:
+        after, earlier = read(new), read(old) if old is not None else 0.0
+        return None if after is None or earlier is None else max(0.0, after - earlier)
+
+    requests = grown(lambda m: m.http_requests_total)
+    errors = grown(lambda m: m.http_5xx_total) if requests is not None else None
+    answered = requests - (errors or 0.0) if requests is not None else None
+    return Interval(
+        seconds,
+        ttft=difference(new.time_to_first_token, old.time_to_first_token if old else None),
+        itl=difference(new.inter_token_latency, old.inter_token_latency if old else None),
+        answered=answered if answered is not None else grown(lambda m: m.request_success_total),
+        errors=errors or 0.0,
+    )
 
 
 def _busy_hours(hourly: Mapping[int, Tally], day: Tally, now: float) -> list[Tally]:

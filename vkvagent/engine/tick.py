@@ -10,17 +10,14 @@ and keeps nothing between calls; ``EngineState.to_json`` is what a caller persis
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import re
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from vkvagent.engine import policy
+from vkvagent.engine import carry, policy
 from vkvagent.engine.baseline import (
     Baseline,
     BaselineSettings,
@@ -35,18 +32,15 @@ from vkvagent.engine.diagnosis import (
     Diagnosis,
     DiagnosisSettings,
     DiagnosisState,
-    EngineWindow,
     Evidence,
     EvidenceValue,
-    MemoryPoint,
-    ProbeFacts,
     Situation,
-    Stall,
     diagnose,
-    optional_float,
 )
+from vkvagent.engine.engines import engine_windows
 from vkvagent.engine.liveness import LivenessSettings, LivenessState, judge, observe
-from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord, TrafficProfile
+from vkvagent.engine.memory import MemoryPoint
+from vkvagent.engine.policy import Controls, PolicySettings, RestartRecord
 from vkvagent.engine.prevention import (
     DEFAULT_OUTAGE,
     Plan,
@@ -57,17 +51,18 @@ from vkvagent.engine.prevention import (
     judged,
     plan,
 )
-from vkvagent.engine.rates import counters, is_reset, mean
-from vkvagent.engine.samples import FlagValue, GpuReading, Sample, VllmMetrics, utc_text
-from vkvagent.engine.slo import (
-    Budget,
-    Counts,
-    Interval,
-    SloSettings,
-    SloState,
-    counts,
-    difference,
+from vkvagent.engine.progress import ProbeFacts, Stall
+from vkvagent.engine.rates import counters, is_reset
+from vkvagent.engine.samples import (
+    FlagValue,
+    GpuReading,
+    Sample,
+    VllmMetrics,
+    optional_float,
+    utc_text,
 )
+from vkvagent.engine.slo import Budget, SloSettings, SloState, count_samples
+from vkvagent.engine.traffic import TrafficProfile
 
 ACTIONS = ("restart", "hold", "none")
 
@@ -155,7 +150,7 @@ class EngineState:
     run: RunState = field(default_factory=RunState)
     baseline: Baseline | None = None  # this run's
     # The last run's: to judge whether a restart helped, and to stand in at loads this run
-    # has not learned (_carried).
+    # has not learned (``carry.carried``).
     previous: Baseline | None = None
     diagnosis: DiagnosisState = field(default_factory=DiagnosisState)
     recovered: bool | None = None  # did this run's fresh speed match the previous run's
@@ -337,13 +332,13 @@ def decide(
 
     baseline = state.baseline or Baseline(run=state.run.key or "none")
     if not baseline.server and latest is not None and latest.vllm is not None:
-        baseline = replace(baseline, server=server_identity(latest.vllm, observed.flags))
+        baseline = replace(baseline, server=carry.server_identity(latest.vllm, observed.flags))
     if baseline.seen_from is None and not baseline.regimes and uptime is not None:
         baseline = replace(baseline, seen_from=uptime)
     key = regime_of(stats, b) if stats else None
     # What this server does when fresh: this run's baselines, and at the loads it has not
-    # learned, the previous run's where they may stand in (_carried).
-    carried = _carried(settings, state.previous, baseline)
+    # learned, the previous run's where they may stand in (``carry.carried``).
+    carried = carry.carried(settings, state.previous, baseline)
     reference = baseline if carried is None else baseline.merged(carried, b)
     regime = reference.known(key, b)
     # A load no fresh run learned: the speed the learned loads imply; not while this run is
@@ -390,7 +385,7 @@ def decide(
         flags=observed.flags,
         cache_config=latest.vllm.cache_config if latest is not None and latest.vllm else {},
         baseline_of=_baseline_of(b, baseline, borrowed, modelled and regime is not None),
-        engines=_engine_windows(segment) if stats is not None else (),
+        engines=engine_windows(segment) if stats is not None else (),
         prefix_hit_ratio=stats.prefix_hit_ratio if stats is not None else None,
         time=latest.time if latest is not None else None,
         fresh=(
@@ -415,7 +410,7 @@ def decide(
     recovered = state.recovered
     past = state.past
     if recovered is None and state.previous is not None:
-        recovered, speedup = _recovered(settings, state.previous, baseline)
+        recovered, speedup = carry.restored(settings, state.previous, baseline)
         if recovered is not None and state.run.key is not None:
             past = judged(past, state.run.key, recovered, speedup)
     seen = max((s.mono for s in fresh), default=state.seen)
@@ -441,7 +436,7 @@ def decide(
     if settings.slo.declared:
         state = replace(
             state,
-            slo=_slo_counted(
+            slo=count_samples(
                 settings.slo,
                 state.slo,
                 observed,
@@ -603,7 +598,7 @@ def _differs(run: RunState, metrics: VllmMetrics) -> bool:
 
 def _new_run(settings: Settings, state: EngineState, sample: Sample) -> EngineState:
     """A new vLLM run: its fresh baseline starts empty, and the one it is judged by is the
-    last run's, with the earlier runs' loads that run matched (``_carried``): the fresh runs
+    last run's, with the earlier runs' loads that run matched (``carry.carried``): the fresh runs
     of one server pass on what each learned, as long as each agrees with the one before."""
     metrics = sample.vllm
     assert metrics is not None
@@ -612,7 +607,7 @@ def _new_run(settings: Settings, state: EngineState, sample: Sample) -> EngineSt
     old = state.baseline
     keep = state.previous
     if old is not None and old.regimes:
-        carried = _carried(settings, state.previous, old)
+        carried = carry.carried(settings, state.previous, old)
         keep = old if carried is None else old.merged(carried, settings.baseline)
     past = state.past
     due = state.diagnosis.due
@@ -658,44 +653,6 @@ def _stats(segment: list[Sample], settings: BaselineSettings) -> WindowStats | N
     if stats is None or not clocks:
         return stats
     return replace(stats, sm_clock_ratio=sum(clocks) / len(clocks))
-
-
-def _engine_windows(segment: list[Sample]) -> tuple[EngineWindow, ...]:
-    """Each data-parallel engine over the window: mean gauges and counter rates, from the
-    per-engine signals of the page (none with fewer than two engines)."""
-    pages = [s.vllm for s in segment if s.vllm is not None]
-    if len(pages) < 2 or len(pages[-1].per_engine) < 2:
-        return ()
-    seconds = segment[-1].mono - segment[0].mono
-    first = {e.engine: e for e in pages[0].per_engine}
-    out = []
-    for last in pages[-1].per_engine:
-        seen = [e for page in pages for e in page.per_engine if e.engine == last.engine]
-        start = first.get(last.engine)
-        out.append(
-            EngineWindow(
-                engine=last.engine,
-                kv_usage=mean([e.kv_cache_usage for e in seen]),
-                waiting=mean([e.num_requests_waiting for e in seen]),
-                generation_tokens_per_s=_rate(
-                    start.generation_tokens_total if start else None,
-                    last.generation_tokens_total,
-                    seconds,
-                ),
-                preemptions_per_s=_rate(
-                    start.num_preemptions_total if start else None,
-                    last.num_preemptions_total,
-                    seconds,
-                ),
-            )
-        )
-    return tuple(out)
-
-
-def _rate(old: float | None, new: float | None, seconds: float) -> float | None:
-    if old is None or new is None or seconds <= 0 or new < old:
-        return None
-    return (new - old) / seconds
 
 
 def _slowest_clock(gpus: Sequence[GpuReading]) -> float | None:
@@ -770,84 +727,6 @@ def _down(observed: Observation) -> str | None:
     if last.vllm is None:
         return f"/metrics unreachable: {last.vllm_error or 'no valid sample'}"
     return None
-
-
-def _slo_counted(
-    settings: SloSettings,
-    slo: SloState,
-    observed: Observation,
-    fresh: Sequence[Sample],
-    *,
-    stalled: bool,
-    unresponsive: bool,
-    down_rate: float | None,
-    fresh_run: bool,
-    rate: float | None,
-) -> SloState:
-    """The objectives' tallies with the samples not read before, and the requests restarts
-    cut off or refused: each interval between two answers of one run by its counters' and
-    histograms' deltas; one in which vLLM was down, loading, stalled or unresponsive as the
-    requests this host sends then (``down_rate``); a new run's first answer from its process
-    start, when that came after the answer before (else its counters hold what vLLM served
-    before the agent looked). ``fresh_run``: this run is fresh, its latency is what a
-    restart brings back."""
-    for record in sorted(observed.restarts, key=lambda r: r.time):
-        failed = (record.cut_off or 0.0) + (record.refused or 0.0)
-        if failed > 0 and (slo.counted is None or record.time > slo.counted):
-            slo = replace(slo.add(settings, record.time, Counts(failed=failed), late=True),
-                          counted=record.time)  # fmt: skip
-    if not fresh:
-        return slo
-    first, seen = fresh[0].mono, None
-    before = next((x for x in reversed(observed.samples) if x.mono < first), None)
-    valid = next((x for x in reversed(observed.samples) if x.mono < first and x.vllm), None)
-    for sample in fresh:
-        found: Interval | None = None
-        metrics = sample.vllm
-        if metrics is None or observed.unit_active is False or stalled:
-            # Down, loading, stalled or hung: what this host's clients send meanwhile is
-            # refused. A scrape that only timed out (vLLM silent) is not, until vLLM is
-            # unresponsive: the next answer's counters say what it served meanwhile.
-            if metrics is not None or not sample.vllm_silent or unresponsive:
-                gap = sample.mono - before.mono if before is not None else 0.0
-                found = Interval(gap, refused_rate=down_rate)
-        elif valid is not None and valid.vllm and not is_reset(valid.vllm, metrics):
-            found = _interval(valid.vllm, metrics, sample.mono - valid.mono)
-        elif valid is not None and (metrics.process_start_time or 0) >= valid.time:
-            # vLLM started after the last look: its counters hold only this run's.
-            found = _interval(None, metrics, sample.mono - valid.mono)
-        if found is not None and found.answered is not None and found.seconds > 0:
-            seen = (found.answered + found.errors) / found.seconds
-        if found is not None:
-            tally = counts(settings, found)
-            slo = slo.add(settings, sample.time, tally)
-            if fresh_run and metrics is not None and metrics.process_start_time:
-                slo = slo.counted_fresh(f"{metrics.process_start_time:.3f}", tally)
-        before = sample
-        if metrics is not None:
-            valid = sample
-    rate = rate if rate is not None else seen
-    return slo if rate is None else replace(slo, last_rate=rate)
-
-
-def _interval(old: VllmMetrics | None, new: VllmMetrics, seconds: float) -> Interval:
-    """What vLLM's counters say of the time between two scrapes of one run (``old`` None:
-    since it started)."""
-
-    def grown(read: Callable[[VllmMetrics], float | None]) -> float | None:
-        after, earlier = read(new), read(old) if old is not None else 0.0
-        return None if after is None or earlier is None else max(0.0, after - earlier)
-
-    requests = grown(lambda m: m.http_requests_total)
-    errors = grown(lambda m: m.http_5xx_total) if requests is not None else None
-    answered = requests - (errors or 0.0) if requests is not None else None
-    return Interval(
-        seconds,
-        ttft=difference(new.time_to_first_token, old.time_to_first_token if old else None),
-        itl=difference(new.inter_token_latency, old.inter_token_latency if old else None),
-        answered=answered if answered is not None else grown(lambda m: m.request_success_total),
-        errors=errors or 0.0,
-    )
 
 
 def _expected_rate(policy: PolicySettings, state: EngineState, now: datetime) -> float | None:
@@ -974,103 +853,3 @@ def _baseline_of(
     if own.late(settings) and own.busy_from is not None:
         return f"this run's late (learned from {own.busy_from / 3600:.1f} h of uptime)"
     return "this run's"
-
-
-def _fresh_speeds(settings: Settings, previous: Baseline, current: Baseline) -> list[float]:
-    """This run's fresh speed over the previous run's (mean ITL), at each regime this run
-    learned and the previous one learned or implies (``Baseline.modelled``)."""
-    b = settings.baseline
-    ratios = []
-    for key in current.known_keys(b):
-        load = current.regimes[key].median("generation_tokens_per_s")
-        before = previous.known(key, b) or previous.modelled(load, b)
-        old = before.median("itl") if before is not None else None
-        new = current.regimes[key].median("itl")
-        if old is not None and new:
-            ratios.append(old / new)
-    return ratios
-
-
-def _carried(settings: Settings, previous: Baseline | None, current: Baseline) -> Baseline | None:
-    """The previous run's own fresh baselines, to stand in at loads this run has not learned:
-    only from the same server (vLLM version, model, cache config and configured flags), and
-    once this run has been at least CARRY_SPEED as fast at every load both learned. A
-    restart that did not restore the speed, an upgrade, a flag change or a baseline learned
-    late carries nothing. A run's own loads always take precedence, so what is passed on from
-    run to run is, per load, the newest fresh run that learned it."""
-    if previous is None or not previous.regimes or not current.server:
-        return None
-    if previous.late(settings.baseline):  # it may hold a slowness: never the standard
-        return None
-    if previous.server != current.server:
-        return None
-    speeds = _fresh_speeds(settings, previous, current)
-    return previous if speeds and min(speeds) >= CARRY_SPEED else None
-
-
-def _recovered(
-    settings: Settings, previous: Baseline, current: Baseline
-) -> tuple[bool | None, float | None]:
-    """Whether this run's fresh speed matches the previous run's, where both know the same
-    regime: the judgement of the restart in between (None until it can be told), and the
-    median of this run's speed over the previous run's."""
-    ratios = _fresh_speeds(settings, previous, current)
-    if not ratios:
-        return None, None
-    ratio = sorted(ratios)[len(ratios) // 2]
-    if ratio >= settings.diagnosis.leave_ratio:
-        return True, ratio
-    if ratio < settings.diagnosis.enter_ratio:
-        return False, ratio
-    return None, ratio
-
-
-# A run whose fresh speed is at least this fraction of the previous run's is judged, at loads it
-# has not learned, against the previous run's baselines (the noise between two fresh runs of
-# one server is a few percent; a slower run would be held to a speed it never had).
-CARRY_SPEED = 0.95
-
-
-def server_identity(metrics: VllmMetrics, flags: Mapping[str, FlagValue]) -> str:
-    """What must not change for one run's baselines to stand for another's: vLLM's version,
-    the model, the cache config it reports and the flags configured for it."""
-    facts = [metrics.version, list(metrics.models), sorted(metrics.cache_config.items())]
-    text = json.dumps([*facts, sorted(flags.items())], default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-# -- what callers keep between calls -----------------------------------------------------------
-
-MEMORY_EVERY = 60.0  # seconds between two memory points
-MEMORY_KEPT = 3000  # memory points kept (50 hours at one a minute)
-
-
-class Recent:
-    """The samples and memory points a caller keeps for ``decide``: the trailing baseline
-    window of samples (plus a margin) and one memory point a minute. Shared by the daemon and
-    replay, so both feed the engine the same way."""
-
-    def __init__(self, settings: BaselineSettings, margin: float) -> None:
-        self.keep = settings.window + margin
-        self.samples: deque[Sample] = deque()
-        self.memory: list[MemoryPoint] = []
-        self.memory_source = ""
-
-    def add(self, sample: Sample, memory_bytes: float | None, memory_source: str = "") -> None:
-        """Add a sample, with the unit's memory at that moment when known. ``memory_source``
-        names what the memory is (``anon``, ``MemoryCurrent``): a series changing source
-        starts again, or the switch would read as growth."""
-        if self.samples and sample.mono < self.samples[-1].mono:
-            self.samples.clear()  # the monotonic clock began again: the host rebooted
-        self.samples.append(sample)
-        while sample.mono - self.samples[0].mono > self.keep:
-            self.samples.popleft()
-        served = sample.vllm.request_success_total if sample.vllm is not None else None
-        if memory_bytes is None or served is None:
-            return
-        if memory_source != self.memory_source:
-            self.memory_source, self.memory = memory_source, []
-        if not self.memory or sample.mono - self.memory[-1].mono >= MEMORY_EVERY:
-            self.memory.append(MemoryPoint(sample.mono, memory_bytes, served))
-            if len(self.memory) > MEMORY_KEPT:
-                del self.memory[: len(self.memory) - MEMORY_KEPT]
