@@ -49,7 +49,7 @@ PYTHONPATH=. "$PYTHON" - "$stage/config.toml" <<'EOF'
 import re
 import sys
 
-from vkvagent import config
+from vkvagent import config, toml_schema
 
 lines = [
     "# vkvagent's configuration. Each key is shown with its default; uncomment to change it.",
@@ -58,7 +58,7 @@ lines = [
     "",
 ]
 section = ""
-for line in config.render(config.Config(), with_docs=True).splitlines():
+for line in toml_schema.render(config.Config(), with_docs=True).splitlines():
     header = re.match(r"\[(.+)\]$", line)
     if header:
         section = header.group(1)

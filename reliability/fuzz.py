@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 
 from reliability.report import Row, need_sandbox
 from tests.sandbox import Sandbox
-from vkvagent import config, flags, replay
+from vkvagent import config, flags, replay, toml_schema
 from vkvagent.config import Config, ConfigError
 from vkvagent.dropin import argv_hash, quote_exec_arg, render_dropin
 from vkvagent.flags import CATALOGUE, FlagError, VllmCommandError
@@ -364,7 +364,7 @@ def check_config(main: bytes | None, dropins: Sequence[bytes]) -> None:
                     assert problem.startswith(str(directory)), problem
                 return
         again = directory / "rendered.toml"
-        again.write_text(config.render(loaded), encoding="utf-8")
+        again.write_text(toml_schema.render(loaded), encoding="utf-8")
         assert config.load(again, as_root=False) == loaded, "render() does not load back"
 
 

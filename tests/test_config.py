@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vkvagent import config
+from vkvagent import config, toml_schema
 from vkvagent.cli import main
 from vkvagent.config import Config, ConfigError
 from vkvagent.engine import Settings
@@ -383,7 +383,7 @@ def test_root_refuses_files_others_could_have_written(etc: Path, target, change,
 
 def test_the_example_file_documents_every_key_with_its_default() -> None:
     example = (ROOT / "config.example.toml").read_text(encoding="utf-8")
-    assert example == config.render(Config(), with_docs=True), "run: make config-example"
+    assert example == toml_schema.render(Config(), with_docs=True), "run: make config-example"
     assert config.load(ROOT / "config.example.toml", as_root=False) == Config()
 
 
@@ -425,7 +425,7 @@ def test_any_value_is_either_accepted_with_its_type_or_refused_cleanly(
     lines = ["[vllm]"]
     for key, value in table.items():
         lines.append(
-            f"{key} = {config._toml_value(tuple(value) if isinstance(value, list) else value)}"
+            f"{key} = {toml_schema.toml_value(tuple(value) if isinstance(value, list) else value)}"
         )
     path = write(directory / "c.toml", "\n".join(lines) + "\n", mode=0o600)
     try:

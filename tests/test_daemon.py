@@ -25,7 +25,7 @@ from prometheus_client import generate_latest
 from tests.conftest import metrics
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get
-from vkvagent import cli, config, controls, status
+from vkvagent import cli, config, controls, status, status_text
 from vkvagent.actuator import Costs, Outcome
 from vkvagent.cli import main
 from vkvagent.daemon import STATE_FILE, Daemon
@@ -113,7 +113,7 @@ def test_ticks_write_status_events_metrics_and_survive_an_agent_restart(
     assert report.verdict.state == "healthy"
     # The band the ratio is judged by, beside it (the default [diagnosis] ratios).
     assert (report.verdict.enter_ratio, report.verdict.leave_ratio) == (0.75, 0.85)
-    assert "(slow below 0.75, back above 0.85)" in status.render(report, report.updated)
+    assert "(slow below 0.75, back above 0.85)" in status_text.render(report, report.updated)
     assert report.vllm.flavor == "v1-latest" and report.vllm.recognised is True
     assert report.now.tokens_per_s is not None and report.now.tokens_per_s > 1000
     assert report.policy.mode == "observe" and report.policy.budget_left == 4

@@ -28,7 +28,7 @@ from prometheus_client import generate_latest
 from tests.certificates import make_certificates
 from tests.httpserver import RawServer, free_port, read_request
 from tests.test_daemon import events_of, write_config
-from vkvagent import config, status
+from vkvagent import config, status, status_text
 from vkvagent.actuator import Outcome
 from vkvagent.cli import main
 from vkvagent.config import FleetConfig
@@ -353,7 +353,7 @@ def test_daemon_takes_and_gives_back_a_slot_around_the_restart(etcd: Etcd, tmp_p
     assert 'vkvagent_fleet_state{group="daemon",state="unreachable"} 0.0' in exposed
     assert 'vkvagent_fleet_slots_held{group="daemon"} 0.0' in exposed
     assert 'vkvagent_fleet_max_concurrent{group="daemon"} 1.0' in exposed
-    line = status.render(report, time.time())
+    line = status_text.render(report, time.time())
     assert "  fleet       group daemon, 0 of 1 slots held; this host (gpu-here) idle" in line
 
 
@@ -438,7 +438,7 @@ def test_etcd_unreachable_holds_the_restart_with_a_clear_reason(tmp_path: Path) 
     assert report is not None and report.fleet is not None
     assert report.fleet.state == "unreachable"
     assert "connection refused" in (report.fleet.error or "")
-    assert "  fleet       group default: etcd unreachable, restarts held (" in status.render(
+    assert "  fleet       group default: etcd unreachable, restarts held (" in status_text.render(
         report, time.time()
     )
 

@@ -10,7 +10,7 @@ import pytest
 from reliability import fuzz
 from reliability.report import table
 from tests.sandbox import require
-from vkvagent import config, replay
+from vkvagent import config, replay, toml_schema
 from vkvagent.config import Config, ConfigError
 
 
@@ -66,7 +66,7 @@ def test_rendered_config_loads_back(tmp_path: Path, text: str) -> None:
     loaded = config.load(path, as_root=False)
     assert loaded.vllm.model == text
     again = tmp_path / "again.toml"
-    again.write_text(config.render(loaded))
+    again.write_text(toml_schema.render(loaded))
     assert config.load(again, as_root=False) == loaded
 
 

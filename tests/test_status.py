@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from vkvagent import status
+from vkvagent import status, status_text
 from vkvagent.status import (
     FlagChange,
     FlagsStatus,
@@ -36,13 +36,12 @@ from vkvagent.status import (
     Verdict,
     VllmStatus,
     add_trend,
-    costs_line,
     exit_code,
     is_stale,
-    render,
-    sparkline,
     verdict_state,
 )
+from vkvagent.status_check import Range, checked, headline
+from vkvagent.status_text import costs_line, render, sparkline
 
 NOW = 1_800_000_000.0
 GONE = 2**22 + 7  # above Linux's largest PID: a writer that no longer runs
@@ -236,7 +235,7 @@ FIRST_LINE = re.compile(rf"^[^|\n]+ \| {PERF}(?: {PERF})*$")
 
 def test_the_first_line_carries_performance_data_in_the_guidelines_grammar() -> None:
     current = report("healthy", now={"tokens_per_s": 5000.0, "kv_usage": 0.423})
-    warning, critical = status.Range.parse("0.8:"), status.Range.parse("0.6:")
+    warning, critical = Range.parse("0.8:"), Range.parse("0.6:")
     head = render(current, NOW + 5, warning=warning, critical=critical).splitlines()[0]
     assert FIRST_LINE.match(head), head
     assert head.split(" | ")[1] == (
@@ -267,7 +266,7 @@ def test_the_first_line_carries_performance_data_in_the_guidelines_grammar() -> 
 def test_thresholds_read_the_plugin_guidelines_ranges(
     text: str, alerts: list[float], passes: list[float]
 ) -> None:
-    limit = status.Range.parse(text)
+    limit = Range.parse(text)
     assert [limit.alerts(v) for v in alerts] == [True] * len(alerts)
     assert [limit.alerts(v) for v in passes] == [False] * len(passes)
 
@@ -282,14 +281,14 @@ def test_thresholds_read_the_plugin_guidelines_ranges(
 )
 def test_a_threshold_that_cannot_mean_a_speed_limit_is_refused(text: str, problem: str) -> None:
     with pytest.raises(StatusError, match=re.escape(problem)):
-        status.Range.parse(text)
+        Range.parse(text)
 
 
 def test_thresholds_on_the_speed_ratio_raise_the_exit_code_never_lower_it() -> None:
-    w, c = status.Range.parse("0.8:"), status.Range.parse("0.6:")
+    w, c = Range.parse("0.8:"), Range.parse("0.6:")
     slow = report("healthy", verdict={**document("healthy")["verdict"], "ratio": 0.7})
-    assert status.checked(slow, NOW + 5) == (StatusCode.HEALTHY, "")
-    assert status.checked(slow, NOW + 5, w, c) == (
+    assert checked(slow, NOW + 5) == (StatusCode.HEALTHY, "")
+    assert checked(slow, NOW + 5, w, c) == (
         StatusCode.DEGRADED, "speed ratio 0.70 outside the warning range 0.8:",
     )  # fmt: skip
     head = render(slow, NOW + 5, warning=w, critical=c).splitlines()[0]
@@ -297,11 +296,11 @@ def test_thresholds_on_the_speed_ratio_raise_the_exit_code_never_lower_it() -> N
         "vkvagent 0.1.0: WARNING - speed ratio 0.70 outside the warning range 0.8: (verdict "
         "HEALTHY) | speed_ratio=0.700;0.8:;0.6:;0 "
     )
-    assert status.checked(slow, NOW + 5, w, status.Range.parse("0.75:"))[0] == 2
+    assert checked(slow, NOW + 5, w, Range.parse("0.75:"))[0] == 2
     # A worse verdict stays; a stale one stays unknown, its old ratio judged by nobody.
     critical = report("critical", verdict={**document("critical")["verdict"], "ratio": 0.99})
-    assert status.checked(critical, NOW + 5, w, c) == (StatusCode.CRITICAL, "")
-    assert status.checked(slow, NOW + 3600, w, c) == (StatusCode.UNKNOWN, "")
+    assert checked(critical, NOW + 5, w, c) == (StatusCode.CRITICAL, "")
+    assert checked(slow, NOW + 3600, w, c) == (StatusCode.UNKNOWN, "")
 
 
 def test_render_shows_a_suggestion_as_flags_and_where_to_review_it() -> None:
@@ -389,12 +388,12 @@ def test_render_warns_of_a_unit_nothing_wants() -> None:
 def test_the_units_warning_changes_neither_the_exit_code_nor_the_first_line() -> None:
     """A unit's settings are the operator's to fix, not a state of vLLM to page for: the check
     stays what the verdict and thresholds make it, and status.json carries the facts."""
-    w, c = status.Range.parse("0.8:"), status.Range.parse("0.6:")
+    w, c = Range.parse("0.8:"), Range.parse("0.6:")
     for state in ("healthy", "degraded", "critical"):
         fine = report(state, unit=unit_document("always", True))
         left = report(state, unit=unit_document("on-failure", False))
-        assert status.checked(left, NOW + 5, w, c) == status.checked(fine, NOW + 5, w, c)
-        assert status.headline(left, NOW + 5, w, c) == status.headline(fine, NOW + 5, w, c)
+        assert checked(left, NOW + 5, w, c) == checked(fine, NOW + 5, w, c)
+        assert headline(left, NOW + 5, w, c) == headline(fine, NOW + 5, w, c)
         assert "\n  warning     " in render(left, NOW + 5)
         assert "\n  warning" not in render(fine, NOW + 5)
     unit = json.loads(json.dumps(left.to_json()))["unit"]
@@ -706,7 +705,7 @@ def test_render_gives_a_line_per_objective_with_its_windows_and_budget() -> None
         "objective": "itl", "words": "95 % of output tokens within 100 ms", "target": 0.95,
         "attainment": {"1h": None, "1d": None, "period": None}, "burn_rates": {"5m": None},
     }  # fmt: skip
-    line = status.slo_line(SloObjective.from_json(fresh), 28.0)
+    line = status_text.slo_line(SloObjective.from_json(fresh), 28.0)
     assert line == "95 % of output tokens within 100 ms: nothing counted yet"
     assert "  slo" not in render(report("healthy"), NOW + 5)  # no [slo]
 
@@ -728,24 +727,28 @@ def test_perfdata_has_each_objectives_period_attainment_and_budget() -> None:
 def test_a_fast_burn_raises_a_healthy_check_to_warning_and_a_slow_one_does_not() -> None:
     """Fast: 2 % of a month's budget in an hour, the workbook's page; the verdict's own
     critical states stay vLLM down, a GPU fault and escalation."""
-    assert status.checked(with_slo("healthy"), NOW + 5) == (
+    assert checked(with_slo("healthy"), NOW + 5) == (
         StatusCode.DEGRADED, "ttft error budget burning fast",
     )  # fmt: skip
     head = render(with_slo("healthy"), NOW + 5).splitlines()[0]
     assert head.startswith(
         "vkvagent 0.1.0: WARNING - ttft error budget burning fast (verdict HEALTHY) | "
     )
-    assert status.checked(with_slo("healthy", burning="slow"), NOW + 5) == (StatusCode.HEALTHY, "")
-    assert status.checked(with_slo("degraded"), NOW + 5) == (StatusCode.DEGRADED, "")
-    assert status.checked(with_slo("critical"), NOW + 5) == (StatusCode.CRITICAL, "")
-    assert status.checked(with_slo("healthy"), NOW + 3600) == (StatusCode.UNKNOWN, "")  # stale
+    assert checked(with_slo("healthy", burning="slow"), NOW + 5) == (
+        StatusCode.HEALTHY,
+        "",
+    )
+    assert checked(with_slo("degraded"), NOW + 5) == (StatusCode.DEGRADED, "")
+    assert checked(with_slo("critical"), NOW + 5) == (StatusCode.CRITICAL, "")
+    assert checked(with_slo("healthy"), NOW + 3600) == (
+        StatusCode.UNKNOWN,
+        "",
+    )  # stale
     # A speed threshold crossed says so, and may go further than the burn does.
     slow = {**document("healthy")["verdict"], "ratio": 0.5}
-    limited = status.checked(
-        with_slo("healthy", verdict=slow), NOW + 5, None, status.Range.parse("0.6:")
-    )
+    limited = checked(with_slo("healthy", verdict=slow), NOW + 5, None, Range.parse("0.6:"))
     assert limited == (StatusCode.CRITICAL, "speed ratio 0.50 outside the critical range 0.6:")
     # `status --json` carries the raised code, as the command exits with it.
-    code, _why = status.checked(with_slo("healthy"), NOW + 5)
+    code, _why = checked(with_slo("healthy"), NOW + 5)
     shown = status.shown_json(with_slo("healthy"), NOW + 5, "vllm.service", code=code)
     assert shown["exit_code"] == 1 and shown["slo"]["objectives"][1]["burning"] == "fast"

@@ -17,7 +17,20 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Callable, TextIO
 
-from vkvagent import __version__, advice, apikey, config, controls, fleet, hardening, replay, status
+from vkvagent import (
+    __version__,
+    advice,
+    apikey,
+    config,
+    controls,
+    fleet,
+    hardening,
+    replay,
+    status,
+    status_check,
+    status_text,
+    toml_schema,
+)
 from vkvagent.actuator import Actuator, Outcome, Plan, engine_stop_too_short
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.gpu_faults import describe_xid
@@ -412,7 +425,7 @@ def _config_check(args: argparse.Namespace, out: TextIO) -> int:
             print(f"# {note}", file=out)
     if sandbox is None:
         print(f"# {hardening.UNIT} is not installed here: its sandbox was not checked", file=out)
-    out.write(config.render(loaded))
+    out.write(toml_schema.render(loaded))
     out.flush()
     for warning in warnings:
         print(f"vkvagent: warning: {warning}", file=sys.stderr)
@@ -440,7 +453,7 @@ def _unit_state(name: str) -> tuple[UnitState | None, str]:
 
 def _unit_warning(unit: UnitState | None, mode: str) -> str:
     """A warning for a vLLM unit that an exit 0 of vLLM would leave down, or that nothing
-    wants (``status.unit_warning``)."""
+    wants (``status_text.unit_warning``)."""
     if unit is None:
         return ""
     if unit.load_state not in ("loaded", "masked"):
@@ -449,7 +462,7 @@ def _unit_warning(unit: UnitState | None, mode: str) -> str:
             f"nor vkvagent can start it (systemctl status {unit.name} says why)"
         )
     file_state = "masked" if unit.load_state == "masked" else unit.unit_file_state
-    return status.unit_warning(unit.name, unit.restart_policy, unit.wanted, mode, file_state)
+    return status_text.unit_warning(unit.name, unit.restart_policy, unit.wanted, mode, file_state)
 
 
 def _vllm_access(cfg: config.VllmConfig, unit: UnitState | None) -> tuple[list[str], list[str]]:
@@ -563,7 +576,7 @@ def _status(args: argparse.Namespace, out: TextIO) -> int:
     now = time.time()
     try:
         warning, critical = (
-            None if text is None else status.Range.parse(text)
+            None if text is None else status_check.Range.parse(text)
             for text in (args.warning, args.critical)
         )
         settings = config.load(args.config)
@@ -574,7 +587,7 @@ def _status(args: argparse.Namespace, out: TextIO) -> int:
             json.dump(status.shown_json(None, now, "", reason="; ".join(lines)), out, indent=1)
             out.write("\n")
         else:
-            out.write(status.headline(None, now, reason=lines[0]) + "\n")
+            out.write(status_check.headline(None, now, reason=lines[0]) + "\n")
             out.writelines(f"  {line}\n" for line in lines[1:])
         return status.StatusCode.UNKNOWN
     state_dir = Path(settings.agent.state_dir)
@@ -586,7 +599,7 @@ def _status(args: argparse.Namespace, out: TextIO) -> int:
                 report = status.read(state_dir)
             except status.StatusError as exc:
                 report, problem = None, str(exc)
-            code, _why = status.checked(report, now, warning, critical)
+            code, _why = status_check.checked(report, now, warning, critical)
             if args.json:
                 shown = status.shown_json(
                     report, now, settings.vllm.unit, code=code, reason=problem
@@ -597,7 +610,7 @@ def _status(args: argparse.Namespace, out: TextIO) -> int:
                 if args.watch and out.isatty():
                     out.write("\033[H\033[2J")  # clear the terminal between views
                 out.write(
-                    status.render(
+                    status_text.render(
                         report, now, explain=args.explain, warning=warning, critical=critical,
                         reason=problem,
                     )
@@ -832,7 +845,7 @@ def _report(unit: str, outcome: Outcome, out: TextIO) -> int:
         timing += f"; vLLM's own start {outcome.service_seconds:.1f} s, vkvagent's {overhead:.2f} s"
     line = f"{outcome.result}: {outcome.message} (action {outcome.action_id}, {timing})"
     if outcome.costs is not None:
-        line += f"\n  {status.costs_line(outcome.costs.to_json())}"
+        line += f"\n  {status_text.costs_line(outcome.costs.to_json())}"
     if outcome.result == "done":
         print(line, file=out)
         return ExitCode.OK

@@ -8,6 +8,8 @@ acting, 2 escalated or critical, 3 unknown (no daemon, no data, or a stale file)
 ``StatusReport`` is the document's one schema: the daemon builds it and writes its
 ``to_json()``; ``vkvagent status`` and the exporter read the typed report, never the dict.
 ``from_json()`` takes what older versions wrote: a key they lacked reads as its default.
+The operator's thresholds and the plugin's output line are ``status_check``'s; the text for
+people is ``status_text``'s.
 """
 
 from __future__ import annotations
@@ -17,18 +19,15 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from enum import IntEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
 from vkvagent import __version__
-from vkvagent.engine.liveness import RESTARTS_AFTER_CLEAN_EXIT
 from vkvagent.engine.policy import PLANNED
 from vkvagent.errors import VkvagentError
-from vkvagent.flags import shown
 
 FILE_NAME = "status.json"
 VERSION = 1
@@ -45,7 +44,6 @@ FLEET_STATES = ("idle", "waiting", "holding", "unreachable")  # what a host does
 CRITICAL_CAUSES = ("engine_down", "gpu_fault", "dead", "start_hung", "crash_loop")
 TREND_EVERY = 300.0  # seconds between two points of the trend
 TREND_KEPT = 144  # 12 hours of them
-SPARKS = "▁▂▃▄▅▆▇█"
 
 _T = TypeVar("_T")
 
@@ -569,9 +567,20 @@ def add_trend(
 NO_STATUS = "no status yet: the daemon has not run (or cannot write its state)"
 
 
+def duration(seconds: float | None) -> str:
+    """A duration for people: "45 s", "12 min", "2.5 h"."""
+    if seconds is None:
+        return "-"
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 90:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
+
+
 def stale_reason(status: StatusReport, now: float) -> str:
     alive = {True: "running but silent", False: "not running", None: "not visible from here"}
-    age = _duration(now - float(status.updated))
+    age = duration(now - float(status.updated))
     # No semicolon: Nagios keeps the first line in status.dat, where it separates fields.
     return f"stale: last update {age} ago, daemon {alive[daemon_running(status)]}"
 
@@ -611,126 +620,6 @@ def shown_json(
     blank.update(updated=None, interval=None)
     blank["policy"] = dict.fromkeys(blank["policy"])
     return {**blank, "stale": False, "last_state": None, "exit_code": int(StatusCode.UNKNOWN)}
-
-
-# -- the monitoring-plugin check ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Range:
-    """A threshold in the monitoring-plugins' range syntax: ``[@]start:end``, ``~`` for no
-    start, no end for none. It alerts outside start..end (inside, with ``@``)."""
-
-    text: str
-    start: float
-    end: float
-    inside: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> Range:
-        """StatusError for anything else, and for a bare number: the guidelines read ``0.8`` as
-        0..0.8, alerting on a speed ratio above 0.8, never what a speed threshold means."""
-        body = text[1:] if text.startswith("@") else text
-        if ":" not in body:
-            raise StatusError(
-                f"threshold {text!r}: a bare number is the range 0..{body} (an alert above it);"
-                f" for an alert below it, write {body}:"
-            )
-        start, _, end = body.partition(":")
-        try:
-            low = -math.inf if start == "~" else float(start or 0)
-            high = math.inf if end == "" else float(end)
-        except ValueError:
-            raise StatusError(
-                f"threshold {text!r}: expected [@]start:end (e.g. 0.8: alerts below 0.8)"
-            ) from None
-        if low > high or math.isnan(low) or math.isnan(high):
-            raise StatusError(f"threshold {text!r}: its start is above its end")
-        return cls(text, low, high, inside=text.startswith("@"))
-
-    def alerts(self, value: float) -> bool:
-        within = self.start <= value <= self.end
-        return within if self.inside else not within
-
-
-def checked(
-    status: StatusReport | None,
-    now: float,
-    warning: Range | None = None,
-    critical: Range | None = None,
-) -> tuple[StatusCode, str]:
-    """The exit code with the thresholds on the speed ratio applied, and an objective's budget
-    burning fast (a warning: the page-worthy alert of the SRE workbook, while the verdict's own
-    critical states stay vLLM down, a GPU fault or escalation), and what raised it in words
-    ("" when nothing did). An unknown ratio, or status, meets no threshold."""
-    code = exit_code(status, now)
-    if status is None or code == StatusCode.UNKNOWN:
-        return code, ""
-    ratio = status.verdict.ratio
-    for limit, name, level in (
-        (critical, "critical", StatusCode.CRITICAL),
-        (warning, "warning", StatusCode.DEGRADED),
-    ):
-        if ratio is not None and limit is not None and limit.alerts(ratio) and level > code:
-            return level, f"speed ratio {ratio:.2f} outside the {name} range {limit.text}"
-    burning = [] if status.slo is None else status.slo.fast()
-    if burning and code < StatusCode.DEGRADED:
-        return StatusCode.DEGRADED, f"{', '.join(burning)} error budget burning fast"
-    return code, ""
-
-
-def perfdata(
-    status: StatusReport, warning: Range | None = None, critical: Range | None = None
-) -> str:
-    """Performance data as the plugin guidelines write it, ``'label'=value[UOM];[warn];
-    [crit];[min];[max]`` (U: not known), for graphs: speed ratio, KV usage, throughput
-    (generated tokens/s) and restarts left today; with [slo], each objective's attainment
-    over the period and its budget left (below 0 when overspent)."""
-    v, m = status.verdict, status.now
-
-    def value(x: float | None, digits: int) -> str:
-        return "U" if x is None else f"{x:.{digits}f}"
-
-    def percent(x: float | None, digits: int) -> str:
-        return "U" if x is None else f"{x * 100:.{digits}f}%"  # U takes no unit
-
-    limits = ";".join(r.text if r else "" for r in (warning, critical))
-    data = (
-        f"speed_ratio={value(v.ratio, 3)};{limits};0 kv_usage={percent(m.kv_usage, 1)};;;0;100 "
-        f"throughput={value(m.tokens_per_s, 1)};;;0 restarts_left={status.policy.budget_left};;;0"
-    )
-    for o in status.slo.objectives if status.slo is not None else ():
-        data += (
-            f" slo_{o.objective}={percent(o.attainment.get('period'), 3)};;;0;100"
-            f" slo_{o.objective}_budget={percent(o.budget_remaining, 1)};;;;100"
-        )
-    return data
-
-
-def headline(
-    status: StatusReport | None,
-    now: float,
-    warning: Range | None = None,
-    critical: Range | None = None,
-    *,
-    reason: str = NO_STATUS,
-) -> str:
-    """The first line, on stdout in every state (a monitoring plugin's output): the state in
-    one word and, when the status is current, its performance data after ``|``."""
-    if status is None:
-        return f"vkvagent {__version__}: UNKNOWN - {reason}"
-    version = status.agent_version
-    if is_stale(status, now):
-        return f"vkvagent {version}: UNKNOWN ({stale_reason(status, now)})"
-    code, why = checked(status, now, warning, critical)
-    state = status.verdict.state.upper()
-    if why:
-        word = "CRITICAL" if code == StatusCode.CRITICAL else "WARNING"
-        state = f"{word} - {why} (verdict {state})"
-    failed = failed_sources(status.failing, float(status.updated), float(status.interval))
-    if failed and status.verdict.state == "impaired":
-        state += f" ({', '.join(f.source for f in failed)} failing)"
-    return f"vkvagent {version}: {state} | {perfdata(status, warning, critical)}"
 
 
 def path(state_dir: Path) -> Path:
@@ -781,360 +670,3 @@ def daemon_running(status: StatusReport) -> bool | None:
     except (OSError, ValueError):
         return False
     return True
-
-
-# -- for people -------------------------------------------------------------------------------
-
-
-def sparkline(values: Sequence[float | None]) -> str:
-    known = [v for v in values if v is not None]
-    if not known:
-        return ""
-    low, high = min(known), max(known)
-    span = high - low or 1.0
-    return "".join(
-        " " if v is None else SPARKS[min(7, int((v - low) / span * 7.999))] for v in values
-    )
-
-
-def unit_warning(
-    unit: str, restart_policy: str, wanted: bool | None, mode: str, file_state: str = ""
-) -> str:
-    """One line on a unit that would stay down after vLLM exits with status 0, as vLLM 0.32
-    does when its engine dies, or that nothing wants ("" when neither): what happens, who
-    starts it again, and what to do. ``restart_policy`` is its Restart= ("": unknown);
-    ``wanted`` as ``UnitStatus.wanted`` (None: unknown); ``mode`` the policy's, which decides
-    whether vkvagent starts a wanted unit that died ("": unknown); ``file_state`` its
-    UnitFileState where known (``config check``), for the right command. For ``config check``
-    and ``vkvagent status``; it changes no exit code."""
-    if file_state in ("masked", "masked-runtime"):
-        return (
-            f"{unit} is masked: neither systemd nor vkvagent can start it "
-            f"(systemctl unmask {unit}, then systemctl enable {unit})"
-        )
-    exits = "vLLM exits 0 when its engine dies (vLLM 0.32 does)"
-    leaves = bool(restart_policy) and restart_policy not in RESTARTS_AFTER_CLEAN_EXIT
-    if wanted is False:
-        if file_state == "static":
-            nobody = f"{unit} has no [Install] section and no unit wants it"
-            enable = f"add WantedBy=multi-user.target under [Install], then systemctl enable {unit}"
-        elif file_state:
-            nobody = f"{unit} is not enabled and no unit wants it"
-            enable = f"systemctl enable {unit}"
-        else:  # status.json has no UnitFileState: masked reads as not wanted too
-            nobody = f"{unit} is not enabled, or masked, and no unit wants it"
-            enable = f"systemctl enable {unit} (unmask it first if masked)"
-        if leaves:
-            return (
-                f"{nobody}, and it has Restart={restart_policy}: {exits}, and then neither "
-                f"systemd nor vkvagent starts it again; set Restart=always, and {enable}"
-            )
-        return (
-            f"{nobody}: it does not start at boot, and vkvagent does not start it when it is "
-            f"down; {enable}"
-        )
-    if not leaves:
-        return ""
-    left = f"{unit} has Restart={restart_policy}: {exits}, and systemd then leaves it down"
-    if mode == "enforce":
-        return (
-            f"{left}; vkvagent starts it again within a sample interval (enforce mode, "
-            "max_per_day allowing), but set Restart=always to have systemd do it at once"
-        )
-    if mode:
-        return f"{left}, and vkvagent in {mode} mode does not start it: set Restart=always"
-    return f"{left}: set Restart=always"
-
-
-# What each source's failure takes from the agent, in words.
-_LOST = {
-    "vllm": "nothing can be judged",
-    "gpu": "no GPU-fault veto",
-    "systemd": "no restart can happen",
-}
-
-
-def render(
-    status: StatusReport | None,
-    now: float,
-    *,
-    explain: bool = False,
-    warning: Range | None = None,
-    critical: Range | None = None,
-    reason: str = NO_STATUS,
-) -> str:
-    """``vkvagent status``: the headline (``headline``), then the figures behind it."""
-    first = headline(status, now, warning, critical, reason=reason)
-    if status is None:
-        return first + "\n"
-    v, u, m = status.verdict, status.unit, status.now
-    lines = [first]
-    if is_stale(status, now):
-        # The headline says what the exit code says; the last verdict is history, beneath it.
-        lines.append(f"  last state  {v.state.upper()} at {_iso(float(status.updated))}")
-    lines.append(f"  verdict     {v.action}: {v.reason}")
-    if v.cause:
-        lines.append(f"  cause       {v.cause}")
-    for failure in status.failing:
-        lost = _LOST.get(failure.source, "")
-        lines.append(
-            f"  failing     {failure.source} for "
-            f"{_duration(failure.failed_for(float(status.updated)))}: {failure.error}"
-            + (f" ({lost})" if lost else "")
-        )
-    unit = status.unit_name
-    if u is not None:
-        lines.append(
-            f"  unit        {unit} {u.active_state} ({u.sub_state}), pid {u.main_pid}, "
-            f"memory {_bytes(u.memory_bytes)}, automatic restarts {u.n_restarts}"
-        )
-        left_down = unit_warning(unit, u.restart_policy, u.wanted, status.policy.mode)
-        if left_down:
-            lines.append(f"  warning     {left_down}")
-    else:
-        lines.append(f"  unit        {unit}: {status.unit_error or 'state unknown'}")
-    vllm = status.vllm
-    lines.append(
-        f"  vLLM        {vllm.version or 'version unknown'}, metrics "
-        f"{vllm.flavor or '-'}, uptime {_duration(vllm.uptime_s)}"
-        + (f"; {vllm.error}" if vllm.error else "")
-    )
-    ratio = v.ratio
-    lines.append(
-        f"  throughput  {_num(m.tokens_per_s)} tokens/s, "
-        f"{_num(m.requests_per_s, 2)} requests/s; speed vs fresh baseline "
-        + ("unknown" if ratio is None else f"{ratio:.2f}")
-        + (
-            f" (slow below {v.enter_ratio:.2f}, back above {v.leave_ratio:.2f})"
-            if ratio is not None and v.enter_ratio is not None and v.leave_ratio is not None
-            else ""
-        )
-    )
-    trend = status.trend
-    if trend:
-        hours = (float(trend[-1].at) - float(trend[0].at)) / 3600
-        lines.append(
-            f"  trend       {sparkline([p.tokens_per_s for p in trend])}  tokens/s, "
-            f"last {hours:.1f} h"
-        )
-    lines.append(
-        f"  load        running {_num(m.running, 1)}, waiting {_num(m.waiting, 1)}, "
-        f"KV usage {_pct(m.kv_usage)}, preemptions {_num(m.preemptions_per_s, 2)}/s, "
-        f"prefix cache hits {_pct(m.prefix_hit_ratio)}"
-    )
-    lines.append(f"  latency     TTFT p50 {_ms(m.ttft_p50_s)}, ITL p50 {_ms(m.itl_p50_s)}")
-    if status.slo is not None:
-        lines.extend(slo_lines(status.slo, explain=explain))
-    if status.probe is not None:
-        lines.append(f"  probe       {probe_line(status.probe)}")
-    for gpu in status.gpus:
-        throttled = ", ".join(gpu.throttled_by) or "none"
-        lines.append(
-            f"  GPU {gpu.index}       {_num(gpu.temperature_c)} C, SM "
-            f"{_num(gpu.sm_clock_mhz)}/{_num(gpu.sm_clock_max_mhz)} MHz, "
-            f"throttled by: {throttled}"
-        )
-    policy = status.policy
-    window = "open" if policy.window_open else f"closed, next {policy.next_window or 'none'}"
-    lines.append(
-        f"  policy      mode {policy.mode}, window {window}, restarts left today "
-        f"{policy.budget_left}"
-        + (f", paused until {policy.paused_until}" if policy.paused_until else "")
-    )
-    if status.fleet is not None:
-        lines.append(f"  fleet       {fleet_line(status.fleet)}")
-    if status.progress:
-        lines.append(f"  restarting  {status.progress}")
-    last = status.last_restart
-    if last is not None:
-        judged = {True: "recovered", False: "did not recover", None: "not judged yet"}
-        lines.append(
-            f"  last action {last.kind} {_iso(last.started)} ({last.reason}): "
-            f"{last.outcome or 'in progress'}, {judged[last.recovered]}"
-        )
-        if last.costs:
-            lines.append(f"              {costs_line(last.costs)}")
-        for hook in last.hooks or ():
-            if hook.get("problem"):
-                lines.append(f"              {hook['name']} failed: {hook['problem']}")
-    if status.flags is not None:
-        lines.extend(flags_lines(status.flags))
-    if v.suggestion:
-        lines.append(
-            f"  suggestion  {shown(v.suggestion)} "
-            "(review it as a change: vkvagent plan --suggested)"
-        )
-    if explain:
-        lines.append("  evidence")
-        for key, value in sorted(v.evidence.items()):
-            lines.append(f"    {key:34} {value}")
-    if status.events:
-        lines.append("")
-        lines += [f"{_iso(e.time)} {e.event}: {e.message}" for e in status.events]
-    return "\n".join(lines) + "\n"
-
-
-def flags_lines(flags: FlagsStatus) -> list[str]:
-    """[vllm.flags] against the unit, and the verdict on the last change."""
-    lines = []
-    running = shown({k: v for k, v in (flags.running or {}).items() if v is not None})
-    if flags.problem:
-        lines.append(f"  flags       {flags.problem}")
-    elif flags.pending and not flags.due:
-        lines.append(f"  flags       pending: {shown(flags.pending)} (running {running})")
-    elif flags.desired and not flags.due:
-        lines.append(f"  flags       in effect: {shown(flags.desired)}")
-    if flags.due:
-        lines.append(
-            f"  flags       due: {flags.due} (running {running}); waiting for {flags.waiting_for}"
-        )
-    last = flags.last_change
-    if last is not None:
-        speed = ""
-        if last.ratio is not None:
-            speed = (
-                f": {last.ratio:.2f} of the previous fresh speed ({last.speed_before:.4g} -> "
-                f"{last.speed_after:.4g} tokens/s per request at {', '.join(last.loads)})"
-            )
-        rollback = f"; rolled back: {last.rollback}" if last.rollback else ""
-        lines.append(
-            f"  last change action {last.action} {shown(last.flags)}: "
-            f"{last.verdict}{speed}{rollback}"
-        )
-    return lines
-
-
-def slo_lines(slo: SloStatus, *, explain: bool = False) -> list[str]:
-    """A line per objective; explained, with its burn rates beneath."""
-    lines = []
-    for objective in slo.objectives:
-        lines.append(f"  slo         {slo_line(objective, slo.period_days)}")
-        if explain:
-            lines.append(
-                f"              burn rate {burn_words(objective.burn_rates)} (1: the budget "
-                f"lasts exactly {slo.period_days:g} d)"
-            )
-    return lines
-
-
-def slo_line(objective: SloObjective, period_days: float) -> str:
-    """An objective's attainment over the last hour, day and period, and its budget left:
-    "95 % of requests' first token within 2 s: 97.1 % (1 h), 96.4 % (1 d), 96.0 % (28 d);
-    budget left 20 %; burning fast"."""
-    shares = objective.attainment
-    if objective.budget_remaining is None and not any(v is not None for v in shares.values()):
-        return f"{objective.words}: nothing counted yet"
-    # Enough digits to tell the target from a miss (99.95 % for 99.9 %, 96.4 % for 95 %),
-    # rounded down: 99.996 % is not 100 %.
-    digits = max(1, 1 - math.floor(math.log10(max(1e-6, (1 - objective.target) * 100))))
-
-    def share(window: str) -> str:
-        value, scale = shares.get(window), 10 ** (digits + 2)
-        return _pct(None if value is None else math.floor(value * scale + 1e-6) / scale, digits)
-
-    figures = ", ".join(
-        f"{share(window)} ({label})"
-        for window, label in (("1h", "1 h"), ("1d", "1 d"), ("period", f"{period_days:g} d"))
-    )
-    burning = f"; burning {objective.burning}" if objective.burning else ""
-    return f"{objective.words}: {figures}; {budget_words(objective.budget_remaining)}{burning}"
-
-
-def budget_words(left: float | None) -> str:
-    """An objective's budget left: "budget left 20 %", "budget left -35 % (overspent)"."""
-    return f"budget left {_pct(left)}" + (" (overspent)" if left is not None and left < 0 else "")
-
-
-def burn_words(rates: Mapping[str, Any]) -> str:
-    """Burn rates by window: "5m 25.0, 30m 12.0, 1h 20.1, 6h 3.3" (1: the budget spent in
-    exactly one period)."""
-    return ", ".join(f"{window} {_num(rate, 1)}" for window, rate in rates.items())
-
-
-def costs_line(costs: Mapping[str, Any]) -> str:
-    """What the last restart cost the clients (``actuator.Costs`` as the ledger keeps it)."""
-    how = {
-        "vllm": "drained by vLLM",
-        "quiet": "waited for a quiet moment",
-        "busy": "no quiet moment came",
-        "none": "not drained",
-    }.get(costs.get("drain_mode", ""), "drain unknown")
-    if costs.get("drain_seconds") is not None:
-        how += f" in {costs['drain_seconds']:.1f} s"
-    parts = [how]
-    if costs.get("aborted") is not None and costs.get("in_flight") is not None:
-        parts.append(f"{costs['aborted']:.0f} of {costs['in_flight']:.0f} in flight cut off")
-    if costs.get("down_seconds") is not None:
-        down = f"down {costs['down_seconds']:.1f} s"
-        if costs.get("missed") is not None:
-            down += f" (about {costs['missed']:.0f} requests turned away)"
-        parts.append(down)
-    return ", ".join(parts)
-
-
-def probe_line(probe: ProbeStatus) -> str:
-    """The active probe: switched off, in flight, or how the last one went."""
-    if not probe.enabled:
-        return "off"
-    parts = []
-    if probe.in_flight_s is not None:
-        parts.append(f"in flight for {_duration(probe.in_flight_s)}")
-    last = probe.last
-    if last is not None:
-        parts.append(
-            f"last {last.outcome} in {last.latency_s:.2f} s at {_iso(last.time)}"
-            + (f" ({last.detail})" if last.detail else "")
-        )
-    elif probe.failing:
-        parts.append(f"cannot be sent: {probe.failing}")
-    else:
-        parts.append("none sent yet (sent when no token moves for a while)")
-    return "; ".join(parts)
-
-
-def fleet_line(fleet: FleetStatus) -> str:
-    """The group's slot holders and this host's state in it, in one line."""
-    group, n = fleet.group, fleet.max_concurrent
-    if fleet.state == "unreachable":
-        held = "held" if fleet.on_unreachable == "hold" else "held but for emergencies"
-        return f"group {group}: etcd unreachable, restarts {held} ({fleet.error})"
-    holders = fleet.holders
-    shown = ", ".join(
-        f"{h.host} (slot {h.slot}, since {_iso(h.since)}, {h.cause or '-'})" for h in holders
-    )
-    return (
-        f"group {group}, {len(holders)} of {n} slots held" + (f": {shown}" if shown else "")
-        + f"; this host ({fleet.host}) {fleet.state}"
-    )  # fmt: skip
-
-
-def _iso(at: float | None) -> str:
-    if at is None:
-        return "-"
-    return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds >= 5400:
-        return f"{seconds / 3600:.1f} h"
-    if seconds >= 90:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds:.0f} s"
-
-
-def _num(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
-
-
-def _pct(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value * 100:.{digits}f} %"
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f} ms"
-
-
-def _bytes(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**30:.1f} GiB"
