@@ -14,7 +14,7 @@ Targets (``TARGETS``), each a property over generated inputs:
 - ``flags``: ``flags.validate`` on arbitrary names and values, then ``apply_flags`` on
   generated ``vllm serve`` command lines with hostile unmanaged arguments: each flag set once,
   to its value, in plain tokens; nothing else moved; applying again changes nothing.
-- ``replay``: ``replay.load_files`` and the replay itself on arbitrary JSON and on a real
+- ``replay``: ``query_range.load_files`` and the replay itself on arbitrary JSON and on a real
   query_range history mutated point by point: a result, or ``ReplayError`` (one line).
 - ``systemd``: argvs (hostile text, and the flag rewriter's output) rendered as drop-ins,
   read back by a real systemd in the sandbox: ``ExecStart`` over D-Bus equals the intended
@@ -54,6 +54,7 @@ from vkvagent import config, flags, replay, toml_schema
 from vkvagent.config import Config, ConfigError
 from vkvagent.dropin import argv_hash, quote_exec_arg, render_dropin
 from vkvagent.flags import CATALOGUE, FlagError, VllmCommandError
+from vkvagent.query_range import ReplayError, load_files
 from vkvagent.systemd import Systemd
 from vkvagent.vllm_metrics import FLAVORS, WANTED, ExpositionError, Normaliser
 
@@ -580,9 +581,9 @@ def check_replay(data: bytes, step: float | None) -> None:
         path.write_bytes(data)
         with bounded():
             try:
-                store = replay.load_files([path])
+                store = load_files([path])
                 result = replay.run(Config().engine_settings(), store, step=step)
-            except replay.ReplayError as exc:
+            except ReplayError as exc:
                 assert one_line(str(exc)), repr(str(exc))
                 return
     assert result.evaluations >= 1

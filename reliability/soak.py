@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from reliability.report import Row
-from vkvagent import config, replay
+from vkvagent import config, replay, timeline
 from vkvagent.daemon import Daemon
 from vkvagent.demo import scaled_clock, simulator
 from vkvagent.engine.diagnosis import FIXABLE
@@ -250,7 +250,7 @@ def compare(soak: Soak, work: Path, cfg: Path, decisions_path: Path) -> None:
     """Replay the archive and compare with the daemon's decisions, timestamp by timestamp."""
     settings = config.load(cfg).engine_settings()
     with History(work / "archive", readonly=True) as kept:
-        line = cast(replay.Timeline, Recorded(kept, soak.interval))  # step and samples() only
+        line = cast(timeline.Timeline, Recorded(kept, soak.interval))  # step and samples() only
         result = replay.replay(settings, line, trace=True)
     trace = result.trace
     assert trace is not None

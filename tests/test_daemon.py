@@ -25,7 +25,7 @@ from prometheus_client import generate_latest
 from tests.conftest import metrics
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get
-from vkvagent import cli, config, controls, status, status_text
+from vkvagent import actions, config, controls, status, status_text
 from vkvagent.actuator import Costs, Outcome
 from vkvagent.cli import main
 from vkvagent.daemon import STATE_FILE, Daemon
@@ -415,7 +415,7 @@ def test_the_commands_progress_is_one_updating_line_on_a_terminal_and_nothing_in
     path = write_config(tmp_path, "http://127.0.0.1:9")
     settings = config.load(path, as_root=False)
     for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
-        actuator = cli._actuator(settings, stream)
+        actuator = actions._actuator(settings, stream)
         actuator._progress("draining: 3 requests in flight")
         actuator._progress("draining: 1 requests in flight")
         expected = "\r\033[Kvkvagent: draining: 3 requests in flight" + (

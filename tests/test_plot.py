@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_replay import ENFORCE, history, run_cli, write
-from vkvagent import plot, replay
+from vkvagent import plot, query_range, replay
 from vkvagent.engine import Settings
 from vkvagent.engine.policy import PolicySettings
 
@@ -32,7 +32,7 @@ def test_replay_draws_speed_windows_causes_and_restarts_to_a_png(tmp_path: Path)
 
 
 def test_the_trace_keeps_every_evaluation_for_the_picture() -> None:
-    store = replay.Store()
+    store = query_range.Store()
     store.add(json.loads(history("uptime-decline", 3.75, onset=1800.0, step=30.0)), "range")
     settings = Settings(policy=PolicySettings(mode="enforce", windows=("daily 03:15-05:00",)))
     result = replay.run(settings, store, trace=True)
@@ -48,7 +48,7 @@ def test_observe_mode_draws_and_titles_the_restarts_it_held_back() -> None:
     pytest.importorskip("matplotlib")
     from matplotlib import dates
 
-    store = replay.Store()
+    store = query_range.Store()
     store.add(json.loads(history("uptime-decline", 3.75, onset=1800.0, step=30.0)), "range")
     settings = Settings(policy=PolicySettings(windows=("daily 03:15-06:00",)))  # observe
     result = replay.run(settings, store, trace=True)

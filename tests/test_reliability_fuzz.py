@@ -10,7 +10,7 @@ import pytest
 from reliability import fuzz
 from reliability.report import table
 from tests.sandbox import require
-from vkvagent import config, replay, toml_schema
+from vkvagent import config, query_range, replay, toml_schema
 from vkvagent.config import Config, ConfigError
 
 
@@ -52,8 +52,8 @@ def test_replay_refuses_times_it_cannot_replay_in_one_line(
 ) -> None:
     path = tmp_path / "range.json"
     path.write_text(fuzz.query_range(points))
-    with pytest.raises(replay.ReplayError) as raised:
-        replay.run(Config().engine_settings(), replay.load_files([path]))
+    with pytest.raises(query_range.ReplayError) as raised:
+        replay.run(Config().engine_settings(), query_range.load_files([path]))
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 

@@ -18,10 +18,8 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -33,7 +31,7 @@ from prometheus_client.parser import parse_labels
 
 from tests.httpserver import RawServer, free_port
 from tests.simproc import SimProcess, get
-from vkvagent import replay
+from vkvagent import query_range, timeline
 from vkvagent.cli import main
 from vkvagent.config import Config
 from vkvagent.engine import ACTIONS, Settings
@@ -351,7 +349,7 @@ def test_a_real_restart_in_the_data_starts_a_new_run_and_baseline(tmp_path: Path
     if how == "counter reset only":  # e.g. a page without process_start_time_seconds
         response = json.loads(text)
         result = response["data"]["result"]
-        result[:] = [r for r in result if r["metric"]["__name__"] != replay.PROCESS_START]
+        result[:] = [r for r in result if r["metric"]["__name__"] != timeline.PROCESS_START]
         text = json.dumps(response)
     data = replay_json(tmp_path, text)
     decisions = data["decisions"]
@@ -411,7 +409,7 @@ def test_memory_growing_with_requests_served_is_found_from_the_process_rss(
         if entry["metric"]["__name__"] == "vllm:request_success_total":
             for t, value in entry["values"]:
                 served[t] = served.get(t, 0.0) + float(value)
-    rss = next(e for e in result if e["metric"]["__name__"] == replay.PROCESS_MEMORY)
+    rss = next(e for e in result if e["metric"]["__name__"] == query_range.PROCESS_MEMORY)
     rss["values"] = [[t, str(6 * 2**30 + served[t] * 256 * 1024)] for t, _v in rss["values"]]
     config = (
         '[policy]\nmode = "enforce"\nwindows = ["daily 00:00-24:00"]\n'
@@ -642,7 +640,7 @@ def with_http(text: str, errors_every: int) -> tuple[str, float, float]:
 def test_availability_over_a_replay_counts_the_5xx_vllm_answered(tmp_path: Path) -> None:
     text, answered, errors = with_http(history("healthy", 1.0, step=30.0), errors_every=10)
     assert errors == 11
-    store = replay.Store()
+    store = query_range.Store()
     store.add(json.loads(text), "range.json")
     kept = {(s.labels["status"], s.labels["instance"]) for s in store.series()
             if s.name == "http_requests_total"}  # fmt: skip
@@ -673,108 +671,6 @@ def test_availability_over_a_replay_counts_the_requests_refused_while_vllm_loade
 def test_without_an_slo_the_summary_has_no_objectives(tmp_path: Path) -> None:
     data = replay_json(tmp_path, history("healthy", 0.2))
     assert data["summary"]["slo"] == {}
-
-
-# -- the DCGM mapping and the pieces -----------------------------------------------------------
-
-
-def series(name: str, points: list[tuple[float, float]], **labels: str) -> replay.Series:
-    return replay.Series(name, labels, [t for t, _v in points], [v for _t, v in points])
-
-
-def test_dcgm_series_become_gpu_readings() -> None:
-    gpu = {"gpu": "3", "UUID": "GPU-abc", "modelName": "NVIDIA H100 80GB HBM3"}
-    vllm = [series("vllm:num_requests_running", [(t, 1.0) for t in (10, 20, 30)], model_name="m")]
-    dcgm = [
-        series("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", [(10, 0), (20, 0x48), (30, 0)], **gpu),
-        series("DCGM_FI_DEV_SM_CLOCK", [(10, 1980), (20, 1400), (30, 1980)], **gpu),
-        series("DCGM_FI_DEV_GPU_TEMP", [(10, 60), (20, 88), (30, 61)], **gpu),
-        series("DCGM_FI_DEV_FB_USED", [(10, 1024), (20, 1024), (30, 1024)], **gpu),
-        series("DCGM_FI_DEV_FB_FREE", [(10, 512), (20, 512), (30, 512)], **gpu),
-        series("DCGM_FI_DEV_XID_ERRORS", [(10, 0), (20, 79), (30, 79)], **gpu),
-        series("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", [(10, 0), (20, 0), (30, 2)], **gpu),
-    ]
-    line = replay.timeline(vllm + dcgm)
-    readings = [sample.gpus for sample, _memory in line.samples()]
-    assert [len(r) for r in readings] == [1, 1, 1]
-    calm, hot, after = (r[0] for r in readings)
-    assert (hot.index, hot.uuid, hot.name) == (3, "GPU-abc", "NVIDIA H100 80GB HBM3")
-    assert hot.clock_event_reasons == ("hw_slowdown", "hw_thermal_slowdown")
-    assert hot.throttled_by == ("hw_slowdown", "hw_thermal_slowdown")
-    assert (hot.sm_clock_mhz, hot.sm_clock_max_mhz, hot.temperature_c) == (1400, 1980, 88)
-    assert (hot.memory_used_bytes, hot.memory_total_bytes) == (1 << 30, 1536 << 20)
-    # The XID gauge holds the last code: an XID is reported when it changes, once.
-    assert (calm.xid_errors, hot.xid_errors, after.xid_errors) == ((), (79,), ())
-    assert after.ecc_uncorrected_volatile == 2 and calm.clock_event_reasons == ()
-
-
-def test_gpus_of_several_hosts_are_refused() -> None:
-    vllm = [series("vllm:num_requests_running", [(10, 1.0), (20, 1.0)])]
-    temps = [series("DCGM_FI_DEV_GPU_TEMP", [(10, 50)], gpu="0", Hostname=h) for h in "ab"]
-    with pytest.raises(replay.ReplayError, match=r"^GPU series from 2 hosts \(a, b\): keep "):
-        replay.timeline(vllm + temps)
-
-
-def test_holes_in_the_data_become_samples_without_vllm() -> None:
-    vllm = [series("vllm:num_requests_running", [(t, 1.0) for t in (0, 10, 20, 60, 70)])]
-    line = replay.timeline(vllm)
-    assert line.step == 10 and line.times == [0, 10, 20, 30, 40, 50, 60, 70]
-    errors = [sample.vllm_error for sample, _memory in line.samples()]
-    assert errors[3:6] == ["no vLLM series at this time (target down, or not scraped)"] * 3
-    assert errors[:3] == [None] * 3 and errors[6:] == [None] * 2
-
-
-def test_the_api_answers_are_vllms_own_and_known_from_its_first_page() -> None:
-    """http_requests_total is a common name: only vLLM's target's series are read. The live
-    page declares it from vLLM's start, so before the first POST it reads none (0), as live."""
-    vllm = [series("vllm:num_requests_running", [(t, 1.0) for t in (10, 20, 30)], instance="a:1")]
-    post = {"handler": "/v1/completions", "method": "POST"}
-    http = [
-        series("http_requests_total", [(30, 5.0)], status="2xx", instance="a:1", **post),
-        series("http_requests_total", [(30, 1.0)], status="5xx", instance="a:1", **post),
-        series("http_requests_total", [(t, t) for t in (10, 20, 30)], status="5xx",
-               instance="b:1", **post),  # another program on another port
-    ]  # fmt: skip
-
-    def read(line: replay.Timeline) -> list[tuple[float | None, float | None]]:
-        samples = [sample.vllm for sample, _memory in line.samples()]
-        return [(m.http_requests_total, m.http_5xx_total) for m in samples if m is not None]
-
-    assert read(replay.timeline(vllm + http)) == [(0.0, 0.0), (0.0, 0.0), (6.0, 1.0)]
-    assert read(replay.timeline(vllm + http[2:])) == [(None, None)] * 3  # none of vLLM's
-
-
-def test_labels_are_escaped_as_the_exposition_format_wants() -> None:
-    labels = {"model_name": 'a"b\\c\nd', "instance": "x:1", "job": "j", "engine": "0"}
-    line = replay._line("vllm:num_requests_running", labels)
-    assert line == 'vllm:num_requests_running{engine="0",model_name="a\\"b\\\\c\\nd"}'
-    assert parse_labels(line[line.index("{") + 1 : -1]) == {"engine": "0", "model_name": labels[
-        "model_name"]}  # fmt: skip
-
-
-def test_chunks_cover_the_grid_once_under_the_point_limit() -> None:
-    assert replay.chunks(0, 100, 10, 4) == [(0, 30), (40, 70), (80, 100)]
-    assert replay.chunks(0, 0, 15, 10_000) == [(0, 0)]
-    week = replay.chunks(0, 7 * 86400, 15, replay.MAX_POINTS)
-    assert len(week) == 5 and all((b - a) / 15 + 1 <= 10_000 for a, b in week)
-    grid = [t for a, b in week for t in range(int(a), int(b) + 1, 15)]
-    assert grid == list(range(0, 7 * 86400 + 1, 15))
-
-
-def test_times_and_durations() -> None:
-    now = 1_741_000_000.0
-    assert replay.parse_time("now", now) == now
-    assert replay.parse_time("now-6h", now) == now - 6 * 3600
-    assert replay.parse_time("1741000000.5", now) == 1741000000.5
-    assert replay.parse_time("2025-03-03T04:00:00Z", now) == START.timestamp() + 4 * 3600
-    assert replay.parse_time("2025-03-03T05:00:00+01:00", now) == START.timestamp() + 4 * 3600
-    assert replay.parse_time("2025-03-03 04:00", now) == START.timestamp() + 4 * 3600
-    assert [replay.parse_duration(d) for d in ("15", "15s", "1m", "2h", "1d", "500ms")] == [
-        15, 15, 60, 7200, 86400, 0.5
-    ]  # fmt: skip
-    for bad in ("yesterday", "now-x", "-5m", "5y"):
-        with pytest.raises(ValueError):
-            replay.parse_time(bad, now)
 
 
 def test_engine_settings_come_from_the_config() -> None:
@@ -878,46 +774,6 @@ def test_a_wrong_command_line_exits_2(tmp_path: Path, argv: tuple[str, ...], mes
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
-def serve_answer(answer: bytes) -> RawServer:
-    def handle(conn: socket.socket, _stop: threading.Event) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += conn.recv(4096)
-        length = int(re.search(rb"Content-Length: (\d+)", data, re.I).group(1))  # type: ignore[union-attr]
-        body = data.split(b"\r\n\r\n", 1)[1]
-        while len(body) < length:
-            body += conn.recv(4096)
-        conn.sendall(answer)
-
-    return RawServer(handle)
-
-
-def http(status: str, body: bytes, kind: str = "application/json") -> bytes:
-    return (f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-            f"Connection: close\r\n\r\n").encode() + body  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("answer", "message"),
-    [
-        (http("503 Service Unavailable", b"<html>down</html>", "text/html"),
-         "answered HTTP 503: Service Unavailable"),
-        (http("422 Unprocessable Entity",
-              b'{"status":"error","errorType":"execution","error":"too many samples"}'),
-         "answered HTTP 422: execution: too many samples"),
-        (http("200 OK", b"not json"), "answer is not JSON: "),
-        (http("200 OK", b'{"status":"success","data":{"resultType":"vector","result":[]}}'),
-         'resultType is "vector", not "matrix"'),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"status\"", "cannot read from "),
-    ],
-)  # fmt: skip
-def test_a_prometheus_that_misbehaves_fails_in_one_line(answer: bytes, message: str) -> None:
-    with serve_answer(answer) as server, pytest.raises(replay.ReplayError) as caught:
-        replay.fetch(server.url, ["up"], 0, 60, 15, timeout=5)
-    assert message in str(caught.value) and "\n" not in str(caught.value)
-    assert str(caught.value).count(f"{server.url}/api/v1/query_range") == 1
-
-
 def test_an_unreachable_or_silent_prometheus_fails_in_one_line(tmp_path: Path) -> None:
     port = free_port()
     cfg = write(tmp_path / "c.toml", "")
@@ -930,8 +786,8 @@ def test_an_unreachable_or_silent_prometheus_fails_in_one_line(tmp_path: Path) -
     )
     with RawServer(lambda conn, stop: stop.wait(5)) as silent:
         began = time.monotonic()
-        with pytest.raises(replay.ReplayError, match=r"timed out$"):
-            replay.fetch(silent.url, ["up"], 0, 60, 15, timeout=0.3)
+        with pytest.raises(query_range.ReplayError, match=r"timed out$"):
+            query_range.fetch(silent.url, ["up"], 0, 60, 15, timeout=0.3)
         assert time.monotonic() - began < 3
     code, _out, err = run_cli("--prometheus", "ftp://x", "--match", "up", "--start", "now-1h",
                               "--config", str(cfg))  # fmt: skip
@@ -1002,7 +858,7 @@ def test_replay_reads_a_real_prometheus_scraping_the_simulator(tmp_path: Path) -
         deadline = time.monotonic() + 40
         while True:
             time.sleep(0.5)
-            store = replay.fetch(url, [SELECTOR], began - 5, time.time(), 1.0)
+            store = query_range.fetch(url, [SELECTOR], began - 5, time.time(), 1.0)
             running = [s for s in store.series() if s.name == "vllm:num_requests_running"]
             if running and len(running[0].times) >= 10:
                 break
@@ -1016,8 +872,8 @@ def test_replay_reads_a_real_prometheus_scraping_the_simulator(tmp_path: Path) -
         data = json.loads(out)
         check_structure(data)
         # Chunks of 4 points give exactly what one query gives.
-        whole = replay.fetch(url, [SELECTOR], began - 5, end, 1.0).series()
-        chunked = replay.fetch(url, [SELECTOR], began - 5, end, 1.0, max_points=4).series()
+        whole = query_range.fetch(url, [SELECTOR], began - 5, end, 1.0).series()
+        chunked = query_range.fetch(url, [SELECTOR], began - 5, end, 1.0, max_points=4).series()
         assert chunked == whole
         # A selector Prometheus refuses comes back as its own error, in one line.
         code, _out, err = run_cli("--prometheus", url, "--match", "{", "--start", "now-1m",

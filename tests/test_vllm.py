@@ -41,6 +41,7 @@ from tests.httpserver import (
 )
 from vkvagent import cli
 from vkvagent.engine.samples import VllmMetrics
+from vkvagent.exitcodes import ExitCode
 from vkvagent.vllm import ScrapeError, VllmClient, base_url
 
 CONNECT = 0.3  # connect_timeout of the clients under test, seconds
@@ -502,7 +503,7 @@ def test_cli_scrape_url_text(serve: Serve, config_file: Path) -> None:
 def test_cli_scrape_refused_port(config_file: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     code, out, err = run_cli("scrape", "--url", url, "--json", "--config", str(config_file))
-    assert code == cli.ExitCode.FAILURE
+    assert code == ExitCode.FAILURE
     assert out == ""
     assert len(err.splitlines()) == 1 and err.endswith("\n")
     assert err.startswith(f"vkvagent: {url}/metrics: connection refused")

@@ -1,70 +1,38 @@
-"""The ``vkvagent`` command line. Runs in-process in tests: ``main(argv, stdout, stderr)``."""
+"""The ``vkvagent`` command line: its parser, the dispatch to each command and the commands
+that fit in a screen; ``config_check``, ``actions`` (plan, apply, restart, rollback, adopt) and
+``readings`` (scrape, gpu) hold the larger ones. Runs in-process in tests:
+``main(argv, stdout, stderr)``."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
-import math
 import os
-import shlex
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from enum import IntEnum
 from pathlib import Path
 from typing import Callable, TextIO
 
 from vkvagent import (
     __version__,
+    actions,
     advice,
-    apikey,
     config,
+    config_check,
     controls,
-    fleet,
-    hardening,
+    query_range,
+    readings,
     replay,
     status,
     status_check,
     status_text,
-    toml_schema,
 )
-from vkvagent.actuator import Actuator, Outcome, Plan, engine_stop_too_short
-from vkvagent.atomicfile import write_atomically
-from vkvagent.engine.gpu_faults import describe_xid
-from vkvagent.engine.policy import MODES, PolicySettings, window_state
-from vkvagent.engine.samples import GpuReading, VllmMetrics, utc_text
-from vkvagent.engine.slo import ITL_BOUNDS, TTFT_BOUNDS, bracket
+from vkvagent.engine.policy import MODES
 from vkvagent.errors import NEEDS_OPERATOR, NeedsOperator, VkvagentError
-from vkvagent.events import Events
-from vkvagent.flags import shown as flags_shown
-from vkvagent.gpu import GpuReader, NvmlBackend, RecordedBackend, reader_for, record
-from vkvagent.history import History, HistoryError
-from vkvagent.ledger import Ledger
-from vkvagent.systemd import Systemd, SystemdError, UnitState
-from vkvagent.vllm import VllmClient
-from vkvagent.vllm_metrics import Normaliser
-
-
-class ExitCode(IntEnum):
-    """Documented exit codes (docs/commands.md, "Exit codes")."""
-
-    OK = 0
-    FAILURE = 1  # what was asked could not be done: unreadable vLLM, bad page, bad config
-    USAGE = 2  # the command line itself is wrong
-    # The reader of stdout went away (`vkvagent replay ... | head -3`): stopped quietly, with
-    # the status a shell gives a writer SIGPIPE ended (128 + 13), as in any other pipeline.
-    BROKEN_PIPE = 141
-
-
-class CommandError(VkvagentError):
-    """A one-line reason the command failed; printed as ``vkvagent: <reason>``."""
-
-
-class UsageError(CommandError):
-    """The command line is wrong in a way argparse cannot tell (exit 2)."""
+from vkvagent.exitcodes import CommandError, ExitCode, UsageError
 
 
 def main(
@@ -144,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     scrape.add_argument("--model", help="read only this model_name (default: config, or all)")
     scrape.add_argument("--json", action="store_true", help="print one JSON object")
     _config_option(scrape)
-    scrape.set_defaults(command=_scrape)
+    scrape.set_defaults(command=readings.scrape)
 
     gpu = commands.add_parser("gpu", help="read the GPUs through NVML once")
     gpu.add_argument("--json", action="store_true", help="print one JSON object")
@@ -162,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         help="read from a file made by --record instead of NVML",
     )
     _config_option(gpu)
-    gpu.set_defaults(command=_gpu)
+    gpu.set_defaults(command=readings.gpu)
 
     plan = commands.add_parser(
         "plan", help="show the command line [vllm.flags] would give vLLM, before and after"
@@ -182,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     _config_option(plan)
-    plan.set_defaults(command=_plan)
+    plan.set_defaults(command=actions.plan)
 
     apply = commands.add_parser(
         "apply", help="apply [vllm.flags] now: drop-in, restart, attest; rolled back on failure"
@@ -195,11 +163,11 @@ def _parser() -> argparse.ArgumentParser:
         help="wait until a [policy] restart window is open, then apply (now, if one is)",
     )
     _action_options(apply)
-    apply.set_defaults(command=_apply)
+    apply.set_defaults(command=actions.apply)
 
     restart = commands.add_parser("restart", help="restart vLLM through the safe path")
     _action_options(restart)
-    restart.set_defaults(command=_restart)
+    restart.set_defaults(command=actions.restart)
 
     rollback = commands.add_parser(
         "rollback", help="put back the drop-in vkvagent replaced last, and restart"
@@ -209,13 +177,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     _fleet_option(rollback)
     _config_option(rollback)
-    rollback.set_defaults(command=_rollback)
+    rollback.set_defaults(command=actions.rollback)
 
     adopt = commands.add_parser(
         "adopt", help="accept the unit's current command line (someone's manual edits included)"
     )
     _config_option(adopt)
-    adopt.set_defaults(command=_adopt)
+    adopt.set_defaults(command=actions.adopt)
 
     replayer = commands.add_parser(
         "replay",
@@ -344,7 +312,7 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         help="a file, or a directory with config.toml and conf.d/ (default: /etc/vkvagent)",
     )
-    check.set_defaults(command=_config_check)
+    check.set_defaults(command=config_check.check)
     config_cmd.set_defaults(command=_usage(config_cmd))
 
     sim = commands.add_parser(
@@ -394,167 +362,6 @@ def _config_option(parser: argparse.ArgumentParser) -> None:
 
 
 # -- commands ----------------------------------------------------------------------------------
-
-
-def _config_check(args: argparse.Namespace, out: TextIO) -> int:
-    notes: list[str] = []
-    loaded = config.load(args.path, notes=notes)
-    files = config.config_files(args.path)
-    warnings = [note for note in notes if note.endswith(config.SKIPPED)]
-    sandbox = hardening.Sandbox.installed()
-    refused = hardening.refusals(loaded, sandbox) if sandbox is not None else []
-    warnings += [f"{r.key}: {r.message}" for r in refused]
-    buckets, beyond = _slo_buckets(loaded)
-    notes += buckets
-    warnings += beyond
-    state, seen = _unit_state(loaded.vllm.unit)
-    unit = _unit_warning(state, loaded.policy.mode)
-    warnings += [unit] if unit else []
-    notes += [seen] if seen else []
-    access_warnings, access_notes = _vllm_access(loaded.vllm, state)
-    warnings += access_warnings
-    if state is not None and loaded.restart.graceful_shutdown:
-        cut = engine_stop_too_short(state, math.ceil(loaded.restart.drain_timeout))
-        warnings += [f"{loaded.vllm.unit}: {cut}"] if cut else []
-    notes += access_notes
-    read = ", ".join(map(str, files)) or "no file, defaults only"
-    said = f"valid, with {len(warnings)} warning(s) on stderr" if warnings else "OK"
-    print(f"# configuration {said}; read: {read}", file=out)
-    for note in notes:
-        if note not in warnings:
-            print(f"# {note}", file=out)
-    if sandbox is None:
-        print(f"# {hardening.UNIT} is not installed here: its sandbox was not checked", file=out)
-    out.write(toml_schema.render(loaded))
-    out.flush()
-    for warning in warnings:
-        print(f"vkvagent: warning: {warning}", file=sys.stderr)
-    text = hardening.dropin(refused)
-    if text is not None:  # the lines to paste, as they are
-        print(
-            f"vkvagent: the hardened {hardening.UNIT} allows them with this drop-in, "
-            f"{hardening.DROPIN} (then: systemctl daemon-reload; systemctl restart vkvagent):",
-            file=sys.stderr,
-        )
-        sys.stderr.write(text)
-    return ExitCode.OK
-
-
-def _unit_state(name: str) -> tuple[UnitState | None, str]:
-    """vLLM's unit as systemd has it, or a note when systemd cannot be asked or has no such
-    unit (no warning then: the check is of the files, and may run before vLLM's unit is
-    written)."""
-    try:
-        with Systemd(timeout=5) as bus:
-            return bus.unit(name), ""
-    except SystemdError as exc:
-        return None, f"{name} not checked: {exc}"
-
-
-def _unit_warning(unit: UnitState | None, mode: str) -> str:
-    """A warning for a vLLM unit that an exit 0 of vLLM would leave down, or that nothing
-    wants (``status_text.unit_warning``)."""
-    if unit is None:
-        return ""
-    if unit.load_state not in ("loaded", "masked"):
-        return (
-            f"systemd cannot load {unit.name} (LoadState={unit.load_state}): neither systemd "
-            f"nor vkvagent can start it (systemctl status {unit.name} says why)"
-        )
-    file_state = "masked" if unit.load_state == "masked" else unit.unit_file_state
-    return status_text.unit_warning(unit.name, unit.restart_policy, unit.wanted, mode, file_state)
-
-
-def _vllm_access(cfg: config.VllmConfig, unit: UnitState | None) -> tuple[list[str], list[str]]:
-    """(warnings, notes) on how vkvagent reaches vLLM: a URL that does not speak the unit's
-    TLS, and where the probe's API key comes from. KeyFileError: ``api_key_file`` is unusable."""
-    warnings, notes = [], []
-    key = apikey.read_key_file(cfg.api_key_file) if cfg.api_key_file else None
-    argv = unit.exec_start[-1].argv if unit is not None and unit.exec_start else ()
-    key = key or (unit.api_key if unit is not None else None)
-    if key is not None:
-        notes.append(f"the probe sends vLLM's API key from {key.source}")
-    tls = any(a.split("=", 1)[0] in ("--ssl-certfile", "--ssl_certfile") for a in argv)
-    if tls and not cfg.url.startswith("https://"):
-        warnings.append(
-            f"{cfg.unit} serves https (--ssl-certfile) but [vllm] url is {cfg.url}: set "
-            'url = "https://..." and, for a certificate of your own CA, ca_file'
-        )
-    return warnings, notes
-
-
-# Each latency objective's target key, and the VllmMetrics histogram it is measured on.
-_SLO_HISTOGRAMS = {"ttft_seconds": "time_to_first_token", "itl_seconds": "inter_token_latency"}
-_Layout = dict[str, tuple[float, ...]]  # histogram -> its bucket bounds
-
-
-def _slo_buckets(loaded: config.Config) -> tuple[list[str], list[str]]:
-    """A note for each declared latency objective: the bounds of vLLM's bucket its target
-    falls in, since attainment is interpolated within it; a warning for a target beyond the
-    last finite bound, which +Inf's bucket cannot tell."""
-    targets = {key: getattr(loaded.slo, key) for key in _SLO_HISTOGRAMS}
-    declared = {key: target for key, target in targets.items() if target is not None}
-    if not declared:
-        return [], []
-    layouts, source = _histogram_layouts(
-        loaded.agent.state_dir, [_SLO_HISTOGRAMS[key] for key in declared]
-    )
-    notes: list[str] = []
-    warnings: list[str] = []
-    for key, target in declared.items():
-        said: dict[str, list[str]] = {}  # what the target's bucket is -> whose layouts say so
-        for whose, layout in layouts.items():
-            said.setdefault(_bucket_words(target, layout[_SLO_HISTOGRAMS[key]]), []).append(whose)
-        for words, names in said.items():
-            every = len(said) == 1 and len(layouts) > 1
-            shown = "every vLLM version" if every else "; ".join(names)
-            line = f"slo: {key} {target:g} {words} (buckets of {shown}{source})"
-            (warnings if words.startswith("is beyond") else notes).append(line)
-    return notes, warnings
-
-
-def _bucket_words(target: float, bounds: Sequence[float]) -> str:
-    found = bracket(bounds, target)
-    if found is None:
-        last = max(b for b in bounds if math.isfinite(b))
-        return (
-            f"is beyond vLLM's last finite bucket bound, {last:g} s: only what that bound "
-            "holds counts as within the target"
-        )
-    lower, upper = found
-    if target == upper:
-        return f"is one of vLLM's bucket bounds ({upper:g} s): attainment is counted exactly"
-    return (
-        f"falls between vLLM's buckets {lower:g} and {upper:g} s: attainment is interpolated "
-        "within that bucket, as histogram_quantile does"
-    )
-
-
-def _histogram_layouts(state_dir: str, needed: Sequence[str]) -> tuple[dict[str, _Layout], str]:
-    """The bucket bounds of the histograms ``needed``, by whose they are, and a note on
-    where they come from: the running vLLM's own, in the newest sample of the daemon's
-    history that has them (its last hour); else V0's and V1's (``engine.slo``), as config
-    check reaches no vLLM itself."""
-    try:
-        with History(state_dir, readonly=True, busy_timeout=1.0) as history:
-            latest = history.latest()
-            recent = history.samples(since=latest.time - 3600.0) if latest else []
-        for sample in reversed(recent):
-            metrics = sample.vllm
-            found = {name: getattr(metrics, name, None) for name in needed}
-            if metrics is not None and all(found.values()):
-                whose = f"vLLM {metrics.version or f'(flavour {metrics.flavor})'}"
-                layout = {name: h.bounds for name, h in found.items() if h is not None}
-                return {whose: layout}, f", its sample of {utc_text(sample.time)} in {history.path}"
-        why = f"{history.path}: no sample of them in its last hour"
-    except HistoryError as exc:
-        why = str(exc)
-    layouts = {
-        f"vLLM {engine}": {"time_to_first_token": TTFT_BOUNDS[engine],
-                           "inter_token_latency": ITL_BOUNDS[engine]}
-        for engine in TTFT_BOUNDS
-    }  # fmt: skip
-    return layouts, f"; the running vLLM's are unknown: {why}"
 
 
 def _run(args: argparse.Namespace, _out: TextIO) -> int:
@@ -633,9 +440,9 @@ def _pause(args: argparse.Namespace, out: TextIO) -> int:
     now = time.time()
     try:
         until = (
-            now + replay.parse_duration(args.duration)
+            now + query_range.parse_duration(args.duration)
             if args.duration
-            else replay.parse_time(args.until, now)
+            else query_range.parse_time(args.until, now)
         )
     except ValueError as exc:
         raise UsageError(f"pause: {exc}") from None
@@ -681,19 +488,19 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
             raise UsageError("replay: --prometheus needs --match SELECTOR and --start TIME")
         now = time.time()
         try:
-            start = replay.parse_time(args.start, now)
-            end = replay.parse_time(args.end or "now", now)
-            step = replay.parse_duration(args.step)
+            start = query_range.parse_time(args.start, now)
+            end = query_range.parse_time(args.end or "now", now)
+            step = query_range.parse_duration(args.step)
         except ValueError as exc:
             raise UsageError(f"replay: {exc}") from None
         if not (step > 0 and end > start):
             raise UsageError("replay: need --end after --start and a --step above 0")
         replay.check_step(settings, step)
-        store = replay.fetch(args.prometheus, args.match, start, end, step)
+        store = query_range.fetch(args.prometheus, args.match, start, end, step)
     elif args.files:
         if args.match or args.start or args.end:
             raise UsageError("replay: --match, --start and --end go with --prometheus")
-        store = replay.load_files(args.files)
+        store = query_range.load_files(args.files)
     else:
         raise UsageError("replay: give query_range FILEs, or --prometheus URL --match ...")
     result = replay.run(
@@ -713,454 +520,3 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
     else:
         out.write(replay.describe(result))
     return ExitCode.OK
-
-
-def _scrape(args: argparse.Namespace, out: TextIO) -> int:
-    settings = config.load(args.config).vllm
-    settings = dataclasses.replace(
-        settings,
-        url=args.url or settings.url,
-        model=settings.model if args.model is None else args.model,
-    )
-    if args.file is not None:
-        metrics = Normaliser(settings.model).normalise(
-            _read_page(args.file, settings.max_page_bytes), settings.version or None
-        )
-    else:
-        client = VllmClient.from_config(settings)
-        metrics = client.scrape(client.version() or settings.version or None)
-    if args.json:
-        json.dump(metrics.to_json(), out, indent=2, sort_keys=False)
-        out.write("\n")
-    else:
-        out.write(describe_metrics(metrics))
-    return ExitCode.OK
-
-
-def _read_page(path: Path, limit: int) -> str:
-    try:
-        if str(path) == "-":
-            data = sys.stdin.buffer.read(limit + 1)
-        else:
-            with path.open("rb") as handle:
-                data = handle.read(limit + 1)
-    except OSError as exc:
-        raise CommandError(f"{path}: {exc.strerror or exc}") from None
-    if len(data) > limit:
-        raise CommandError(f"{path}: page exceeds the {limit}-byte limit")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CommandError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    # `$(curl ...)` and many editors drop the final newline. Over HTTP a page without one was
-    # cut off (and is refused); a file is read as the whole page, with a word of caution.
-    if text.strip() and not text.endswith("\n"):
-        print(
-            f"vkvagent: warning: {path}: the last line has no final newline; "
-            "read as complete (a page cut off mid-line would be misread)",
-            file=sys.stderr,
-        )
-        text += "\n"
-    return text
-
-
-def _gpu(args: argparse.Namespace, out: TextIO) -> int:
-    if args.record:
-        try:
-            backend = NvmlBackend()
-            try:
-                recording = record(backend)
-            finally:
-                backend.close()
-        except Exception as exc:  # NvmlUnavailable, or an NVML error mid-way
-            raise CommandError(f"cannot record: {exc}") from None
-        args.record.write_text(json.dumps(recording, indent=1) + "\n", encoding="utf-8")
-        print(f"recorded {len(recording['devices'])} GPU(s) to {args.record}", file=out)
-        return ExitCode.OK
-    if args.replay:
-        try:
-            replayed = RecordedBackend.load(str(args.replay))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CommandError(f"{args.replay}: not a GPU recording: {exc}") from None
-        reader = GpuReader(open=lambda: replayed)
-    else:
-        settings = config.load(args.config).gpu
-        reader = reader_for(settings.devices, settings.recording)
-    readings, problem = reader.read()
-    if args.json:
-        json.dump({"gpus": [r.to_json() for r in readings], "error": problem}, out, indent=2)
-        out.write("\n")
-    elif readings:
-        out.write(describe_gpus(readings))
-    if problem is None:
-        return ExitCode.OK
-    # Some GPUs read: what is missing is a warning. None: the command failed.
-    print(f"vkvagent: {'warning: ' if readings else ''}{problem}", file=sys.stderr)
-    return ExitCode.OK if readings else ExitCode.FAILURE
-
-
-def _actuator(settings: config.Config, err: TextIO) -> Actuator:
-    state_dir = Path(settings.agent.state_dir)
-
-    def progress(message: str) -> None:
-        # One line that updates on a terminal (the drain, the start); nothing in a log.
-        if err.isatty():
-            print(f"\r\033[Kvkvagent: {message}", end="", file=err, flush=True)
-
-    return Actuator.for_config(
-        settings,
-        systemd=Systemd(),
-        ledger=Ledger(state_dir),
-        gpus=reader_for(
-            settings.gpu.devices, settings.gpu.recording, settings.diagnosis.fault_memory
-        )
-        if settings.gpu.enabled
-        else None,
-        progress=progress,
-    )
-
-
-def _recovered(actuator: Actuator, out: TextIO) -> None:
-    """Finish or undo what an interrupted vkvagent left, before anything new."""
-    outcome = actuator.recover()
-    if outcome is not None:
-        print(
-            f"recovered action {outcome.action_id}: {outcome.message} ({outcome.result})", file=out
-        )
-
-
-def _report(unit: str, outcome: Outcome, out: TextIO) -> int:
-    events = Events.for_command()
-    if events is not None:
-        for name, message, fields in outcome.events(unit, "manual"):
-            events.emit(name, message, **fields)
-    if sys.stderr.isatty():
-        print("\r\033[K", end="", file=sys.stderr, flush=True)  # the progress line, done
-    for hook in outcome.hooks:
-        if not hook.ok:
-            print(f"vkvagent: {hook.name} {hook.problem}:\n{hook.output}", file=sys.stderr)
-    timing = f"{outcome.seconds:.1f} s"
-    if outcome.service_seconds is not None:
-        overhead = outcome.seconds - outcome.service_seconds
-        timing += f"; vLLM's own start {outcome.service_seconds:.1f} s, vkvagent's {overhead:.2f} s"
-    line = f"{outcome.result}: {outcome.message} (action {outcome.action_id}, {timing})"
-    if outcome.costs is not None:
-        line += f"\n  {status_text.costs_line(outcome.costs.to_json())}"
-    if outcome.result == "done":
-        print(line, file=out)
-        return ExitCode.OK
-    print(f"vkvagent: {line}", file=sys.stderr)  # a failure, reported as every other one is
-    return ExitCode.FAILURE
-
-
-def _plan_for(
-    actuator: Actuator, settings: config.Config, wanted: Mapping[str, object] | None = None
-) -> Plan:
-    """The change [vllm.flags] (or ``wanted``, a table in its place) makes on the unit."""
-    flags = settings.vllm.flags if wanted is None else wanted
-    return actuator.plan(flags, actuator.vllm_version())
-
-
-def _plan(args: argparse.Namespace, out: TextIO) -> int:
-    if args.write is not None and not args.suggested:
-        raise UsageError("--write needs --suggested")
-    settings = config.load(args.config)
-    if args.suggested:
-        return _plan_suggested(args, settings, out)
-    actuator = _actuator(settings, sys.stderr)
-    plan = _plan_for(actuator, settings)
-    if args.json:
-        drains = actuator.drain_flags(actuator.vllm_version())
-        json.dump({**_plan_json(plan), "drain_flags": drains}, out, indent=1)
-        out.write("\n")
-        return ExitCode.OK
-    print(f"unit:   {plan.unit}", file=out)
-    print(f"before: {shlex.join(plan.before)}", file=out)
-    print(f"after:  {shlex.join(plan.after)}", file=out)
-    if not plan.changed:
-        said = "already runs with these flags" if settings.vllm.flags else "needs no change"
-        print(f"the unit {said}", file=out)
-    version = actuator.vllm_version()
-    drains = actuator.drain_flags(version)
-    if drains:
-        shown = " ".join(f"--{name} {value}" for name, value in drains.items())
-        print(f"{shown}: vLLM drains when stopped ([restart] graceful_shutdown)", file=out)
-        drain = actuator.drain_plan(version)
-        if drain is not None and not drain.changes:
-            print(
-                "the next restart writes KillMode=mixed first: under the unit's KillMode="
-                "control-group systemd's stop reaches vLLM's engine too, failing what it runs",
-                file=out,
-            )
-    elif cut := actuator.drain_cut_short(version):
-        print(f"no --shutdown-timeout: {cut}", file=out)
-    attestable = ", ".join(plan.attestable) or "none"
-    unproven = ", ".join(f for f in plan.flags if f not in plan.attestable) or "none"
-    print(
-        f"proven after the restart by cache_config_info: {attestable}; "
-        f"by the process's command line only: {unproven}",
-        file=out,
-    )
-    return ExitCode.OK
-
-
-def _plan_json(plan: Plan) -> dict[str, object]:
-    return {
-        "unit": plan.unit,
-        "before": list(plan.before),
-        "after": list(plan.after),
-        "changed": plan.changed,
-        "flags": plan.flags,
-        "attestable": list(plan.attestable),
-    }
-
-
-def _plan_suggested(args: argparse.Namespace, settings: config.Config, out: TextIO) -> int:
-    """The daemon's last suggestion as a [vllm.flags] change: diff, conf.d file, command
-    line. No status is a failure (nothing to read); a status without a suggestion is not."""
-    now = time.time()
-    report = status.read(Path(settings.agent.state_dir))
-    nothing = advice.nothing_to_suggest(report)
-    if report is None:
-        raise CommandError(f"{nothing} ({status.path(Path(settings.agent.state_dir))})")
-    if nothing is not None:
-        if args.json:
-            said = {"nothing": nothing, "diagnosis": advice.diagnosis_json(report, now)}
-            json.dump(said, out, indent=1)
-            out.write("\n")
-        else:
-            print(nothing, file=out)
-        return ExitCode.OK
-    actuator = _actuator(settings, sys.stderr)
-    version = actuator.vllm_version()
-    target = args.write or _suggested_path(args.config)
-    # A file read after the target would win over it; the target's own earlier suggestion
-    # stays in it (the plan starts from the effective table, which holds it).
-    later = advice.set_after(config.config_files(args.config), target) if target else {}
-    suggested = advice.suggest(report, settings.vllm.flags, version, later)
-    text = advice.conf_d_text(suggested, advice.flags_in(target) if target else None)
-    plan = _plan_for(actuator, settings, suggested.after) if suggested.changes else None
-    written = args.write is not None and plan is not None
-    if written:
-        try:  # root's, readable by all: the loader refuses files others could have written
-            args.write.parent.mkdir(mode=0o755, exist_ok=True)  # conf.d, on a first use
-            write_atomically(args.write, text, 0o644)
-        except OSError as exc:
-            raise CommandError(f"{args.write}: {exc.strerror or exc}") from None
-    if args.json:
-        shown = {
-            **suggested.to_json(now),
-            "diff": advice.toml_diff(suggested, _config_source(args.config)),
-            "conf_d": {"path": str(target) if target else None, "text": text},
-            "written": str(args.write) if written else None,
-            "plan": _plan_json(plan) if plan is not None else None,
-        }
-        json.dump(shown, out, indent=1)
-        out.write("\n")
-        return ExitCode.OK
-    print(advice.diagnosis_line(report, now), file=out)
-    for problem in suggested.left_out.values():
-        print(f"left out: {problem}", file=out)
-    for name, value in suggested.already.items():
-        print(f"already in [vllm.flags]: {flags_shown({name: value})}", file=out)
-    if plan is None:
-        unwritten = f" ({args.write} not written)" if args.write is not None else ""
-        print(f"nothing to suggest: [vllm.flags] already has every flag it can take{unwritten}",
-              file=out)  # fmt: skip
-        return ExitCode.OK
-    out.write(advice.toml_diff(suggested, _config_source(args.config)))
-    if args.write is not None:
-        print(f"written: {args.write}", file=out)
-    elif target is not None:
-        print(f"as a conf.d file ({target}):", file=out)
-    else:
-        print("--config is a file, which reads no conf.d: add these lines to it", file=out)
-    out.write(text)
-    print(f"unit:   {plan.unit}", file=out)
-    print(f"before: {shlex.join(plan.before)}", file=out)
-    print(f"after:  {shlex.join(plan.after)}", file=out)
-    return ExitCode.OK
-
-
-def _config_source(path: Path | None) -> str:
-    return str(path if path is not None else config.DEFAULT_DIR)
-
-
-def _suggested_path(path: Path | None) -> Path | None:
-    """Where the conf.d file goes: the configuration directory's conf.d (None: --config
-    names a file, which reads no conf.d)."""
-    directory = path if path is not None else config.DEFAULT_DIR
-    if path is not None and not path.is_dir():
-        return None
-    return directory / config.DROPIN_DIR / advice.FILE_NAME
-
-
-def _apply(args: argparse.Namespace, out: TextIO) -> int:
-    settings = config.load(args.config)
-    actuator = _actuator(settings, sys.stderr)
-    if args.at_next_window:
-        wait_for_window(settings.policy.settings(settings.restart), out)
-    with actuator.exclusive():
-        _recovered(actuator, out)
-        plan = _plan_for(actuator, settings)
-        if not plan.changed:
-            print("nothing to apply: the unit already runs with these flags", file=out)
-            return ExitCode.OK
-        drain = not args.no_drain
-        return _in_slot(
-            settings, args, lambda: actuator.restart(args.reason, plan=plan, drain=drain), out
-        )
-
-
-def wait_for_window(
-    settings: PolicySettings,
-    out: TextIO,
-    now: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
-    sleep: Callable[[float], None] = time.sleep,
-) -> None:
-    """Return once one of the policy's restart windows is open (at once if one is)."""
-    told = None
-    while True:
-        is_open, upcoming = window_state(settings, now())
-        if is_open:
-            return
-        if upcoming is None:
-            raise CommandError("no restart window in [policy] windows: use --now")
-        if upcoming != told:
-            print(f"waiting for the restart window at {upcoming.isoformat()}", file=out, flush=True)
-            told = upcoming
-        # Wake at the window, or every 5 minutes meanwhile (a suspended host, a clock step).
-        sleep(min(300.0, max(0.5, (upcoming - now()).total_seconds())))
-
-
-def _restart(args: argparse.Namespace, out: TextIO) -> int:
-    settings = config.load(args.config)
-    actuator = _actuator(settings, sys.stderr)
-    with actuator.exclusive():
-        _recovered(actuator, out)
-        drain = not args.no_drain
-        return _in_slot(settings, args, lambda: actuator.restart(args.reason, drain=drain), out)
-
-
-def _rollback(args: argparse.Namespace, out: TextIO) -> int:
-    settings = config.load(args.config)
-    actuator = _actuator(settings, sys.stderr)
-    with actuator.exclusive():
-        _recovered(actuator, out)
-        actuator.check_rollback()  # nothing to undo: say so before asking the fleet for a slot
-        return _in_slot(settings, args, lambda: actuator.rollback(args.reason), out)
-
-
-def _in_slot(
-    settings: config.Config, args: argparse.Namespace, act: Callable[[], Outcome], out: TextIO
-) -> int:
-    """Run ``act`` (a restart) holding a slot of the fleet's group, as the daemon's restarts
-    do, so that no more than max_concurrent hosts are down at once; the slot is given back
-    however it ends. Refused (FleetError) while every slot is held or etcd does not answer,
-    unless --ignore-fleet."""
-    if not settings.fleet.endpoints or args.ignore_fleet:
-        return _report(settings.vllm.unit, act(), out)
-
-    def say(_event: str, message: str, **_fields: object) -> None:
-        print(f"vkvagent: {message}", file=sys.stderr, flush=True)
-
-    gate = fleet.Gate(settings.fleet, say)
-    with gate.slot(cause="manual", reason=f"manual: {args.reason}", emergency=False) as turn:
-        if not turn.allowed:
-            raise fleet.FleetError(f"{turn.admission.why}; --ignore-fleet restarts anyway")
-        outcome = act()
-        turn.result = outcome.result
-    return _report(settings.vllm.unit, outcome, out)
-
-
-def _adopt(args: argparse.Namespace, out: TextIO) -> int:
-    actuator = _actuator(config.load(args.config), sys.stderr)
-    with actuator.exclusive():
-        _recovered(actuator, out)
-        plan = actuator.adopt()
-    print(f"adopted {plan.unit}'s command line: {shlex.join(plan.after)}", file=out)
-    return ExitCode.OK
-
-
-# -- human-readable output ---------------------------------------------------------------------
-
-
-def describe_metrics(m: VllmMetrics) -> str:
-    def num(value: float | None, unit: str = "") -> str:
-        return "-" if value is None else f"{value:,.0f}{unit}"
-
-    def pct(value: float | None) -> str:
-        return "-" if value is None else f"{value * 100:.1f} %"
-
-    lines = [
-        f"vLLM {m.version or 'version unknown'}, metrics flavour {m.flavor}, "
-        f"model {', '.join(m.models) or '-'}, {m.engines} engine(s)",
-        f"  requests      running {num(m.num_requests_running)}, "
-        f"waiting {num(m.num_requests_waiting)}",
-        f"  KV cache      usage {pct(m.kv_cache_usage)} "
-        f"(fullest engine {pct(m.kv_cache_usage_max)})",
-        f"  preemptions   {num(m.num_preemptions_total)} since start",
-        f"  tokens        prompt {num(m.prompt_tokens_total)}, "
-        f"generated {num(m.generation_tokens_total)}, "
-        f"requests finished {num(m.request_success_total)}",
-    ]
-    if m.prefix_cache_queries_total is not None:
-        ratio = (
-            (m.prefix_cache_hits_total or 0) / m.prefix_cache_queries_total
-            if m.prefix_cache_queries_total
-            else None
-        )
-        lines.append(
-            f"  prefix cache  {num(m.prefix_cache_hits_total)} hits of "
-            f"{num(m.prefix_cache_queries_total)} {m.prefix_cache_unit} queried "
-            f"({pct(ratio)})"
-        )
-    elif m.prefix_cache_hit_rate is not None:
-        lines.append(f"  prefix cache  hit rate {pct(m.prefix_cache_hit_rate)}")
-    for label, hist in (("TTFT", m.time_to_first_token), ("ITL", m.inter_token_latency)):
-        if hist is not None and hist.count:
-            lines.append(
-                f"  {label:<13} mean {hist.sum / hist.count * 1000:.1f} ms over "
-                f"{hist.count:,.0f} since start"
-            )
-    if m.cache_config:
-        shown = (
-            "block_size",
-            "gpu_memory_utilization",
-            "enable_prefix_caching",
-            "cache_dtype",
-            "num_gpu_blocks",
-        )
-        lines.append(
-            "  cache config  "
-            + ", ".join(f"{k}={m.cache_config[k]}" for k in shown if k in m.cache_config)
-        )
-    return "\n".join(lines) + "\n"
-
-
-def describe_gpus(readings: Sequence[GpuReading]) -> str:
-    lines = []
-    for r in readings:
-
-        def show(value: float | None, unit: str) -> str:
-            return "-" if value is None else f"{value:.0f}{unit}"
-
-        memory = (
-            "-"
-            if r.memory_used_bytes is None or not r.memory_total_bytes
-            else f"{r.memory_used_bytes / 2**30:.1f}/{r.memory_total_bytes / 2**30:.1f} GiB"
-        )
-        lines.append(
-            f"GPU {r.index} {r.name}: {show(r.utilization_percent, ' %')} busy, mem {memory}, "
-            f"{show(r.temperature_c, ' C')}, {show(r.power_w, ' W')}/"
-            f"{show(r.power_limit_w, ' W')}, SM {show(r.sm_clock_mhz, '')}/"
-            f"{show(r.sm_clock_max_mhz, ' MHz')}, "
-            f"throttled: {', '.join(r.throttled_by) or 'no'}"
-            + "".join(f", {describe_xid(xid)}" for xid in r.xid_errors)
-            + (
-                f", uncorrected ECC {r.ecc_uncorrected_volatile}"
-                if r.ecc_uncorrected_volatile
-                else ""
-            )
-        )
-    return "\n".join(lines) + "\n"
