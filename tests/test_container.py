@@ -19,13 +19,13 @@ from vkvagent.actuator import (
     ActuatorError,
     RestartSettings,
     dropin_for,
-    engine_stop_too_short,
 )
+from vkvagent.drain import engine_stop_too_short
 from vkvagent.dropin import DropinFile, split_exec_start
-from vkvagent.flags import VllmCommandError, apply_flags, parse_command
 from vkvagent.ledger import Ledger
 from vkvagent.systemd import ExecCommand, Systemd, UnitState
 from vkvagent.vllm import VllmClient
+from vkvagent.vllm_command import VllmCommandError, apply_flags, parse_command
 
 IMAGE = "vllm/vllm-openai:v0.11.0"
 PODMAN = [

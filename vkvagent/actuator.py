@@ -26,25 +26,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vkvagent import apikey, container, unitlog
+from vkvagent import apikey, container, unit_command, unitlog
 from vkvagent import flags as vflags
 from vkvagent.atomicfile import write_atomically
-from vkvagent.cgroup import pids_in
 from vkvagent.config import Config
-from vkvagent.container import Container
+from vkvagent.drain import (
+    DRAIN_FLAG,
+    STOP_MARGIN,
+    Costs,
+    Stop,
+    drains_for,
+    engine_stop_too_short,
+    may_drain_itself,
+    stop_reaches_the_engine,
+    stop_settings,
+    wait_for_quiet,
+)
 from vkvagent.dropin import (
     DROPIN_NAME,
     DropinFile,
-    ExecCommand,
-    ExecSyntaxError,
     argv_hash,
-    expand_exec_env,
     is_foreign_edit,
     other_settings,
-    parse_dropin,
     render_container_dropin,
     render_dropin,
-    split_exec_start,
 )
 from vkvagent.engine.gpu_faults import describe_xid
 from vkvagent.engine.samples import FlagValue, VllmMetrics
@@ -56,15 +61,12 @@ from vkvagent.hooks import HookResult, run_hook
 from vkvagent.ledger import Action, Ledger
 from vkvagent.systemd import TIMEOUT, Systemd, SystemdError, UnitState
 from vkvagent.vllm import ScrapeError, VllmClient
+from vkvagent.vllm_command import VllmCommandError, apply_flags, parse_command
 
 STEPS = (
     "preflight", "pre_stop", "drain", "write", "reload", "restart", "ready", "attest",
     "post_ready",
 )  # fmt: skip
-# TimeoutStopSec= beyond vLLM's --shutdown-timeout: its teardown after the drain (the worker's
-# exit took 8 s on 0.32's CPU build), so that systemd's SIGKILL never cuts the drain short.
-STOP_MARGIN = 30
-DRAIN_FLAG = vflags.CATALOGUE["shutdown-timeout"]  # vLLM's own drain on SIGTERM
 
 
 class ActuatorError(VkvagentError):
@@ -104,27 +106,6 @@ class Plan:
     attestable: tuple[str, ...]  # flags cache_config_info shows
     changed: bool
     changes: dict[str, FlagValue]  # the flags whose value the unit does not run yet
-
-
-@dataclass(frozen=True)
-class Costs:
-    """What a restart cost vLLM's clients, as /metrics showed it. ``drain_mode``: how the requests
-    in flight were let finish: ``vllm`` (its graceful shutdown), ``quiet`` (a wait for a quiet
-    moment), ``busy`` (no quiet moment came within drain_timeout: restarted anyway, as
-    when_busy = proceed says), ``none`` (cut off: an emergency, or --no-drain)."""
-
-    drain_mode: str
-    in_flight: float | None  # requests running + waiting when the stop was requested
-    aborted: float | None  # of those, cut off by the stop (None: vLLM did not say)
-    drain_seconds: float | None  # the stop until nothing was in flight (or vLLM went away)
-    down_seconds: float | None  # the stop until ready again: no new request was admitted
-    missed: float | None  # requests estimated to have arrived meanwhile (the run's mean rate)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            key: round(value, 3) if isinstance(value, float) else value
-            for key, value in self.__dict__.items()
-        }
 
 
 @dataclass(frozen=True)
@@ -189,7 +170,7 @@ def dropin_for(unit: str, source_path: str, keep_dir: Path) -> DropinFile:
     """vkvagent's drop-in for ``unit``: systemd's, or, for a unit Quadlet generates from the
     ``.container`` file ``source_path``, that file's (a drop-in of the service would fight the
     generator). Each keeps its earlier versions apart."""
-    if _is_quadlet(source_path):
+    if unit_command.is_quadlet(source_path):
         return DropinFile(os.path.basename(source_path), QUADLET_UNIT_DIR, keep_dir / "quadlet")
     return DropinFile(unit, SYSTEMD_UNIT_DIR, keep_dir)
 
@@ -244,7 +225,9 @@ class Actuator:
             systemd=systemd,
             ledger=ledger,
             dropin=dropin_for(
-                cfg.vllm.unit, _source_path(systemd, cfg.vllm.unit), state_dir / "dropins"
+                cfg.vllm.unit,
+                unit_command.source_path(systemd, cfg.vllm.unit),
+                state_dir / "dropins",
             ),
             probe=VllmClient.from_config(cfg.vllm),
             state_dir=state_dir,
@@ -279,7 +262,7 @@ class Actuator:
         drains = self.drain_flags(vllm_version, state)
         values = vflags.validate({**drains, **wanted}, vllm_version)
         try:
-            after = tuple(vflags.apply_flags(base, values, vllm_version=vllm_version))
+            after = tuple(apply_flags(base, values, vllm_version=vllm_version))
         except ValueError as exc:  # VllmCommandError: not a vllm serve command line
             said = str(exc)
             if said == apikey.ON_COMMAND_LINE and self._quadlet:
@@ -287,9 +270,9 @@ class Actuator:
             raise ActuatorError(f"{self.unit}: {said}") from None
         attestable = tuple(n for n in values if vflags.CATALOGUE[n].attest_label)
         try:
-            running = vflags.parse_command(current)
+            running = parse_command(current)
             changes = {n: v for n, v in values.items() if running.value(n) != v}
-        except vflags.VllmCommandError:
+        except VllmCommandError:
             changes = dict(values)
         return Plan(self.unit, current, after, values, attestable, after != current, changes)
 
@@ -311,7 +294,7 @@ class Actuator:
         the unit's ExecStop= would kill vLLM's container before that drain ends
         (``engine_stop_too_short``). [vllm.flags] may set it otherwise."""
         drain = math.ceil(self.settings.drain_timeout)
-        if not self._may_drain_itself(vllm_version):
+        if not may_drain_itself(self.settings.graceful_shutdown, vllm_version):
             return {}
         if engine_stop_too_short(state or self._unit(), drain):
             return {}
@@ -323,18 +306,11 @@ class Actuator:
         (vLLM down) is taken to have --shutdown-timeout, as `config check` takes it."""
         if not self.settings.graceful_shutdown:
             return ""
-        if vllm_version is not None and not self._may_drain_itself(vllm_version):
+        if vllm_version is not None and not may_drain_itself(
+            self.settings.graceful_shutdown, vllm_version
+        ):
             return ""
         return engine_stop_too_short(self._unit(), math.ceil(self.settings.drain_timeout))
-
-    def _may_drain_itself(self, vllm_version: str | None) -> bool:
-        """graceful_shutdown on, and a vLLM version known to have --shutdown-timeout."""
-        if not self.settings.graceful_shutdown or vllm_version is None:
-            return False
-        try:
-            return DRAIN_FLAG.available(vflags.parse_version(vllm_version))
-        except ValueError:
-            return False
 
     def drain_plan(self, vllm_version: str | None) -> Plan | None:
         """The change a plain restart carries so that vLLM drains by itself from then on: the
@@ -348,14 +324,14 @@ class Actuator:
             return None  # plan() says why it is not rewritten
         current = _argv(state)
         try:
-            running = vflags.parse_command(current)
+            running = parse_command(current)
             changes = {n: v for n, v in wanted.items() if running.value(n) != v}
             # The flags alone do not drain where the unit's stop signals vLLM's engine too:
             # the drop-in's KillMode=mixed (``_stop_settings``) is then the change.
             if not changes and state.kill_mode != "control-group":
                 return None
-            after = tuple(vflags.apply_flags(current, wanted, vllm_version=vllm_version))
-        except vflags.VllmCommandError:
+            after = tuple(apply_flags(current, wanted, vllm_version=vllm_version))
+        except VllmCommandError:
             # Not vLLM's command line, or one with its API key: plan() would refuse it, a
             # restart need not.
             return None
@@ -370,7 +346,7 @@ class Actuator:
         """Why vkvagent cannot change the flags of a unit Quadlet generates; "" when it can,
         through the ``.container`` file's drop-in (podman 4.8 and later), or the unit is not
         Quadlet's."""
-        quadlet = _is_quadlet(state.source_path)
+        quadlet = unit_command.is_quadlet(state.source_path)
         if quadlet != self._quadlet:
             whose = "the .container file's" if quadlet else "the unit's"
             return (
@@ -464,7 +440,7 @@ class Actuator:
             "apply" if change else "restart", reason, self._wall(), detail, mono=started
         )
         ran: list[HookResult] = []
-        stop: _Stop | None = None
+        stop: Stop | None = None
         freed: tuple[Holder, ...] = ()
         try:
             with self._step(action, "preflight"):
@@ -492,7 +468,10 @@ class Actuator:
                             "after the reload systemd shows another command "
                             "line: another drop-in overrides vkvagent's"
                         )
-            stop = _Stop(self, before, how, waited, shutdown)
+            stop = Stop(
+                before, how, waited, shutdown, scrape=self._scrape, clock=self._clock,
+                wall=self._wall, progress=self._progress,
+            )  # fmt: skip
             self._restart_step(action, before, stop)
             with self._step(action, "ready"):
                 after = self._wait_ready(before.invocation_id)
@@ -641,7 +620,7 @@ class Actuator:
         if apikey.spelled_out(current):  # the drop-in would say <redacted>
             said = apikey.ON_QUADLET_LINE if self._quadlet else apikey.ON_COMMAND_LINE
             raise ActuatorError(f"{self.unit}: {said}")
-        own = _own(state)
+        own = unit_command.own(state)
         self._save_base(current, own=own)
         if text is not None:  # re-sign it, so it is vkvagent's again
             try:
@@ -749,7 +728,7 @@ class Actuator:
             raise ActuatorError(_foreign(self.dropin.path))
         base = self._stored_base()
         if base is not None and text is not None:
-            own = _own(state)
+            own = unit_command.own(state)
             if own is not None and argv_hash(own) != base["own_hash"]:
                 raise ActuatorError(
                     f"{state.source_path if self._quadlet else state.fragment_path} changed "
@@ -795,26 +774,19 @@ class Actuator:
             )
 
     def _drain(self) -> bool:
-        """Wait for a quiet moment (at most drain_max_in_flight requests in flight), for a vLLM
-        that cannot drain by itself. Past drain_timeout, go on (False) or give up as when_busy
-        says."""
-        deadline = self._clock() + self.settings.drain_timeout
-        while True:
-            metrics = self._scrape()
-            in_flight = _in_flight(metrics)
-            if in_flight is None or in_flight <= self.settings.drain_max_in_flight:
-                return True
-            if self._clock() >= deadline:
-                busy = (
-                    f"still {in_flight:.0f} requests in flight after "
-                    f"{self.settings.drain_timeout:g} s"
-                )
-                if self.settings.when_busy == "give-up":
-                    raise ActuatorError(f"{busy} (when_busy = give-up; --no-drain restarts now)")
-                self._progress(f"{busy}: restarting anyway (when_busy = proceed)")
-                return False
-            self._progress(f"draining: {in_flight:.0f} requests in flight")
-            self._sleep(self.settings.poll_interval)
+        """Wait for a quiet moment (``wait_for_quiet``), for a vLLM that cannot drain by
+        itself. Past drain_timeout, go on (False) or give up as when_busy says."""
+        s = self.settings
+        busy = wait_for_quiet(
+            s.drain_max_in_flight, s.drain_timeout, s.poll_interval, scrape=self._scrape,
+            clock=self._clock, sleep=self._sleep, progress=self._progress,
+        )  # fmt: skip
+        if not busy:
+            return True
+        if s.when_busy == "give-up":
+            raise ActuatorError(f"{busy} (when_busy = give-up; --no-drain restarts now)")
+        self._progress(f"{busy}: restarting anyway (when_busy = proceed)")
+        return False
 
     def _hook(self, name: str, action: int, cause: str, ran: list[HookResult]) -> None:
         """Run the pre_stop or post_ready hook and add it to ``ran``; ActuatorError when it
@@ -844,28 +816,19 @@ class Actuator:
     def _shutdown_timeout(self, state: UnitState) -> int:
         """The running vLLM's --shutdown-timeout (the process's own command line, else the
         unit's): seconds it drains after SIGTERM; 0 when it aborts or is not running."""
-        if state.active_state != "active" or self._stop_reaches_the_engine(state):
+        if state.active_state != "active" or stop_reaches_the_engine(state, self.proc):
             return 0
-        seconds = _drains_for(_cmdline(self.proc, state.main_pid) or _argv(state))
+        seconds = drains_for(unit_command.cmdline(self.proc, state.main_pid) or _argv(state))
         # Cut short by the engine's stop: a wait for a quiet moment drains instead.
         return 0 if engine_stop_too_short(state, seconds) else seconds
-
-    def _stop_reaches_the_engine(self, state: UnitState) -> bool:
-        """Whether systemd's stop sends its SIGTERM to vLLM's engine core and workers as well
-        as to the API server (KillMode=control-group, with more processes in the unit's cgroup
-        than its main one): they then fail the requests in flight at once instead of draining
-        them (measured on 0.32, docs/operations.md), so the drain is a quiet moment's."""
-        if state.kill_mode != "control-group":
-            return False
-        return any(pid != state.main_pid for pid in pids_in(state.control_group, self.proc))
 
     def _write(self, argv: tuple[str, ...], state: UnitState) -> None:
         if self._stored_base() is None or self.dropin.read() is None:
             # No drop-in of vkvagent's: the unit's command line as it is now is the base.
-            self._save_base(_argv(state), own=_own(state))
+            self._save_base(_argv(state), own=unit_command.own(state))
         base = self._stored_base()
         assert base is not None
-        own = _fragment_command(state)
+        own = unit_command.fragment_command(state)
         # The unit's own prefix ("-", ":", "+", "@"...) and program path stay as they were; with
         # ":" systemd expands no variables, so "$" must not be doubled either.
         prefix = (
@@ -889,7 +852,7 @@ class Actuator:
         """The drop-in that makes the unit run ``argv`` (in unit form, hence no ``$$``); for a
         unit Quadlet generates, its ``.container``'s, with vLLM's arguments after the image
         (the engine's part is the generator's, and ``plan`` keeps it as it is)."""
-        stop = _stop_settings(argv)
+        stop = stop_settings(argv)
         if self._quadlet:
             run = container.find(argv)
             if run is None:
@@ -912,7 +875,7 @@ class Actuator:
         except SystemdError as exc:
             raise ActuatorError(str(exc)) from None
 
-    def _restart_step(self, action: int, before: UnitState, stop: _Stop | None = None) -> None:
+    def _restart_step(self, action: int, before: UnitState, stop: Stop | None = None) -> None:
         # The note is the invocation being replaced: recover() compares it with the unit's to
         # tell a restart systemd received from one that was only about to be requested.
         with self._step(action, "restart", note=before.invocation_id):
@@ -927,7 +890,7 @@ class Actuator:
         except SystemdError as exc:
             raise _JobRefused(str(exc)) from None
 
-    def _restart_job(self, stop: _Stop | None = None, start: bool = False) -> None:
+    def _restart_job(self, stop: Stop | None = None, start: bool = False) -> None:
         timeout, tick = self.settings.job_timeout, None
         if stop is not None and stop.drain == "vllm":  # systemd's stop is vLLM's drain
             timeout, tick = timeout + stop.shutdown + STOP_MARGIN, stop.tick
@@ -1005,9 +968,9 @@ class Actuator:
         metrics: VllmMetrics,
     ) -> None:
         state = self._unit()
-        running, argv = self._vllms_command(state, argv)
-        environ = _environ(self.proc, state.main_pid)
-        if running is not None and not _same_command(running, argv, environ):
+        running, argv = unit_command.vllms_command(state, argv, self.proc)
+        environ = unit_command.environ(self.proc, state.main_pid)
+        if running is not None and not unit_command.same_command(running, argv, environ):
             raise ActuatorError(
                 f"the running process's command line is not the one written: "
                 f"{' '.join(running)[:200]}"
@@ -1019,29 +982,6 @@ class Actuator:
                     f"--{name} is not in effect: cache_config_info shows "
                     f"{spec.attest_label}={metrics.cache_config.get(spec.attest_label or '')}"
                 )
-
-    def _vllms_command(
-        self, state: UnitState, argv: tuple[str, ...]
-    ) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
-        """vLLM's own command line as it runs, and the part of ``argv`` it must equal. In a
-        container MainPID is the engine, whose argv is the unit's whatever vLLM received: the
-        process that proves the flags is vLLM's in the container, found in the unit's cgroup
-        (podman with --cgroups=split or disabled, Quadlet) or through the engine by the
-        container's name (Docker); its arguments are compared with those after the image.
-        (None, argv) when it cannot be found: cache_config_info alone proves the flags."""
-        written = vflags.parse_command(argv)
-        engine = written.container
-        if engine is None:
-            return _cmdline(self.proc, state.main_pid), argv
-        for pid in _container_pids(state, engine, argv, self.proc):
-            running = _cmdline(self.proc, pid) or ()
-            try:
-                inside = vflags.parse_command(running)
-            except vflags.VllmCommandError:
-                continue
-            if inside.container is None:  # vLLM itself, not the engine's copy of the line
-                return running[inside.args_start :], argv[written.args_start :]
-        return None, argv
 
     def _restore(self, action: int, previous: str | None, *, restart: bool) -> None:
         with self._step(action, "restore"):
@@ -1208,114 +1148,8 @@ class Actuator:
             raise ActuatorError(_write_problem(self._base_file, exc)) from None
 
 
-class _Stop:
-    """One stop of vLLM, watched through /metrics from just before the restart job: the
-    requests in flight when it was asked for, how long vLLM's own drain took (``drain``
-    "vllm", its ``shutdown`` timeout), and what was cut off (``Costs``). ``waited``: the
-    quiet-moment wait before it, if any."""
-
-    def __init__(
-        self, actuator: Actuator, before: UnitState, drain: str, waited: float | None, shutdown: int
-    ) -> None:
-        self.actuator, self.drain, self.waited, self.shutdown = actuator, drain, waited, shutdown
-        metrics = actuator._scrape()
-        self.in_flight = _in_flight(metrics)
-        self.busy = self.in_flight or 0.0  # the last non-zero count seen
-        self.rate: float | None = None  # the run's mean requests/s until the stop
-        start = before.exec_main_start_timestamp / 1e6
-        if metrics is not None and metrics.request_success_total is not None and start:
-            uptime = actuator._wall() - start
-            self.rate = metrics.request_success_total / uptime if uptime >= 60 else None
-        self.drained_at: float | None = None  # when none were left in flight
-        self.gone_at: float | None = None  # when vLLM stopped answering
-        self.stopped_at: float | None = None  # when systemd's job (stop and start) ended
-        self.requested = actuator._clock()  # the restart job is asked for now
-
-    def tick(self) -> None:
-        """While systemd stops a vLLM that drains: watch the requests in flight fall."""
-        a = self.actuator
-        if self.gone_at is not None:
-            return
-        metrics = a._scrape()
-        now = a._clock()
-        if metrics is None:
-            self.gone_at = now
-            return
-        left = _in_flight(metrics) or 0.0
-        if left:
-            self.busy = left
-            a._progress(
-                f"stopping: vLLM finishing {left:.0f} requests in flight "
-                f"({now - self.requested:.0f} s of at most {self.shutdown} s)"
-            )
-        elif self.drained_at is None:
-            self.drained_at = now
-
-    def costs(self, ready_at: float | None) -> Costs:
-        drained: float | None = self.waited
-        aborted: float | None = self.in_flight  # stopped without a drain: all of them
-        if self.drain == "vllm":
-            # None left in flight; vLLM went away (it exits once its drain is over, so it may
-            # go between two looks that saw requests in flight); or it was gone before a
-            # first look.
-            ends = (self.drained_at, self.gone_at, self.stopped_at)
-            end = next((t for t in ends if t is not None), None)
-            drained = None if end is None else end - self.requested
-            # vLLM aborts what is left only at its --shutdown-timeout.
-            aborted = self.busy if drained is not None and drained >= self.shutdown else 0.0
-        down = None if ready_at is None else ready_at - self.requested
-        missed = None if self.rate is None or down is None else self.rate * down
-        return Costs(self.drain, self.in_flight, aborted, drained, down, missed)
-
-
 def _with(plan: Plan) -> str:
     return " with the new flags" if plan.changes else " with systemd's stop settings for the drain"
-
-
-def _drains_for(argv: tuple[str, ...]) -> int:
-    """The seconds ``argv``'s vLLM drains after SIGTERM (its --shutdown-timeout); 0: none."""
-    try:
-        value = vflags.parse_command(argv).value("shutdown-timeout")
-    except vflags.VllmCommandError:
-        return 0
-    return value if isinstance(value, int) and value > 0 else 0
-
-
-def engine_stop_too_short(state: UnitState, drain: int) -> str:
-    """Why a drain of ``drain`` seconds through vLLM's --shutdown-timeout cannot happen in
-    this unit: its ExecStop= stops vLLM's container through the engine, which kills it sooner
-    than the drain and vLLM's teardown (STOP_MARGIN) take. The operator's ExecStop= stands:
-    vkvagent then drains by waiting for a quiet moment before the stop. "" when it fits, or
-    when the unit runs no container or stops none through an engine."""
-    try:
-        run = container.find(_argv(state))
-    except (ActuatorError, container.ContainerError):
-        return ""
-    if run is None or not drain:
-        return ""
-    grace, need = container.stop_grace(run, state.exec_stop), drain + STOP_MARGIN
-    if grace is None or grace[0] >= need:
-        return ""
-    if " rm " not in f" {grace[1]} ":
-        fix = f"give the engine's stop -t {need} or more"
-    elif run.engine == "podman":  # Quadlet's rm -f: stopped after the run's timeout
-        fix = f"run the container with --stop-timeout {need} or more (Quadlet: PodmanArgs=)"
-    else:
-        fix = f"stop the container with `{run.engine} stop -t {need}` first"
-    return (
-        f"ExecStop= `{grace[1]}` kills vLLM's container {grace[0]} s after its stop signal, "
-        f"before a drain of {drain} s and vLLM's teardown end: vkvagent drains by waiting for "
-        f"a quiet moment before the stop instead; {fix} to let vLLM drain itself"
-    )
-
-
-def _stop_settings(argv: tuple[str, ...]) -> dict[str, str]:
-    """How systemd must stop a command line whose vLLM drains on SIGTERM: wait the drain out
-    (TimeoutStopSec=), and signal the API server alone (KillMode=mixed). A SIGTERM of their own
-    kills the engine and its workers at once, failing the requests in flight (measured on 0.32);
-    from the API server they get the drain."""
-    seconds = _drains_for(argv)
-    return {"TimeoutStopSec": str(seconds + STOP_MARGIN), "KillMode": "mixed"} if seconds else {}
 
 
 def _index(action: Action, step: str) -> int | None:
@@ -1349,118 +1183,9 @@ def _argv(state: UnitState) -> tuple[str, ...]:
     return tuple(state.exec_start[-1].argv)
 
 
-def _fragment_command(state: UnitState) -> ExecCommand | None:
-    """The unit file's own ExecStart, whatever drop-ins say; None when it cannot be read."""
-    try:
-        text = Path(state.fragment_path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-    exec_start = parse_dropin(text).exec_start  # a unit file reads like a drop-in
-    if exec_start is None:
-        return None
-    try:
-        commands = split_exec_start(exec_start, specifiers=_specifiers(state.name), strict=False)
-    except ExecSyntaxError:
-        return None
-    return commands[-1] if commands else None
-
-
-def _fragment_argv(state: UnitState) -> tuple[str, ...] | None:
-    command = _fragment_command(state)
-    return apikey.mask_argv(command.argv) if command is not None else None
-
-
-def _specifiers(unit: str) -> dict[str, str]:
-    """The unit-name specifiers of ``unit`` (``vllm@a.service``: %n, %N, %p, %i, %I, %j)."""
-    name, _dot, _kind = unit.rpartition(".")
-    prefix, at, instance = name.partition("@")
-    return {
-        "n": unit, "N": name, "p": prefix, "P": prefix, "i": instance if at else "",
-        "I": instance if at else "", "j": prefix.rsplit("-", 1)[-1], "J": prefix.rsplit("-", 1)[-1],
-    }  # fmt: skip
-
-
-def _in_flight(metrics: VllmMetrics | None) -> float | None:
-    if metrics is None or metrics.num_requests_running is None:
-        return None
-    return metrics.num_requests_running + (metrics.num_requests_waiting or 0)
-
-
 def _advanced(before: VllmMetrics, after: VllmMetrics) -> bool:
     pairs = (
         (before.generation_tokens_total, after.generation_tokens_total),
         (before.engine_steps_total, after.engine_steps_total),
     )
     return any(old is not None and new is not None and new > old for old, new in pairs)
-
-
-def _is_quadlet(source_path: str) -> bool:
-    """Whether a unit is Quadlet's: generated from the ``.container`` file ``source_path``."""
-    return source_path.endswith(".container")
-
-
-def _source_path(systemd: Systemd, unit: str) -> str:
-    """The file a generator made ``unit`` from; "" for a unit file, or when systemd cannot say
-    now (the actuator's preflight then reports why)."""
-    try:
-        return systemd.unit(unit).source_path
-    except SystemdError:
-        return ""
-
-
-def _own(state: UnitState) -> tuple[str, ...] | None:
-    """What vkvagent's drop-in is derived from, to notice later that it changed: the unit
-    file's own ExecStart, or Quadlet's whole ``.container`` file (the unit it generates holds
-    the drop-in's Exec= too). None when it cannot be read."""
-    if not _is_quadlet(state.source_path):
-        return _fragment_argv(state)
-    try:
-        return (Path(state.source_path).read_text(encoding="utf-8"),)
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _container_pids(
-    state: UnitState, engine: Container, argv: tuple[str, ...], proc: Path
-) -> Iterator[int]:
-    """The processes that may be vLLM's in a container: the unit's but its MainPID, then the
-    container's first process by the engine's word (asked only if those are not)."""
-    yield from (pid for pid in pids_in(state.control_group, proc) if pid != state.main_pid)
-    pid = engine.main_pid(argv)
-    if pid is not None:
-        yield pid
-
-
-def _cmdline(proc: Path, pid: int) -> tuple[str, ...] | None:
-    if pid <= 0:
-        return None
-    try:
-        raw = (proc / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return None
-    argv = (part.decode("utf-8", "surrogateescape") for part in raw.split(b"\0")[:-1])
-    return apikey.mask_argv(tuple(argv))  # as systemd's ExecStart reads (systemd.UnitState)
-
-
-def _environ(proc: Path, pid: int) -> dict[str, str] | None:
-    if pid <= 0:
-        return None
-    try:
-        raw = (proc / str(pid) / "environ").read_bytes()
-    except OSError:
-        return None
-    pairs = (item.decode("utf-8", "surrogateescape").partition("=") for item in raw.split(b"\0"))
-    return {name: value for name, _eq, value in pairs if name}
-
-
-def _same_command(
-    running: tuple[str, ...], intended: tuple[str, ...], environ: dict[str, str] | None
-) -> bool:
-    """The process's argv against the written one, after systemd's ``$VAR`` expansion with
-    the process's own environment (``$EXTRA_ARGS`` may become several words). Without the
-    environment, arguments with ``$`` are compared by position only."""
-    if environ is not None:  # the key `--api-key ${VAR}` expands to is masked in ``running``
-        return running == apikey.mask_argv(expand_exec_env(intended, environ))
-    if len(running) != len(intended):
-        return False
-    return all("$" in want or got == want for got, want in zip(running, intended))

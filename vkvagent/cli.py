@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from vkvagent import __version__, advice, apikey, config, controls, fleet, hardening, replay, status
-from vkvagent.actuator import Actuator, Outcome, Plan, engine_stop_too_short
+from vkvagent.actuator import Actuator, Outcome, Plan
 from vkvagent.atomicfile import write_atomically
+from vkvagent.drain import engine_stop_too_short
 from vkvagent.engine.gpu_faults import describe_xid
 from vkvagent.engine.policy import MODES, PolicySettings, window_state
 from vkvagent.engine.samples import GpuReading, VllmMetrics, utc_text
