@@ -35,9 +35,9 @@ from tests.sandbox import (
     sim_argv,
     sim_unit,
 )
-from vkvagent.actuator import STEPS
 from vkvagent.dropin import HEADER, parse_dropin, split_exec_start
 from vkvagent.ledger import FILE_NAME, Action, Ledger
+from vkvagent.steps import STEPS
 from vkvagent.systemd import Systemd, UnitState
 
 pytestmark = pytest.mark.systemd

@@ -26,7 +26,6 @@ from tests.conftest import metrics
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get
 from vkvagent import cli, config, controls, status
-from vkvagent.actuator import Outcome
 from vkvagent.cli import main
 from vkvagent.daemon import STATE_FILE, Daemon
 from vkvagent.demo import scaled_clock
@@ -36,6 +35,7 @@ from vkvagent.events import Events
 from vkvagent.exporter import AgentMetrics
 from vkvagent.hooks import HookResult
 from vkvagent.ledger import Ledger
+from vkvagent.outcome import Outcome
 
 SCALE = 400.0
 

@@ -1,72 +1,76 @@
 """The one path for every restart and flag change: preflight, drain, drop-in and reload,
 restart, wait until ready, attest, and roll back a flag change that broke or did not take.
 
-Each step is written to the ledger before and after it runs, so ``recover()`` can finish or
-undo whatever a crash interrupted: a drop-in written but not yet in effect is restored; a
-restart already requested is never requested twice.
+Each step is written to the ledger before and after it runs (``steps``), so ``recover()`` can
+finish or undo whatever a crash interrupted: a drop-in written but not yet in effect is
+restored; a restart already requested is never requested twice.
 
 Only one vkvagent acts on a unit at a time (``exclusive()``): a second one would take the
 first's open action for an interrupted one and undo it mid-way.
 
-``VKVAGENT_KILL_AT=<step>`` makes the process SIGKILL itself when that step begins: the fault
-injection the reliability tests use to prove the above. It does nothing unless set.
+The checks before it begins are ``preflight``'s; where the drop-in goes and what it says,
+``unit_dropin``'s; the drain, ``drain``'s; when vLLM serves again, ``restarted``'s; how the
+action ended, ``outcome``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import math
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vkvagent import apikey, container, unit_command, unitlog
+from vkvagent import apikey, unit_command, unitlog
 from vkvagent import flags as vflags
-from vkvagent.atomicfile import write_atomically
 from vkvagent.config import Config
 from vkvagent.drain import (
     DRAIN_FLAG,
     STOP_MARGIN,
     Costs,
     Stop,
+    drain_change,
     drains_for,
     engine_stop_too_short,
     may_drain_itself,
     stop_reaches_the_engine,
-    stop_settings,
     wait_for_quiet,
 )
-from vkvagent.dropin import (
-    DROPIN_NAME,
-    DropinFile,
-    argv_hash,
-    is_foreign_edit,
-    other_settings,
-    render_container_dropin,
-    render_dropin,
-)
-from vkvagent.engine.gpu_faults import describe_xid
+from vkvagent.dropin import DropinFile, argv_hash, is_foreign_edit, other_settings
 from vkvagent.engine.samples import FlagValue, VllmMetrics
 from vkvagent.errors import VkvagentError
 from vkvagent.gpu import GpuReader
 from vkvagent.gpu_free import GpusBusy, Holder, clear_gpus, holders, is_gpu_memory_failure
-from vkvagent.hardening import QUADLET_DIR, SYSTEMD_DIR
 from vkvagent.hooks import HookResult, run_hook
 from vkvagent.ledger import Action, Ledger
+from vkvagent.outcome import Outcome
+from vkvagent.preflight import (
+    foreign_edit,
+    foreign_refusal,
+    gpu_fault_refusal,
+    start_limit_refusal,
+    unit_refusal,
+    write_refusal,
+)
+from vkvagent.restarted import NotReady, attest_refusal, wait_ready
+from vkvagent.steps import Step, first_index, last_restart, restart_note
 from vkvagent.systemd import TIMEOUT, Systemd, SystemdError, UnitState
+from vkvagent.unit_dropin import (
+    BaseFile,
+    UnitDropinError,
+    dropin_for,
+    is_quadlets,
+    quadlet_refusal,
+    render,
+    write_problem,
+)
 from vkvagent.vllm import ScrapeError, VllmClient
 from vkvagent.vllm_command import VllmCommandError, apply_flags, parse_command
-
-STEPS = (
-    "preflight", "pre_stop", "drain", "write", "reload", "restart", "ready", "attest",
-    "post_ready",
-)  # fmt: skip
 
 
 class ActuatorError(VkvagentError):
@@ -108,73 +112,6 @@ class Plan:
     changes: dict[str, FlagValue]  # the flags whose value the unit does not run yet
 
 
-@dataclass(frozen=True)
-class Outcome:
-    action_id: int
-    result: str  # done | rolled-back | failed | aborted
-    message: str
-    seconds: float  # decision to ready (or to the end)
-    service_seconds: float | None  # restart job requested to service ready: vLLM's own start
-    flags: Mapping[str, FlagValue] = field(default_factory=dict)  # the flags it changed
-    vllm_error: str | None = None  # vLLM's own reason for not starting, from its journal
-    costs: Costs | None = None  # None: vLLM was never stopped
-    hooks: tuple[HookResult, ...] = ()  # pre_stop and post_ready, as they ran
-    freed: tuple[str, ...] = ()  # the run before's processes killed on the GPUs before a start
-    # vLLM failed for GPU memory that these processes held: not the flags' fault (kept).
-    gpus_held: str = ""
-
-    def events(self, unit: str, cause: str) -> list[tuple[str, str, dict[str, Any]]]:
-        """Every event this outcome reports, in order: its hooks' runs, then ``event``."""
-        return [hook.event(self.action_id) for hook in self.hooks] + [self.event(unit, cause)]
-
-    def event(self, unit: str, cause: str) -> tuple[str, str, dict[str, Any]]:
-        """The event that reports this outcome: (name, message, fields), for the daemon's
-        restarts and the operator's alike."""
-        fields: dict[str, Any] = {
-            "cause": cause,
-            "action": self.action_id,
-            "result": self.result,
-            "seconds": round(self.seconds, 3),
-            "service_seconds": self.service_seconds,
-        }
-        if self.flags:
-            fields["flags"] = vflags.rendered(self.flags)
-        if self.vllm_error is not None:
-            fields["vllm_error"] = self.vllm_error
-        if self.costs is not None:
-            fields.update(self.costs.to_json())
-        if self.freed:
-            fields["gpu_leftovers_killed"] = list(self.freed)
-        if self.gpus_held:
-            fields["gpus_held_by"] = self.gpus_held
-        if self.result == "done":
-            killed = f"; killed the run before's leftovers: {'; '.join(self.freed)}"
-            return (
-                "restart.completed",
-                f"restarted {unit} ({cause}) in {self.seconds:.1f} s"
-                + (killed if self.freed else ""),
-                fields,
-            )
-        if self.result == "rolled-back":
-            return "restart.rolled_back", self.message, fields
-        return "restart.failed", self.message, {**fields, "error": self.message}
-
-
-SYSTEMD_UNIT_DIR = Path(SYSTEMD_DIR)  # where the drop-in goes: /etc overrides /lib
-# Where a Quadlet `.container` file's drop-in goes: its generator reads NAME.container.d/ in
-# every directory it searches, and this is the administrator's.
-QUADLET_UNIT_DIR = Path(QUADLET_DIR)
-
-
-def dropin_for(unit: str, source_path: str, keep_dir: Path) -> DropinFile:
-    """vkvagent's drop-in for ``unit``: systemd's, or, for a unit Quadlet generates from the
-    ``.container`` file ``source_path``, that file's (a drop-in of the service would fight the
-    generator). Each keeps its earlier versions apart."""
-    if unit_command.is_quadlet(source_path):
-        return DropinFile(os.path.basename(source_path), QUADLET_UNIT_DIR, keep_dir / "quadlet")
-    return DropinFile(unit, SYSTEMD_UNIT_DIR, keep_dir)
-
-
 class Actuator:
     """Acts on one unit. ``probe`` reads vLLM; ``proc`` is the /proc of the unit's processes
     (the container's, in tests)."""
@@ -204,7 +141,7 @@ class Actuator:
         self._why_it_failed = why_it_failed
         self._vllm_version = vllm_version  # [vllm] version: when vLLM does not say its own
         self._state_dir = state_dir
-        self._base_file = state_dir / f"base-{unit}.json"
+        self._base_file = BaseFile(state_dir / f"base-{unit}.json")
         self._clock, self._wall, self._sleep, self._progress = clock, wall, sleep, progress
 
     @classmethod
@@ -323,57 +260,23 @@ class Actuator:
         if self._quadlet_refusal(state):
             return None  # plan() says why it is not rewritten
         current = _argv(state)
-        try:
-            running = parse_command(current)
-            changes = {n: v for n, v in wanted.items() if running.value(n) != v}
-            # The flags alone do not drain where the unit's stop signals vLLM's engine too:
-            # the drop-in's KillMode=mixed (``_stop_settings``) is then the change.
-            if not changes and state.kill_mode != "control-group":
-                return None
-            after = tuple(apply_flags(current, wanted, vllm_version=vllm_version))
-        except VllmCommandError:
-            # Not vLLM's command line, or one with its API key: plan() would refuse it, a
-            # restart need not.
+        change = drain_change(current, wanted, state.kill_mode, vllm_version)
+        if change is None:
             return None
+        after, changes = change
         return Plan(self.unit, current, after, wanted, (), True, changes)
 
     @property
     def _quadlet(self) -> bool:
         """Whether this actuator writes a Quadlet ``.container``'s drop-in (``dropin_for``)."""
-        return self.dropin.path.parent.name.endswith(".container.d")
+        return is_quadlets(self.dropin)
 
     def _quadlet_refusal(self, state: UnitState) -> str:
-        """Why vkvagent cannot change the flags of a unit Quadlet generates; "" when it can,
-        through the ``.container`` file's drop-in (podman 4.8 and later), or the unit is not
-        Quadlet's."""
-        quadlet = unit_command.is_quadlet(state.source_path)
-        if quadlet != self._quadlet:
-            whose = "the .container file's" if quadlet else "the unit's"
-            return (
-                f"{'now' if quadlet else 'no longer'} generated by Quadlet, since vkvagent read "
-                f"it: reload or restart vkvagent so that it writes {whose} drop-in"
-            )
-        if not quadlet:
-            return ""
-        service = SYSTEMD_UNIT_DIR / f"{self.unit}.d" / DROPIN_NAME
-        if service.exists():  # from before the move to Quadlet: it overrides the generator
-            return (
-                f"{service}, written before the unit was Quadlet's, overrides what Quadlet "
-                "generates: remove it and run systemctl daemon-reload"
-            )
-        version = container.quadlet_version(_argv(state))
+        """``quadlet_refusal``: why vkvagent cannot change this unit's flags; "" when it can."""
         try:
-            old = version is not None and vflags.parse_version(version) < container.QUADLET_DROPINS
-        except ValueError:
-            old = False
-        if not old:
-            return ""
-        return (
-            f"generated by Quadlet from {state.source_path}, whose drop-ins podman {version} "
-            "does not read (Quadlet does from podman 4.8): vkvagent changes no flags here (it "
-            "watches and restarts the unit as ever); edit Exec= there and run systemctl "
-            "daemon-reload"
-        )
+            return quadlet_refusal(self.unit, state, self._quadlet)
+        except UnitDropinError as exc:
+            raise ActuatorError(str(exc)) from None
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -504,7 +407,7 @@ class Actuator:
             raise ActuatorError("nothing to roll back: vkvagent has not changed this unit")
         text = self.dropin.read()
         if text is not None and is_foreign_edit(text):  # someone's edit is not for us to drop
-            raise ActuatorError(_foreign(self.dropin.path))
+            raise ActuatorError(foreign_edit(self.dropin.path))
 
     def rollback(self, reason: str) -> Outcome:
         """Undo vkvagent's last change to the drop-in (one level; again goes one further),
@@ -555,7 +458,7 @@ class Actuator:
         change = "intended" in detail
         previous = detail.get("previous_dropin")
         if action.reached("restore"):  # undoing a failed change was under way: finish it
-            undo_from = _index(action, "restore")
+            undo_from = first_index(action, "restore")
             restart = any(s.step == "restart" for s in action.steps[:undo_from])
             self._finish_restore(action, previous, restart=restart)
             return "rolled-back", "interrupted rollback of a failed flag change completed"
@@ -565,7 +468,7 @@ class Actuator:
             # systemd has it: never request it again. Wait for it; prove a flag change.
             try:
                 with self._step(action.id, "ready"):
-                    metrics = self._wait_ready(_restart_note(action))
+                    metrics = self._wait_ready(restart_note(action))
                 if change:
                     with self._step(action.id, "attest"):
                         self._attest(tuple(detail["intended"]), detail["flags"], metrics)
@@ -585,7 +488,7 @@ class Actuator:
 
     def _finish_restore(self, action: Action, text: str | None, *, restart: bool) -> None:
         """Complete an undo that an interruption cut short, from where it was."""
-        undo_from = _index(action, "restore")
+        undo_from = first_index(action, "restore")
         if undo_from is None or not action.finished("restore"):
             with self._step(action.id, "restore"):
                 self._put_back(text)
@@ -593,7 +496,7 @@ class Actuator:
             return
         if self._restart_requested(action, undo_from or 0):
             with self._step(action.id, "ready"):
-                self._wait_ready(_restart_note(action))
+                self._wait_ready(restart_note(action))
         else:
             before = self._unit()
             self._restart_step(action.id, before)
@@ -625,80 +528,32 @@ class Actuator:
         if text is not None:  # re-sign it, so it is vkvagent's again
             try:
                 self.dropin.write(
-                    self._render(current, state, argv_hash(own or current)),
+                    self._render(current, argv_hash(own or current)),
                     keep=False,  # the same command line: nothing for a rollback to go back to
                 )
             except OSError as exc:
-                raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
+                raise ActuatorError(write_problem(self.dropin.path, exc)) from None
             self._reload()
         return Plan(self.unit, current, current, {}, (), False, {})
 
     # -- steps ------------------------------------------------------------------------------
 
     def _preflight(self, change: bool, down: bool = False) -> UnitState:
+        """The unit as it is, when nothing in ``preflight`` refuses the action."""
         state = self._unit()
-        if state.load_state != "loaded":
-            raise ActuatorError(f"{self.unit} is {state.load_state}")
-        if down and state.active_state in ("inactive", "failed"):
-            pass  # started below: the point of the action
-        elif state.active_state != "active":
-            raise ActuatorError(
-                f"{self.unit} is {state.active_state} ({state.sub_state}); "
-                "systemd's Restart= handles a unit that is down"
-            )
-        if len(state.exec_start) != 1:
-            raise ActuatorError(
-                f"{self.unit} has {len(state.exec_start)} ExecStart= commands; vkvagent manages "
-                "units that run one"
-            )
+        _refuse(unit_refusal(self.unit, state, down))
         if change:
             refusal = self._quadlet_refusal(state)
-            if refusal:
-                raise ActuatorError(f"{self.unit}: {refusal}")
-            self._check_access()
+            _refuse(f"{self.unit}: {refusal}" if refusal else "")
+            _refuse(write_refusal(self.dropin.path, self.unit))
         self._check_gpus()
         self._check_foreign(state)
         self._check_start_limit(state, 2 if change else 1)
         return state
 
-    def _check_access(self) -> None:
-        """Before anything is drained or written: can this process write the drop-in?"""
-        directory = self.dropin.path.parent
-        while not directory.exists() and directory != directory.parent:
-            directory = directory.parent
-        targets = [directory] + ([self.dropin.path] if self.dropin.path.exists() else [])
-        for target in targets:
-            if not os.access(target, os.W_OK):
-                raise ActuatorError(
-                    f"access denied: cannot write {self.dropin.path} "
-                    f"(changing {self.unit}'s flags needs root)"
-                )
-
     def _check_gpus(self) -> None:
-        """A GPU with uncorrectable memory errors or a hardware or driver XID within the
-        reader's fault window needs a reset or a person; a restart would only bring vLLM back
-        onto the faulty device. An application XID is what a restart fixes: no refusal. The
-        XIDs come from the reader's log, so the sampler still sees them (and vice versa)."""
-        if self._gpus is None:
-            return
-        readings, _problem = self._gpus.read(consume_xids=False)
-        found: dict[int, list[str]] = {}
-        for event in self._gpus.faults():
-            found.setdefault(event.index, []).append(describe_xid(event.xid))
-        for gpu in readings:
-            if (gpu.ecc_uncorrected_volatile or 0) > 0:
-                found.setdefault(gpu.index, []).append(
-                    f"{gpu.ecc_uncorrected_volatile} uncorrectable ECC errors"
-                )
-        if found:
-            index = min(found, key=lambda i: (i < 0, i))
-            uuid = next((gpu.uuid for gpu in readings if gpu.index == index), "")
-            name = f"GPU {index}" if index >= 0 else "a GPU that NVML did not name"
-            raise ActuatorError(
-                f"{name}{f' ({uuid})' if uuid else ''} reports "
-                f"{', '.join(dict.fromkeys(found[index]))}: a restart cannot fix a GPU fault; "
-                "it needs a GPU reset or a person"
-            )
+        """ActuatorError on a GPU fault a restart cannot fix (``gpu_fault_refusal``)."""
+        _refuse(gpu_fault_refusal(self._gpus) if self._gpus is not None else "")
 
     def _free_gpus(self, before: UnitState) -> tuple[Holder, ...]:
         """No process of the run before on the GPUs (``gpu_free``): the unit's leftovers
@@ -723,55 +578,18 @@ class Actuator:
         return "; ".join(str(h) for h in holders(listed, self.unit, self.proc))
 
     def _check_foreign(self, state: UnitState) -> None:
-        text = self.dropin.read()
-        if text is not None and is_foreign_edit(text):
-            raise ActuatorError(_foreign(self.dropin.path))
-        base = self._stored_base()
-        if base is not None and text is not None:
-            own = unit_command.own(state)
-            if own is not None and argv_hash(own) != base["own_hash"]:
-                raise ActuatorError(
-                    f"{state.source_path if self._quadlet else state.fragment_path} changed "
-                    "since vkvagent derived its command line (run `vkvagent adopt`)"
-                )
+        """ActuatorError when the drop-in is no longer vkvagent's to rewrite."""
+        text, base = self.dropin.read(), self._base_file.load()
+        _refuse(foreign_refusal(state, text, self.dropin.path, base, self._quadlet))
 
     def _check_start_limit(self, state: UnitState, need: int) -> None:
-        """Refuse when ``need`` more starts (two for a flag change: its own and a rollback's)
-        could exceed the unit's start limit, which would leave it failed (start-limit-hit).
-
-        systemd does not publish its count, so it is estimated: every restart vkvagent began
-        within StartLimitIntervalSec, the start of the process the first of them replaced, and
-        the running process's start when it is not one of vkvagent's. Other starts by others
-        (systemctl, Restart=) before the running one are not seen."""
-        if state.start_limit_burst <= 0 or state.start_limit_interval_usec <= 0:
-            return
-        window = state.start_limit_interval_usec / 1e6
-        since = self._wall() - window
-        ours: list[tuple[float, float]] = []  # (begun, ended) of each restart step
-        for action in self.ledger.since(since):
-            if action.outcome == "aborted":  # nothing reached systemd (a refused job included)
-                continue
-            begun: float | None = None
-            for step in action.steps:
-                if step.step != "restart":
-                    continue
-                if step.state == "begin":
-                    begun = step.at
-                    if begun >= since:
-                        ours.append((begun, begun + self.settings.job_timeout))
-                elif begun is not None and begun >= since:
-                    ours[-1] = (begun, step.at)
-        running = state.exec_main_start_timestamp / 1e6
-        own_start = any(begun - 1 <= running <= ended + 1 for begun, ended in ours)
-        others = (1 if ours else 0) + (1 if running >= since and not own_start else 0)
-        starts = len(ours) + others
-        if starts + need > state.start_limit_burst:
-            raise ActuatorError(
-                f"{self.unit} was started about {starts} times in the last {window:g} s; "
-                f"{need} more (a {'flag change and its rollback' if need > 1 else 'restart'}) "
-                f"could exceed its StartLimitBurst={state.start_limit_burst} "
-                f"(StartLimitIntervalSec={window:g}) and leave it failed: try again later"
+        """ActuatorError when ``need`` more starts could exceed the unit's start limit
+        (``start_limit_refusal``)."""
+        _refuse(
+            start_limit_refusal(
+                self.unit, state, need, self.ledger, self._wall(), self.settings.job_timeout
             )
+        )
 
     def _drain(self) -> bool:
         """Wait for a quiet moment (``wait_for_quiet``), for a vLLM that cannot drain by
@@ -823,10 +641,10 @@ class Actuator:
         return 0 if engine_stop_too_short(state, seconds) else seconds
 
     def _write(self, argv: tuple[str, ...], state: UnitState) -> None:
-        if self._stored_base() is None or self.dropin.read() is None:
+        if self._base_file.load() is None or self.dropin.read() is None:
             # No drop-in of vkvagent's: the unit's command line as it is now is the base.
             self._save_base(_argv(state), own=unit_command.own(state))
-        base = self._stored_base()
+        base = self._base_file.load()
         assert base is not None
         own = unit_command.fragment_command(state)
         # The unit's own prefix ("-", ":", "+", "@"...) and program path stay as they were; with
@@ -836,38 +654,25 @@ class Actuator:
         )
         path = own.path if own is not None else None
         try:
-            self.dropin.write(self._render(argv, state, base["own_hash"], path=path, prefix=prefix))
+            self.dropin.write(self._render(argv, base["own_hash"], path=path, prefix=prefix))
         except OSError as exc:
-            raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
+            raise ActuatorError(write_problem(self.dropin.path, exc)) from None
 
     def _render(
         self,
         argv: tuple[str, ...],
-        state: UnitState,
         source_hash: str,
         *,
         path: str | None = None,
         prefix: str = "",
     ) -> str:
-        """The drop-in that makes the unit run ``argv`` (in unit form, hence no ``$$``); for a
-        unit Quadlet generates, its ``.container``'s, with vLLM's arguments after the image
-        (the engine's part is the generator's, and ``plan`` keeps it as it is)."""
-        stop = stop_settings(argv)
-        if self._quadlet:
-            run = container.find(argv)
-            if run is None:
-                raise ActuatorError(f"{self.unit}: Quadlet's command line runs no podman")
-            try:
-                return render_container_dropin(
-                    self.unit, argv[run.image + 1 :], source_hash=source_hash,
-                    escape_dollar=False, stop=stop,
-                )  # fmt: skip
-            except ValueError as exc:
-                raise ActuatorError(f"{self.unit}: {exc}") from None
-        return render_dropin(
-            self.unit, argv, source_hash=source_hash, path=path, prefix=prefix,
-            escape_dollar=False, stop=stop,
-        )  # fmt: skip
+        """The drop-in that makes the unit run ``argv`` (``unit_dropin.render``)."""
+        try:
+            return render(
+                self.unit, argv, source_hash, quadlet=self._quadlet, path=path, prefix=prefix
+            )
+        except UnitDropinError as exc:
+            raise ActuatorError(str(exc)) from None
 
     def _reload(self) -> None:
         try:
@@ -909,79 +714,31 @@ class Actuator:
 
     def _restart_requested(self, action: Action, start: int) -> bool:
         """Whether the last restart step begun at or after ``start`` reached systemd."""
-        begun = [
-            i
-            for i, s in enumerate(action.steps)
-            if i >= start and s.step == "restart" and s.state == "begin"
-        ]
-        if not begun:
+        last = last_restart(action, start)
+        if last is None:
             return False
-        note = action.steps[begun[-1]].note
-        if any(s.step == "restart" and s.state == "done" for s in action.steps[begun[-1] :]):
+        note, done = last
+        if done:
             return True
         state = self._unit()
         return not note or state.invocation_id != note or state.active_state != "active"
 
     def _wait_ready(self, replaced: str | None) -> VllmMetrics:
-        """Until /metrics answers from a process newer than invocation ``replaced`` (None: any)
-        and, with traffic, tokens advance."""
-        deadline = self._clock() + self.settings.ready_timeout
-        last: VllmMetrics | None = None
-        problem = "not started"
-        while self._clock() < deadline:
-            state = self._unit()
-            if state.active_state == "failed" or (
-                state.active_state == "inactive" and state.sub_state == "dead"
-            ):
-                raise ActuatorError(
-                    f"{self.unit} {state.active_state} ({state.sub_state}, {state.result}) "
-                    "after the restart"
-                )
-            # The new process died and Restart= starts it again (NRestarts counts those since
-            # the last start that was asked for): waiting on would only spend the start limit
-            # a rollback needs.
-            if state.sub_state == "auto-restart" or (replaced is not None and state.n_restarts):
-                raise ActuatorError(
-                    f"{self.unit} exited and Restart= is starting it again ({state.result})"
-                )
-            fresh = replaced is None or state.invocation_id != replaced
-            if fresh and state.active_state == "active":
-                try:
-                    metrics = self.probe.scrape()
-                except ScrapeError as exc:
-                    problem = str(exc)
-                else:
-                    busy = (metrics.num_requests_running or 0) > 0
-                    if not busy or (last is not None and _advanced(last, metrics)):
-                        return metrics
-                    last, problem = metrics, "requests running, tokens not advancing yet"
-            self._progress(f"waiting for {self.unit}: {problem}")
-            self._sleep(self.settings.poll_interval)
-        raise ActuatorError(
-            f"{self.unit} not ready within {self.settings.ready_timeout:g} s: {problem}"
-        )
+        """Until vLLM serves from a process newer than invocation ``replaced`` (None: any):
+        ``wait_ready``."""
+        try:
+            return wait_ready(
+                self.unit, replaced, read_unit=self._unit, scrape=self.probe.scrape,
+                timeout=self.settings.ready_timeout, poll_interval=self.settings.poll_interval,
+                clock=self._clock, sleep=self._sleep, progress=self._progress,
+            )  # fmt: skip
+        except NotReady as exc:
+            raise ActuatorError(str(exc)) from None
 
     def _attest(
-        self,
-        argv: tuple[str, ...],
-        flags: Mapping[str, FlagValue],
-        metrics: VllmMetrics,
+        self, argv: tuple[str, ...], flags: Mapping[str, FlagValue], metrics: VllmMetrics
     ) -> None:
-        state = self._unit()
-        running, argv = unit_command.vllms_command(state, argv, self.proc)
-        environ = unit_command.environ(self.proc, state.main_pid)
-        if running is not None and not unit_command.same_command(running, argv, environ):
-            raise ActuatorError(
-                f"the running process's command line is not the one written: "
-                f"{' '.join(running)[:200]}"
-            )
-        for name, value in flags.items():
-            spec = vflags.CATALOGUE[name]
-            if spec.attested(value, metrics.cache_config) is False:
-                raise ActuatorError(
-                    f"--{name} is not in effect: cache_config_info shows "
-                    f"{spec.attest_label}={metrics.cache_config.get(spec.attest_label or '')}"
-                )
+        _refuse(attest_refusal(self._unit(), argv, flags, metrics, self.proc))
 
     def _restore(self, action: int, previous: str | None, *, restart: bool) -> None:
         with self._step(action, "restore"):
@@ -996,7 +753,7 @@ class Actuator:
         try:
             self.dropin.restore(previous)
         except OSError as exc:
-            raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
+            raise ActuatorError(write_problem(self.dropin.path, exc)) from None
         self._reload()
 
     def _finish(
@@ -1094,23 +851,8 @@ class Actuator:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    class _StepContext:
-        def __init__(self, actuator: Actuator, action: int, step: str, note: str) -> None:
-            self.actuator, self.action, self.step, self.note = actuator, action, step, note
-
-        def __enter__(self) -> None:
-            a = self.actuator
-            a.ledger.step(self.action, self.step, "begin", a._wall(), self.note)
-            if os.environ.get("VKVAGENT_KILL_AT") == self.step:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        def __exit__(self, kind: object, exc: object, _tb: object) -> None:
-            a = self.actuator
-            state = "done" if kind is None else "failed"
-            a.ledger.step(self.action, self.step, state, a._wall(), "" if exc is None else str(exc))
-
-    def _step(self, action: int, step: str, note: str = "") -> Actuator._StepContext:
-        return Actuator._StepContext(self, action, step, note)
+    def _step(self, action: int, step: str, note: str = "") -> Step:
+        return Step(self.ledger, action, step, note, self._wall)
 
     def _unit(self) -> UnitState:
         try:
@@ -1128,64 +870,29 @@ class Actuator:
         """The command line flags are applied to: the one vkvagent derived its drop-in from
         while that drop-in is in place, else the unit's as it is now (the unit file may have
         been edited since a rollback removed the drop-in)."""
-        stored = self._stored_base()
+        stored = self._base_file.load()
         if stored is None or self.dropin.read() is None:
             return _argv(state)
         return tuple(stored["argv"])
 
-    def _stored_base(self) -> dict[str, Any] | None:
-        try:
-            loaded: dict[str, Any] = json.loads(self._base_file.read_text(encoding="utf-8"))
-            return loaded
-        except (OSError, ValueError):
-            return None
-
     def _save_base(self, argv: tuple[str, ...], own: tuple[str, ...] | None = None) -> None:
-        record = {"argv": list(argv), "own_hash": argv_hash(own or argv)}
         try:
-            write_atomically(self._base_file, json.dumps(record), 0o640)
+            self._base_file.save(argv, own)
         except OSError as exc:
-            raise ActuatorError(_write_problem(self._base_file, exc)) from None
+            raise ActuatorError(write_problem(self._base_file.path, exc)) from None
 
 
 def _with(plan: Plan) -> str:
     return " with the new flags" if plan.changes else " with systemd's stop settings for the drain"
 
 
-def _index(action: Action, step: str) -> int | None:
-    """Where ``step`` was first begun in ``action``'s steps."""
-    return next((i for i, s in enumerate(action.steps) if s.step == step), None)
-
-
-def _restart_note(action: Action) -> str | None:
-    """The invocation the last restart step replaced (its note), None if unrecorded."""
-    notes = [s.note for s in action.steps if s.step == "restart" and s.state == "begin"]
-    return notes[-1] if notes and notes[-1] else None
-
-
-def _foreign(path: Path) -> str:
-    return (
-        f"{path} was edited by someone else; vkvagent will not overwrite it "
-        "(run `vkvagent adopt` to take it over)"
-    )
-
-
-def _write_problem(path: Path, exc: OSError) -> str:
-    reason = exc.strerror or str(exc)
-    if isinstance(exc, PermissionError):
-        return f"access denied: cannot write {path}: {reason}"
-    return f"cannot write {path}: {reason}"
+def _refuse(refusal: str) -> None:
+    """Raise a check's refusal (``preflight``) as ActuatorError; nothing when it is ""."""
+    if refusal:
+        raise ActuatorError(refusal)
 
 
 def _argv(state: UnitState) -> tuple[str, ...]:
     if not state.exec_start:
         raise ActuatorError(f"{state.name} has no ExecStart")
     return tuple(state.exec_start[-1].argv)
-
-
-def _advanced(before: VllmMetrics, after: VllmMetrics) -> bool:
-    pairs = (
-        (before.generation_tokens_total, after.generation_tokens_total),
-        (before.engine_steps_total, after.engine_steps_total),
-    )
-    return any(old is not None and new is not None and new > old for old, new in pairs)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from vkvagent import __version__, advice, apikey, config, controls, fleet, hardening, replay, status
-from vkvagent.actuator import Actuator, Outcome, Plan
+from vkvagent.actuator import Actuator, Plan
 from vkvagent.atomicfile import write_atomically
 from vkvagent.drain import engine_stop_too_short
 from vkvagent.engine.gpu_faults import describe_xid
@@ -31,6 +31,7 @@ from vkvagent.flags import shown as flags_shown
 from vkvagent.gpu import GpuReader, NvmlBackend, RecordedBackend, reader_for, record
 from vkvagent.history import History, HistoryError
 from vkvagent.ledger import Ledger
+from vkvagent.outcome import Outcome
 from vkvagent.systemd import Systemd, SystemdError, UnitState
 from vkvagent.vllm import VllmClient
 from vkvagent.vllm_metrics import Normaliser

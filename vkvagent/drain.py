@@ -14,7 +14,7 @@ actuator decides when to drain; this module knows how vLLM and systemd drain.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,9 @@ from typing import Any
 from vkvagent import container
 from vkvagent import flags as vflags
 from vkvagent.cgroup import pids_in
-from vkvagent.engine.samples import VllmMetrics
+from vkvagent.engine.samples import FlagValue, VllmMetrics
 from vkvagent.systemd import UnitState
-from vkvagent.vllm_command import VllmCommandError, parse_command
+from vkvagent.vllm_command import VllmCommandError, apply_flags, parse_command
 
 # TimeoutStopSec= beyond vLLM's --shutdown-timeout: its teardown after the drain (the worker's
 # exit took 8 s on 0.32's CPU build), so that systemd's SIGKILL never cuts the drain short.
@@ -220,3 +220,26 @@ def in_flight(metrics: VllmMetrics | None) -> float | None:
     if metrics is None or metrics.num_requests_running is None:
         return None
     return metrics.num_requests_running + (metrics.num_requests_waiting or 0)
+
+
+def drain_change(
+    current: tuple[str, ...],
+    wanted: Mapping[str, FlagValue],
+    kill_mode: str,
+    vllm_version: str | None,
+) -> tuple[tuple[str, ...], dict[str, FlagValue]] | None:
+    """The command line ``current`` with the drain's flags ``wanted`` set, and those whose
+    value it changes; None when it needs no change (it has them, and the unit's stop,
+    ``kill_mode``, reaches vLLM's API server alone) or cannot take one."""
+    try:
+        running = parse_command(current)
+        changes = {n: v for n, v in wanted.items() if running.value(n) != v}
+        # The flags alone do not drain where the unit's stop signals vLLM's engine too:
+        # the drop-in's KillMode=mixed (``stop_settings``) is then the change.
+        if not changes and kill_mode != "control-group":
+            return None
+        return tuple(apply_flags(current, wanted, vllm_version=vllm_version)), changes
+    except VllmCommandError:
+        # Not vLLM's command line, or one with its API key: plan() would refuse it, a
+        # restart need not.
+        return None
