@@ -53,9 +53,10 @@ from tests.sandbox import Sandbox
 from vkvagent import config, flags, replay, toml_schema
 from vkvagent.config import Config, ConfigError
 from vkvagent.dropin import argv_hash, quote_exec_arg, render_dropin
-from vkvagent.flags import CATALOGUE, FlagError, VllmCommandError
+from vkvagent.flags import CATALOGUE, FlagError
 from vkvagent.query_range import ReplayError, load_files
 from vkvagent.systemd import Systemd
+from vkvagent.vllm_command import VllmCommandError, apply_flags, parse_command
 from vkvagent.vllm_metrics import FLAVORS, WANTED, ExpositionError, Normaliser
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -449,13 +450,13 @@ def check_flags(wanted: dict[str, Any], version: str | None, argv: list[str]) ->
         assert exc.problems and all(one_line(p) for p in exc.problems), exc.problems
         return
     try:
-        out = flags.apply_flags(argv, typed, vllm_version=version)
+        out = apply_flags(argv, typed, vllm_version=version)
     except (VllmCommandError, ValueError) as exc:
         assert isinstance(exc, VllmCommandError), repr(exc)  # validated values always render
         assert one_line(str(exc)), repr(str(exc))
         return
-    after = flags.parse_command(out)
-    before = flags.parse_command(argv)
+    after = parse_command(out)
+    before = parse_command(argv)
     added = [t for t in out if t not in argv]
     for token in added:  # no value can add an argument or a unit directive
         assert set(token) <= SAFE_TOKEN, token
@@ -467,7 +468,7 @@ def check_flags(wanted: dict[str, Any], version: str | None, argv: list[str]) ->
         if name not in typed:
             assert after.value(name) == before.value(name), name
     assert (after.model, after.launcher) == (before.model, before.launcher)
-    assert flags.apply_flags(out, typed, vllm_version=version) == out, "not idempotent"
+    assert apply_flags(out, typed, vllm_version=version) == out, "not idempotent"
     if len(REWRITTEN) < 400:
         REWRITTEN.append(out)
 

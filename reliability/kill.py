@@ -3,7 +3,7 @@ systemd (tests/sandbox.py) with the simulator as vllm.service.
 
 Each trial picks a restart or a flag change (new random flags each time), and a way to die:
 ``VKVAGENT_KILL_AT=<step>`` (the actuator SIGKILLs itself as that step begins; every step of
-``actuator.STEPS`` that the action takes), or a SIGKILL from outside after a random delay,
+``steps.STEPS`` that the action takes), or a SIGKILL from outside after a random delay,
 which lands anywhere: while Python starts, mid-write of the drop-in, between ``RestartUnit``
 and its ledger record, while waiting for vLLM. Then the next ``vkvagent apply --now`` (the
 same config) runs ``recover()`` and finishes the job. Checked after every trial:
@@ -49,9 +49,9 @@ from tests.test_actuator import (
     vkvagent,
     write_config,
 )
-from vkvagent.actuator import STEPS
 from vkvagent.dropin import parse_dropin
 from vkvagent.ledger import FILE_NAME, Action
+from vkvagent.steps import STEPS
 
 VLLM = "vllm.service"
 # Not /etc/vkvagent and /var/lib/vkvagent: the sandbox's root is an overlay on the host's, where

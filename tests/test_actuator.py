@@ -35,9 +35,9 @@ from tests.sandbox import (
     sim_argv,
     sim_unit,
 )
-from vkvagent.actuator import STEPS
 from vkvagent.dropin import HEADER, parse_dropin, split_exec_start
 from vkvagent.ledger import FILE_NAME, Action, Ledger
+from vkvagent.steps import STEPS
 from vkvagent.systemd import Systemd, UnitState
 
 pytestmark = pytest.mark.systemd
@@ -713,15 +713,12 @@ def test_a_unit_that_drains_under_the_default_killmode_gets_killmode_mixed_first
 def test_a_stop_that_signals_the_engine_too_is_no_drain_of_vllms(tmp_path: Path) -> None:
     """KillMode=control-group with vLLM's engine in the unit's cgroup: systemd's SIGTERM
     reaches the engine, which fails what it runs, so --shutdown-timeout drains nothing."""
-    from vkvagent.actuator import Actuator
+    from vkvagent.drain import stop_reaches_the_engine
 
     group = "/system.slice/vllm.service"
     for pid in (42, 43):  # the API server (MainPID) and its engine core
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "cgroup").write_text(f"0::{group}\n")
-
-    class _Proc:
-        proc = tmp_path
 
     def state(kill_mode: str, main_pid: int = 42) -> UnitState:
         return UnitState(
@@ -730,17 +727,19 @@ def test_a_stop_that_signals_the_engine_too_is_no_drain_of_vllms(tmp_path: Path)
             kill_mode=kill_mode,
         )  # fmt: skip
 
-    reaches = Actuator._stop_reaches_the_engine
-    assert reaches(_Proc(), state("control-group"))  # type: ignore[arg-type]
-    assert not reaches(_Proc(), state("mixed"))  # type: ignore[arg-type]
+    def reaches(unit_state: UnitState) -> bool:
+        return stop_reaches_the_engine(unit_state, tmp_path)
+
+    assert reaches(state("control-group"))
+    assert not reaches(state("mixed"))
     (tmp_path / "43").rename(tmp_path / "44")  # the engine elsewhere: a container's scope
     (tmp_path / "44" / "cgroup").write_text("0::/machine.slice/libpod-1.scope\n")
-    assert not reaches(_Proc(), state("control-group"))  # type: ignore[arg-type]
+    assert not reaches(state("control-group"))
 
 
 class _Watched:
-    """What a stop's watch needs of the actuator: /metrics pages in turn (None: refused) and
-    a clock that moves one second a look."""
+    """What a stop's watch reads: /metrics pages in turn (None: refused) and a clock that
+    moves one second a look."""
 
     def __init__(self, *in_flight: float | None) -> None:
         self.pages = [None if n is None else metrics(num_requests_running=n) for n in in_flight]
@@ -773,14 +772,17 @@ def test_a_vllm_that_exits_before_its_shutdown_timeout_aborted_nothing(
 ) -> None:
     """vLLM exits early only once its drain is over; it aborts requests only at its
     --shutdown-timeout. A vLLM gone between two looks that saw requests in flight cut none."""
-    from vkvagent.actuator import _Stop
+    from vkvagent.drain import Stop
 
     before = UnitState(
         "vllm.service", "loaded", "active", "running", "success", 42, "ab" * 16, 0, 0, None,
         (), "/etc/systemd/system/vllm.service", (), 5, 10_000_000,
     )  # fmt: skip
     watched = _Watched(*pages)
-    stop = _Stop(watched, before, "vllm", None, shutdown=5)  # type: ignore[arg-type]
+    stop = Stop(
+        before, "vllm", None, shutdown=5, scrape=watched._scrape,  # type: ignore[arg-type]
+        clock=watched._clock, wall=watched._wall, progress=watched._progress,
+    )  # fmt: skip
     while watched.pages:
         stop.tick()
     costs = stop.costs(ready_at=watched.now + 10)

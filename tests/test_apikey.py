@@ -16,9 +16,9 @@ from tests.httpserver import Handler, HttpServer
 from vkvagent import apikey
 from vkvagent.apikey import ApiKey, KeyFileError
 from vkvagent.events import Events
-from vkvagent.flags import VllmCommandError, apply_flags
 from vkvagent.probe import Prober
 from vkvagent.vllm import ScrapeError, VllmClient
+from vkvagent.vllm_command import VllmCommandError, apply_flags
 
 KEY = "sk-test-5b0e1c7a9d"
 MASKED = apikey.MASK

@@ -26,15 +26,16 @@ from tests.conftest import metrics
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get
 from vkvagent import actions, config, controls, status, status_text
-from vkvagent.actuator import Costs, Outcome
 from vkvagent.cli import main
 from vkvagent.daemon import STATE_FILE, Daemon
 from vkvagent.demo import scaled_clock
+from vkvagent.drain import Costs
 from vkvagent.engine.samples import Sample, UnitFacts
 from vkvagent.events import Events
 from vkvagent.exporter import AgentMetrics
 from vkvagent.hooks import HookResult
 from vkvagent.ledger import Ledger
+from vkvagent.outcome import Outcome
 
 SCALE = 400.0
 

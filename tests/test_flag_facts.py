@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from tests import realvllm
-from vkvagent import flags
+from vkvagent import flags, vllm_command
 from vkvagent.sim import serve_args as sim_flags
 
-FACTS = flags.parser_facts()
+FACTS = vllm_command.parser_facts()
 RELEASE = flags.parse_version(realvllm.VERSION)
 OPTIONS: Mapping[str, Mapping[str, Any]] = FACTS[RELEASE]["options"]
 # How vLLM converts an integer flag's value: plain, or with suffixes (8k), or also "auto".
@@ -83,11 +83,11 @@ def test_the_command_line_reader_reads_each_option_as_vllm_does(name: str) -> No
         argv, value = ["vllm", "serve", "the-model", spelled, "a", "b"], "a b"
     else:
         argv, value = ["vllm", "serve", spelled, "a", "the-model"], "a"
-    command = flags.parse_command(argv)
+    command = vllm_command.parse_command(argv)
     assert command.model == ("a" if name == "model" else "the-model")
     assert command.raw(name) == value
     if option["negatable"]:
-        negated = flags.parse_command(["vllm", "serve", "--no-" + name, "the-model"])
+        negated = vllm_command.parse_command(["vllm", "serve", "--no-" + name, "the-model"])
         assert negated.model == "the-model"
 
 
@@ -134,10 +134,10 @@ def test_the_facts_are_what_the_installed_vllm_says() -> None:
     done = subprocess.run(
         [str(realvllm.PYTHON), "tools/vllm_flag_facts.py"],
         capture_output=True, text=True, timeout=300, check=False,
-        cwd=flags.FACTS_DIR.parent.parent,
+        cwd=vllm_command.FACTS_DIR.parent.parent,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    committed = flags.FACTS_DIR / f"{flags.FACTS_PREFIX}{realvllm.VERSION}.json"
+    committed = vllm_command.FACTS_DIR / f"{vllm_command.FACTS_PREFIX}{realvllm.VERSION}.json"
     assert done.stdout == committed.read_text()
 
 

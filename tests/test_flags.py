@@ -18,16 +18,14 @@ from vkvagent.flags import (
     CATALOGUE,
     FOREIGN,
     FlagError,
-    VllmCommandError,
-    apply_flags,
     canonical_name,
-    parse_command,
     parse_version,
     render_flag,
     render_value,
     validate,
 )
 from vkvagent.sim import serve_args as sim
+from vkvagent.vllm_command import VllmCommandError, apply_flags, parse_command
 
 LATEST = "0.18.0"
 

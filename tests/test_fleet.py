@@ -29,13 +29,13 @@ from tests.certificates import make_certificates
 from tests.httpserver import RawServer, free_port, read_request
 from tests.test_daemon import events_of, write_config
 from vkvagent import config, status, status_text
-from vkvagent.actuator import Outcome
 from vkvagent.cli import main
 from vkvagent.config import FleetConfig
 from vkvagent.daemon import Daemon
 from vkvagent.engine import Decision, EngineState
 from vkvagent.events import CATALOGUE
 from vkvagent.fleet import EtcdClient, Fleet, FleetError, Gate
+from vkvagent.outcome import Outcome
 from vkvagent.processes import stop_process
 
 pytestmark = pytest.mark.fleet

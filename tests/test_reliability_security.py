@@ -23,10 +23,11 @@ from vkvagent import config, flags
 from vkvagent.config import Config, ConfigError
 from vkvagent.dropin import argv_hash, render_dropin
 from vkvagent.exporter import AgentMetrics, Exporter
-from vkvagent.flags import CATALOGUE, FlagError, VllmCommandError
+from vkvagent.flags import CATALOGUE, FlagError
 from vkvagent.ledger import Ledger
 from vkvagent.processes import stop_process
 from vkvagent.systemd import Systemd
+from vkvagent.vllm_command import VllmCommandError, apply_flags
 
 PACKAGE = PROJECT / "vkvagent"
 INJECTIONS = [
@@ -107,12 +108,12 @@ def test_no_flag_takes_an_injection_as_its_value(value: str) -> None:
 
 def test_a_shell_command_line_is_not_rewritten() -> None:
     with pytest.raises(VllmCommandError, match="shell"):
-        flags.apply_flags(["/bin/sh", "-c", "vllm serve m"], {"max-num-seqs": 64})
+        apply_flags(["/bin/sh", "-c", "vllm serve m"], {"max-num-seqs": 64})
 
 
 def test_refusing_a_command_line_takes_one_line_whatever_it_holds() -> None:
     with pytest.raises(VllmCommandError) as raised:
-        flags.apply_flags(["/bin/true", "a\nExecStartPre=/bin/id", "\x1b[2J"], {})
+        apply_flags(["/bin/true", "a\nExecStartPre=/bin/id", "\x1b[2J"], {})
     assert "\n" not in str(raised.value) and "\x1b" not in str(raised.value)
     assert "a\\nExecStartPre=/bin/id" in str(raised.value)
 
@@ -129,7 +130,7 @@ def test_hostile_arguments_stay_arguments_as_systemd_reads_them() -> None:
     units: dict[str, list[str]] = {}
     for number, hostile in enumerate(i for i in INJECTIONS if "\0" not in i):
         base = [VLLM_BIN, "serve", "m", "--served-model-name", hostile, hostile]
-        units[f"inject{number}.service"] = flags.apply_flags(base, {"max-num-seqs": 64})
+        units[f"inject{number}.service"] = apply_flags(base, {"max-num-seqs": 64})
     with Sandbox(units={}, enable=[]) as box:
         system = box.root / "etc/systemd/system"
         for name, argv in units.items():

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from vkvagent import advice, config, fleet, status, status_text
-from vkvagent.actuator import Actuator, Outcome, Plan
+from vkvagent.actuator import Actuator, Plan
 from vkvagent.atomicfile import write_atomically
 from vkvagent.engine.policy import PolicySettings, window_state
 from vkvagent.events import Events
@@ -24,6 +24,7 @@ from vkvagent.exitcodes import CommandError, ExitCode, UsageError
 from vkvagent.flags import shown as flags_shown
 from vkvagent.gpu import reader_for
 from vkvagent.ledger import Ledger
+from vkvagent.outcome import Outcome
 from vkvagent.systemd import Systemd
 
 

@@ -1,70 +1,76 @@
 """The one path for every restart and flag change: preflight, drain, drop-in and reload,
 restart, wait until ready, attest, and roll back a flag change that broke or did not take.
 
-Each step is written to the ledger before and after it runs, so ``recover()`` can finish or
-undo whatever a crash interrupted: a drop-in written but not yet in effect is restored; a
-restart already requested is never requested twice.
+Each step is written to the ledger before and after it runs (``steps``), so ``recover()`` can
+finish or undo whatever a crash interrupted: a drop-in written but not yet in effect is
+restored; a restart already requested is never requested twice.
 
 Only one vkvagent acts on a unit at a time (``exclusive()``): a second one would take the
 first's open action for an interrupted one and undo it mid-way.
 
-``VKVAGENT_KILL_AT=<step>`` makes the process SIGKILL itself when that step begins: the fault
-injection the reliability tests use to prove the above. It does nothing unless set.
+The checks before it begins are ``preflight``'s; where the drop-in goes and what it says,
+``unit_dropin``'s; the drain, ``drain``'s; when vLLM serves again, ``restarted``'s; how the
+action ended, ``outcome``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import math
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vkvagent import apikey, container, unitlog
+from vkvagent import apikey, unit_command, unitlog
 from vkvagent import flags as vflags
-from vkvagent.atomicfile import write_atomically
-from vkvagent.cgroup import pids_in
 from vkvagent.config import Config
-from vkvagent.container import Container
-from vkvagent.dropin import (
-    DROPIN_NAME,
-    DropinFile,
-    ExecCommand,
-    ExecSyntaxError,
-    argv_hash,
-    expand_exec_env,
-    is_foreign_edit,
-    other_settings,
-    parse_dropin,
-    render_container_dropin,
-    render_dropin,
-    split_exec_start,
+from vkvagent.drain import (
+    DRAIN_FLAG,
+    STOP_MARGIN,
+    Costs,
+    Stop,
+    drain_change,
+    drains_for,
+    engine_stop_too_short,
+    may_drain_itself,
+    stop_reaches_the_engine,
+    wait_for_quiet,
 )
-from vkvagent.engine.gpu_faults import describe_xid
+from vkvagent.dropin import DropinFile, argv_hash, is_foreign_edit, other_settings
 from vkvagent.engine.samples import FlagValue, VllmMetrics
 from vkvagent.errors import VkvagentError
 from vkvagent.gpu import GpuReader
 from vkvagent.gpu_free import GpusBusy, Holder, clear_gpus, holders, is_gpu_memory_failure
-from vkvagent.hardening import QUADLET_DIR, SYSTEMD_DIR
 from vkvagent.hooks import HookResult, run_hook
 from vkvagent.ledger import Action, Ledger
+from vkvagent.outcome import Outcome
+from vkvagent.preflight import (
+    foreign_edit,
+    foreign_refusal,
+    gpu_fault_refusal,
+    start_limit_refusal,
+    unit_refusal,
+    write_refusal,
+)
+from vkvagent.restarted import NotReady, attest_refusal, wait_ready
+from vkvagent.steps import Step, first_index, last_restart, restart_note
 from vkvagent.systemd import TIMEOUT, Systemd, SystemdError, UnitState
+from vkvagent.unit_dropin import (
+    BaseFile,
+    UnitDropinError,
+    dropin_for,
+    is_quadlets,
+    quadlet_refusal,
+    render,
+    write_problem,
+)
 from vkvagent.vllm import ScrapeError, VllmClient
-
-STEPS = (
-    "preflight", "pre_stop", "drain", "write", "reload", "restart", "ready", "attest",
-    "post_ready",
-)  # fmt: skip
-# TimeoutStopSec= beyond vLLM's --shutdown-timeout: its teardown after the drain (the worker's
-# exit took 8 s on 0.32's CPU build), so that systemd's SIGKILL never cuts the drain short.
-STOP_MARGIN = 30
-DRAIN_FLAG = vflags.CATALOGUE["shutdown-timeout"]  # vLLM's own drain on SIGTERM
+from vkvagent.vllm_command import VllmCommandError, apply_flags, parse_command
 
 
 class ActuatorError(VkvagentError):
@@ -106,94 +112,6 @@ class Plan:
     changes: dict[str, FlagValue]  # the flags whose value the unit does not run yet
 
 
-@dataclass(frozen=True)
-class Costs:
-    """What a restart cost vLLM's clients, as /metrics showed it. ``drain_mode``: how the requests
-    in flight were let finish: ``vllm`` (its graceful shutdown), ``quiet`` (a wait for a quiet
-    moment), ``busy`` (no quiet moment came within drain_timeout: restarted anyway, as
-    when_busy = proceed says), ``none`` (cut off: an emergency, or --no-drain)."""
-
-    drain_mode: str
-    in_flight: float | None  # requests running + waiting when the stop was requested
-    aborted: float | None  # of those, cut off by the stop (None: vLLM did not say)
-    drain_seconds: float | None  # the stop until nothing was in flight (or vLLM went away)
-    down_seconds: float | None  # the stop until ready again: no new request was admitted
-    missed: float | None  # requests estimated to have arrived meanwhile (the run's mean rate)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            key: round(value, 3) if isinstance(value, float) else value
-            for key, value in self.__dict__.items()
-        }
-
-
-@dataclass(frozen=True)
-class Outcome:
-    action_id: int
-    result: str  # done | rolled-back | failed | aborted
-    message: str
-    seconds: float  # decision to ready (or to the end)
-    service_seconds: float | None  # restart job requested to service ready: vLLM's own start
-    flags: Mapping[str, FlagValue] = field(default_factory=dict)  # the flags it changed
-    vllm_error: str | None = None  # vLLM's own reason for not starting, from its journal
-    costs: Costs | None = None  # None: vLLM was never stopped
-    hooks: tuple[HookResult, ...] = ()  # pre_stop and post_ready, as they ran
-    freed: tuple[str, ...] = ()  # the run before's processes killed on the GPUs before a start
-    # vLLM failed for GPU memory that these processes held: not the flags' fault (kept).
-    gpus_held: str = ""
-
-    def events(self, unit: str, cause: str) -> list[tuple[str, str, dict[str, Any]]]:
-        """Every event this outcome reports, in order: its hooks' runs, then ``event``."""
-        return [hook.event(self.action_id) for hook in self.hooks] + [self.event(unit, cause)]
-
-    def event(self, unit: str, cause: str) -> tuple[str, str, dict[str, Any]]:
-        """The event that reports this outcome: (name, message, fields), for the daemon's
-        restarts and the operator's alike."""
-        fields: dict[str, Any] = {
-            "cause": cause,
-            "action": self.action_id,
-            "result": self.result,
-            "seconds": round(self.seconds, 3),
-            "service_seconds": self.service_seconds,
-        }
-        if self.flags:
-            fields["flags"] = vflags.rendered(self.flags)
-        if self.vllm_error is not None:
-            fields["vllm_error"] = self.vllm_error
-        if self.costs is not None:
-            fields.update(self.costs.to_json())
-        if self.freed:
-            fields["gpu_leftovers_killed"] = list(self.freed)
-        if self.gpus_held:
-            fields["gpus_held_by"] = self.gpus_held
-        if self.result == "done":
-            killed = f"; killed the run before's leftovers: {'; '.join(self.freed)}"
-            return (
-                "restart.completed",
-                f"restarted {unit} ({cause}) in {self.seconds:.1f} s"
-                + (killed if self.freed else ""),
-                fields,
-            )
-        if self.result == "rolled-back":
-            return "restart.rolled_back", self.message, fields
-        return "restart.failed", self.message, {**fields, "error": self.message}
-
-
-SYSTEMD_UNIT_DIR = Path(SYSTEMD_DIR)  # where the drop-in goes: /etc overrides /lib
-# Where a Quadlet `.container` file's drop-in goes: its generator reads NAME.container.d/ in
-# every directory it searches, and this is the administrator's.
-QUADLET_UNIT_DIR = Path(QUADLET_DIR)
-
-
-def dropin_for(unit: str, source_path: str, keep_dir: Path) -> DropinFile:
-    """vkvagent's drop-in for ``unit``: systemd's, or, for a unit Quadlet generates from the
-    ``.container`` file ``source_path``, that file's (a drop-in of the service would fight the
-    generator). Each keeps its earlier versions apart."""
-    if _is_quadlet(source_path):
-        return DropinFile(os.path.basename(source_path), QUADLET_UNIT_DIR, keep_dir / "quadlet")
-    return DropinFile(unit, SYSTEMD_UNIT_DIR, keep_dir)
-
-
 class Actuator:
     """Acts on one unit. ``probe`` reads vLLM; ``proc`` is the /proc of the unit's processes
     (the container's, in tests)."""
@@ -223,7 +141,7 @@ class Actuator:
         self._why_it_failed = why_it_failed
         self._vllm_version = vllm_version  # [vllm] version: when vLLM does not say its own
         self._state_dir = state_dir
-        self._base_file = state_dir / f"base-{unit}.json"
+        self._base_file = BaseFile(state_dir / f"base-{unit}.json")
         self._clock, self._wall, self._sleep, self._progress = clock, wall, sleep, progress
 
     @classmethod
@@ -244,7 +162,9 @@ class Actuator:
             systemd=systemd,
             ledger=ledger,
             dropin=dropin_for(
-                cfg.vllm.unit, _source_path(systemd, cfg.vllm.unit), state_dir / "dropins"
+                cfg.vllm.unit,
+                unit_command.source_path(systemd, cfg.vllm.unit),
+                state_dir / "dropins",
             ),
             probe=VllmClient.from_config(cfg.vllm),
             state_dir=state_dir,
@@ -279,7 +199,7 @@ class Actuator:
         drains = self.drain_flags(vllm_version, state)
         values = vflags.validate({**drains, **wanted}, vllm_version)
         try:
-            after = tuple(vflags.apply_flags(base, values, vllm_version=vllm_version))
+            after = tuple(apply_flags(base, values, vllm_version=vllm_version))
         except ValueError as exc:  # VllmCommandError: not a vllm serve command line
             said = str(exc)
             if said == apikey.ON_COMMAND_LINE and self._quadlet:
@@ -287,9 +207,9 @@ class Actuator:
             raise ActuatorError(f"{self.unit}: {said}") from None
         attestable = tuple(n for n in values if vflags.CATALOGUE[n].attest_label)
         try:
-            running = vflags.parse_command(current)
+            running = parse_command(current)
             changes = {n: v for n, v in values.items() if running.value(n) != v}
-        except vflags.VllmCommandError:
+        except VllmCommandError:
             changes = dict(values)
         return Plan(self.unit, current, after, values, attestable, after != current, changes)
 
@@ -311,7 +231,7 @@ class Actuator:
         the unit's ExecStop= would kill vLLM's container before that drain ends
         (``engine_stop_too_short``). [vllm.flags] may set it otherwise."""
         drain = math.ceil(self.settings.drain_timeout)
-        if not self._may_drain_itself(vllm_version):
+        if not may_drain_itself(self.settings.graceful_shutdown, vllm_version):
             return {}
         if engine_stop_too_short(state or self._unit(), drain):
             return {}
@@ -323,18 +243,11 @@ class Actuator:
         (vLLM down) is taken to have --shutdown-timeout, as `config check` takes it."""
         if not self.settings.graceful_shutdown:
             return ""
-        if vllm_version is not None and not self._may_drain_itself(vllm_version):
+        if vllm_version is not None and not may_drain_itself(
+            self.settings.graceful_shutdown, vllm_version
+        ):
             return ""
         return engine_stop_too_short(self._unit(), math.ceil(self.settings.drain_timeout))
-
-    def _may_drain_itself(self, vllm_version: str | None) -> bool:
-        """graceful_shutdown on, and a vLLM version known to have --shutdown-timeout."""
-        if not self.settings.graceful_shutdown or vllm_version is None:
-            return False
-        try:
-            return DRAIN_FLAG.available(vflags.parse_version(vllm_version))
-        except ValueError:
-            return False
 
     def drain_plan(self, vllm_version: str | None) -> Plan | None:
         """The change a plain restart carries so that vLLM drains by itself from then on: the
@@ -347,57 +260,23 @@ class Actuator:
         if self._quadlet_refusal(state):
             return None  # plan() says why it is not rewritten
         current = _argv(state)
-        try:
-            running = vflags.parse_command(current)
-            changes = {n: v for n, v in wanted.items() if running.value(n) != v}
-            # The flags alone do not drain where the unit's stop signals vLLM's engine too:
-            # the drop-in's KillMode=mixed (``_stop_settings``) is then the change.
-            if not changes and state.kill_mode != "control-group":
-                return None
-            after = tuple(vflags.apply_flags(current, wanted, vllm_version=vllm_version))
-        except vflags.VllmCommandError:
-            # Not vLLM's command line, or one with its API key: plan() would refuse it, a
-            # restart need not.
+        change = drain_change(current, wanted, state.kill_mode, vllm_version)
+        if change is None:
             return None
+        after, changes = change
         return Plan(self.unit, current, after, wanted, (), True, changes)
 
     @property
     def _quadlet(self) -> bool:
         """Whether this actuator writes a Quadlet ``.container``'s drop-in (``dropin_for``)."""
-        return self.dropin.path.parent.name.endswith(".container.d")
+        return is_quadlets(self.dropin)
 
     def _quadlet_refusal(self, state: UnitState) -> str:
-        """Why vkvagent cannot change the flags of a unit Quadlet generates; "" when it can,
-        through the ``.container`` file's drop-in (podman 4.8 and later), or the unit is not
-        Quadlet's."""
-        quadlet = _is_quadlet(state.source_path)
-        if quadlet != self._quadlet:
-            whose = "the .container file's" if quadlet else "the unit's"
-            return (
-                f"{'now' if quadlet else 'no longer'} generated by Quadlet, since vkvagent read "
-                f"it: reload or restart vkvagent so that it writes {whose} drop-in"
-            )
-        if not quadlet:
-            return ""
-        service = SYSTEMD_UNIT_DIR / f"{self.unit}.d" / DROPIN_NAME
-        if service.exists():  # from before the move to Quadlet: it overrides the generator
-            return (
-                f"{service}, written before the unit was Quadlet's, overrides what Quadlet "
-                "generates: remove it and run systemctl daemon-reload"
-            )
-        version = container.quadlet_version(_argv(state))
+        """``quadlet_refusal``: why vkvagent cannot change this unit's flags; "" when it can."""
         try:
-            old = version is not None and vflags.parse_version(version) < container.QUADLET_DROPINS
-        except ValueError:
-            old = False
-        if not old:
-            return ""
-        return (
-            f"generated by Quadlet from {state.source_path}, whose drop-ins podman {version} "
-            "does not read (Quadlet does from podman 4.8): vkvagent changes no flags here (it "
-            "watches and restarts the unit as ever); edit Exec= there and run systemctl "
-            "daemon-reload"
-        )
+            return quadlet_refusal(self.unit, state, self._quadlet)
+        except UnitDropinError as exc:
+            raise ActuatorError(str(exc)) from None
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -464,7 +343,7 @@ class Actuator:
             "apply" if change else "restart", reason, self._wall(), detail, mono=started
         )
         ran: list[HookResult] = []
-        stop: _Stop | None = None
+        stop: Stop | None = None
         freed: tuple[Holder, ...] = ()
         try:
             with self._step(action, "preflight"):
@@ -492,7 +371,10 @@ class Actuator:
                             "after the reload systemd shows another command "
                             "line: another drop-in overrides vkvagent's"
                         )
-            stop = _Stop(self, before, how, waited, shutdown)
+            stop = Stop(
+                before, how, waited, shutdown, scrape=self._scrape, clock=self._clock,
+                wall=self._wall, progress=self._progress,
+            )  # fmt: skip
             self._restart_step(action, before, stop)
             with self._step(action, "ready"):
                 after = self._wait_ready(before.invocation_id)
@@ -525,7 +407,7 @@ class Actuator:
             raise ActuatorError("nothing to roll back: vkvagent has not changed this unit")
         text = self.dropin.read()
         if text is not None and is_foreign_edit(text):  # someone's edit is not for us to drop
-            raise ActuatorError(_foreign(self.dropin.path))
+            raise ActuatorError(foreign_edit(self.dropin.path))
 
     def rollback(self, reason: str) -> Outcome:
         """Undo vkvagent's last change to the drop-in (one level; again goes one further),
@@ -576,7 +458,7 @@ class Actuator:
         change = "intended" in detail
         previous = detail.get("previous_dropin")
         if action.reached("restore"):  # undoing a failed change was under way: finish it
-            undo_from = _index(action, "restore")
+            undo_from = first_index(action, "restore")
             restart = any(s.step == "restart" for s in action.steps[:undo_from])
             self._finish_restore(action, previous, restart=restart)
             return "rolled-back", "interrupted rollback of a failed flag change completed"
@@ -586,7 +468,7 @@ class Actuator:
             # systemd has it: never request it again. Wait for it; prove a flag change.
             try:
                 with self._step(action.id, "ready"):
-                    metrics = self._wait_ready(_restart_note(action))
+                    metrics = self._wait_ready(restart_note(action))
                 if change:
                     with self._step(action.id, "attest"):
                         self._attest(tuple(detail["intended"]), detail["flags"], metrics)
@@ -606,7 +488,7 @@ class Actuator:
 
     def _finish_restore(self, action: Action, text: str | None, *, restart: bool) -> None:
         """Complete an undo that an interruption cut short, from where it was."""
-        undo_from = _index(action, "restore")
+        undo_from = first_index(action, "restore")
         if undo_from is None or not action.finished("restore"):
             with self._step(action.id, "restore"):
                 self._put_back(text)
@@ -614,7 +496,7 @@ class Actuator:
             return
         if self._restart_requested(action, undo_from or 0):
             with self._step(action.id, "ready"):
-                self._wait_ready(_restart_note(action))
+                self._wait_ready(restart_note(action))
         else:
             before = self._unit()
             self._restart_step(action.id, before)
@@ -641,85 +523,37 @@ class Actuator:
         if apikey.spelled_out(current):  # the drop-in would say <redacted>
             said = apikey.ON_QUADLET_LINE if self._quadlet else apikey.ON_COMMAND_LINE
             raise ActuatorError(f"{self.unit}: {said}")
-        own = _own(state)
+        own = unit_command.own(state)
         self._save_base(current, own=own)
         if text is not None:  # re-sign it, so it is vkvagent's again
             try:
                 self.dropin.write(
-                    self._render(current, state, argv_hash(own or current)),
+                    self._render(current, argv_hash(own or current)),
                     keep=False,  # the same command line: nothing for a rollback to go back to
                 )
             except OSError as exc:
-                raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
+                raise ActuatorError(write_problem(self.dropin.path, exc)) from None
             self._reload()
         return Plan(self.unit, current, current, {}, (), False, {})
 
     # -- steps ------------------------------------------------------------------------------
 
     def _preflight(self, change: bool, down: bool = False) -> UnitState:
+        """The unit as it is, when nothing in ``preflight`` refuses the action."""
         state = self._unit()
-        if state.load_state != "loaded":
-            raise ActuatorError(f"{self.unit} is {state.load_state}")
-        if down and state.active_state in ("inactive", "failed"):
-            pass  # started below: the point of the action
-        elif state.active_state != "active":
-            raise ActuatorError(
-                f"{self.unit} is {state.active_state} ({state.sub_state}); "
-                "systemd's Restart= handles a unit that is down"
-            )
-        if len(state.exec_start) != 1:
-            raise ActuatorError(
-                f"{self.unit} has {len(state.exec_start)} ExecStart= commands; vkvagent manages "
-                "units that run one"
-            )
+        _refuse(unit_refusal(self.unit, state, down))
         if change:
             refusal = self._quadlet_refusal(state)
-            if refusal:
-                raise ActuatorError(f"{self.unit}: {refusal}")
-            self._check_access()
+            _refuse(f"{self.unit}: {refusal}" if refusal else "")
+            _refuse(write_refusal(self.dropin.path, self.unit))
         self._check_gpus()
         self._check_foreign(state)
         self._check_start_limit(state, 2 if change else 1)
         return state
 
-    def _check_access(self) -> None:
-        """Before anything is drained or written: can this process write the drop-in?"""
-        directory = self.dropin.path.parent
-        while not directory.exists() and directory != directory.parent:
-            directory = directory.parent
-        targets = [directory] + ([self.dropin.path] if self.dropin.path.exists() else [])
-        for target in targets:
-            if not os.access(target, os.W_OK):
-                raise ActuatorError(
-                    f"access denied: cannot write {self.dropin.path} "
-                    f"(changing {self.unit}'s flags needs root)"
-                )
-
     def _check_gpus(self) -> None:
-        """A GPU with uncorrectable memory errors or a hardware or driver XID within the
-        reader's fault window needs a reset or a person; a restart would only bring vLLM back
-        onto the faulty device. An application XID is what a restart fixes: no refusal. The
-        XIDs come from the reader's log, so the sampler still sees them (and vice versa)."""
-        if self._gpus is None:
-            return
-        readings, _problem = self._gpus.read(consume_xids=False)
-        found: dict[int, list[str]] = {}
-        for event in self._gpus.faults():
-            found.setdefault(event.index, []).append(describe_xid(event.xid))
-        for gpu in readings:
-            if (gpu.ecc_uncorrected_volatile or 0) > 0:
-                found.setdefault(gpu.index, []).append(
-                    f"{gpu.ecc_uncorrected_volatile} uncorrectable ECC errors"
-                )
-        if found:
-            index = min(found, key=lambda i: (i < 0, i))
-            uuid = next((gpu.uuid for gpu in readings if gpu.index == index), "")
-            name = f"GPU {index}" if index >= 0 else "a GPU that NVML did not name"
-            raise ActuatorError(
-                f"{name}{f' ({uuid})' if uuid else ''} reports "
-                f"{', '.join(dict.fromkeys(found[index]))}: a restart cannot fix a GPU fault; "
-                "it needs a GPU reset or a person"
-            )
+        """ActuatorError on a GPU fault a restart cannot fix (``gpu_fault_refusal``)."""
+        _refuse(gpu_fault_refusal(self._gpus) if self._gpus is not None else "")
 
     def _free_gpus(self, before: UnitState) -> tuple[Holder, ...]:
         """No process of the run before on the GPUs (``gpu_free``): the unit's leftovers
@@ -744,77 +578,33 @@ class Actuator:
         return "; ".join(str(h) for h in holders(listed, self.unit, self.proc))
 
     def _check_foreign(self, state: UnitState) -> None:
-        text = self.dropin.read()
-        if text is not None and is_foreign_edit(text):
-            raise ActuatorError(_foreign(self.dropin.path))
-        base = self._stored_base()
-        if base is not None and text is not None:
-            own = _own(state)
-            if own is not None and argv_hash(own) != base["own_hash"]:
-                raise ActuatorError(
-                    f"{state.source_path if self._quadlet else state.fragment_path} changed "
-                    "since vkvagent derived its command line (run `vkvagent adopt`)"
-                )
+        """ActuatorError when the drop-in is no longer vkvagent's to rewrite."""
+        text, base = self.dropin.read(), self._base_file.load()
+        _refuse(foreign_refusal(state, text, self.dropin.path, base, self._quadlet))
 
     def _check_start_limit(self, state: UnitState, need: int) -> None:
-        """Refuse when ``need`` more starts (two for a flag change: its own and a rollback's)
-        could exceed the unit's start limit, which would leave it failed (start-limit-hit).
-
-        systemd does not publish its count, so it is estimated: every restart vkvagent began
-        within StartLimitIntervalSec, the start of the process the first of them replaced, and
-        the running process's start when it is not one of vkvagent's. Other starts by others
-        (systemctl, Restart=) before the running one are not seen."""
-        if state.start_limit_burst <= 0 or state.start_limit_interval_usec <= 0:
-            return
-        window = state.start_limit_interval_usec / 1e6
-        since = self._wall() - window
-        ours: list[tuple[float, float]] = []  # (begun, ended) of each restart step
-        for action in self.ledger.since(since):
-            if action.outcome == "aborted":  # nothing reached systemd (a refused job included)
-                continue
-            begun: float | None = None
-            for step in action.steps:
-                if step.step != "restart":
-                    continue
-                if step.state == "begin":
-                    begun = step.at
-                    if begun >= since:
-                        ours.append((begun, begun + self.settings.job_timeout))
-                elif begun is not None and begun >= since:
-                    ours[-1] = (begun, step.at)
-        running = state.exec_main_start_timestamp / 1e6
-        own_start = any(begun - 1 <= running <= ended + 1 for begun, ended in ours)
-        others = (1 if ours else 0) + (1 if running >= since and not own_start else 0)
-        starts = len(ours) + others
-        if starts + need > state.start_limit_burst:
-            raise ActuatorError(
-                f"{self.unit} was started about {starts} times in the last {window:g} s; "
-                f"{need} more (a {'flag change and its rollback' if need > 1 else 'restart'}) "
-                f"could exceed its StartLimitBurst={state.start_limit_burst} "
-                f"(StartLimitIntervalSec={window:g}) and leave it failed: try again later"
+        """ActuatorError when ``need`` more starts could exceed the unit's start limit
+        (``start_limit_refusal``)."""
+        _refuse(
+            start_limit_refusal(
+                self.unit, state, need, self.ledger, self._wall(), self.settings.job_timeout
             )
+        )
 
     def _drain(self) -> bool:
-        """Wait for a quiet moment (at most drain_max_in_flight requests in flight), for a vLLM
-        that cannot drain by itself. Past drain_timeout, go on (False) or give up as when_busy
-        says."""
-        deadline = self._clock() + self.settings.drain_timeout
-        while True:
-            metrics = self._scrape()
-            in_flight = _in_flight(metrics)
-            if in_flight is None or in_flight <= self.settings.drain_max_in_flight:
-                return True
-            if self._clock() >= deadline:
-                busy = (
-                    f"still {in_flight:.0f} requests in flight after "
-                    f"{self.settings.drain_timeout:g} s"
-                )
-                if self.settings.when_busy == "give-up":
-                    raise ActuatorError(f"{busy} (when_busy = give-up; --no-drain restarts now)")
-                self._progress(f"{busy}: restarting anyway (when_busy = proceed)")
-                return False
-            self._progress(f"draining: {in_flight:.0f} requests in flight")
-            self._sleep(self.settings.poll_interval)
+        """Wait for a quiet moment (``wait_for_quiet``), for a vLLM that cannot drain by
+        itself. Past drain_timeout, go on (False) or give up as when_busy says."""
+        s = self.settings
+        busy = wait_for_quiet(
+            s.drain_max_in_flight, s.drain_timeout, s.poll_interval, scrape=self._scrape,
+            clock=self._clock, sleep=self._sleep, progress=self._progress,
+        )  # fmt: skip
+        if not busy:
+            return True
+        if s.when_busy == "give-up":
+            raise ActuatorError(f"{busy} (when_busy = give-up; --no-drain restarts now)")
+        self._progress(f"{busy}: restarting anyway (when_busy = proceed)")
+        return False
 
     def _hook(self, name: str, action: int, cause: str, ran: list[HookResult]) -> None:
         """Run the pre_stop or post_ready hook and add it to ``ran``; ActuatorError when it
@@ -844,28 +634,19 @@ class Actuator:
     def _shutdown_timeout(self, state: UnitState) -> int:
         """The running vLLM's --shutdown-timeout (the process's own command line, else the
         unit's): seconds it drains after SIGTERM; 0 when it aborts or is not running."""
-        if state.active_state != "active" or self._stop_reaches_the_engine(state):
+        if state.active_state != "active" or stop_reaches_the_engine(state, self.proc):
             return 0
-        seconds = _drains_for(_cmdline(self.proc, state.main_pid) or _argv(state))
+        seconds = drains_for(unit_command.cmdline(self.proc, state.main_pid) or _argv(state))
         # Cut short by the engine's stop: a wait for a quiet moment drains instead.
         return 0 if engine_stop_too_short(state, seconds) else seconds
 
-    def _stop_reaches_the_engine(self, state: UnitState) -> bool:
-        """Whether systemd's stop sends its SIGTERM to vLLM's engine core and workers as well
-        as to the API server (KillMode=control-group, with more processes in the unit's cgroup
-        than its main one): they then fail the requests in flight at once instead of draining
-        them (measured on 0.32, docs/operations.md), so the drain is a quiet moment's."""
-        if state.kill_mode != "control-group":
-            return False
-        return any(pid != state.main_pid for pid in pids_in(state.control_group, self.proc))
-
     def _write(self, argv: tuple[str, ...], state: UnitState) -> None:
-        if self._stored_base() is None or self.dropin.read() is None:
+        if self._base_file.load() is None or self.dropin.read() is None:
             # No drop-in of vkvagent's: the unit's command line as it is now is the base.
-            self._save_base(_argv(state), own=_own(state))
-        base = self._stored_base()
+            self._save_base(_argv(state), own=unit_command.own(state))
+        base = self._base_file.load()
         assert base is not None
-        own = _fragment_command(state)
+        own = unit_command.fragment_command(state)
         # The unit's own prefix ("-", ":", "+", "@"...) and program path stay as they were; with
         # ":" systemd expands no variables, so "$" must not be doubled either.
         prefix = (
@@ -873,38 +654,25 @@ class Actuator:
         )
         path = own.path if own is not None else None
         try:
-            self.dropin.write(self._render(argv, state, base["own_hash"], path=path, prefix=prefix))
+            self.dropin.write(self._render(argv, base["own_hash"], path=path, prefix=prefix))
         except OSError as exc:
-            raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
+            raise ActuatorError(write_problem(self.dropin.path, exc)) from None
 
     def _render(
         self,
         argv: tuple[str, ...],
-        state: UnitState,
         source_hash: str,
         *,
         path: str | None = None,
         prefix: str = "",
     ) -> str:
-        """The drop-in that makes the unit run ``argv`` (in unit form, hence no ``$$``); for a
-        unit Quadlet generates, its ``.container``'s, with vLLM's arguments after the image
-        (the engine's part is the generator's, and ``plan`` keeps it as it is)."""
-        stop = _stop_settings(argv)
-        if self._quadlet:
-            run = container.find(argv)
-            if run is None:
-                raise ActuatorError(f"{self.unit}: Quadlet's command line runs no podman")
-            try:
-                return render_container_dropin(
-                    self.unit, argv[run.image + 1 :], source_hash=source_hash,
-                    escape_dollar=False, stop=stop,
-                )  # fmt: skip
-            except ValueError as exc:
-                raise ActuatorError(f"{self.unit}: {exc}") from None
-        return render_dropin(
-            self.unit, argv, source_hash=source_hash, path=path, prefix=prefix,
-            escape_dollar=False, stop=stop,
-        )  # fmt: skip
+        """The drop-in that makes the unit run ``argv`` (``unit_dropin.render``)."""
+        try:
+            return render(
+                self.unit, argv, source_hash, quadlet=self._quadlet, path=path, prefix=prefix
+            )
+        except UnitDropinError as exc:
+            raise ActuatorError(str(exc)) from None
 
     def _reload(self) -> None:
         try:
@@ -912,7 +680,7 @@ class Actuator:
         except SystemdError as exc:
             raise ActuatorError(str(exc)) from None
 
-    def _restart_step(self, action: int, before: UnitState, stop: _Stop | None = None) -> None:
+    def _restart_step(self, action: int, before: UnitState, stop: Stop | None = None) -> None:
         # The note is the invocation being replaced: recover() compares it with the unit's to
         # tell a restart systemd received from one that was only about to be requested.
         with self._step(action, "restart", note=before.invocation_id):
@@ -927,7 +695,7 @@ class Actuator:
         except SystemdError as exc:
             raise _JobRefused(str(exc)) from None
 
-    def _restart_job(self, stop: _Stop | None = None, start: bool = False) -> None:
+    def _restart_job(self, stop: Stop | None = None, start: bool = False) -> None:
         timeout, tick = self.settings.job_timeout, None
         if stop is not None and stop.drain == "vllm":  # systemd's stop is vLLM's drain
             timeout, tick = timeout + stop.shutdown + STOP_MARGIN, stop.tick
@@ -946,102 +714,31 @@ class Actuator:
 
     def _restart_requested(self, action: Action, start: int) -> bool:
         """Whether the last restart step begun at or after ``start`` reached systemd."""
-        begun = [
-            i
-            for i, s in enumerate(action.steps)
-            if i >= start and s.step == "restart" and s.state == "begin"
-        ]
-        if not begun:
+        last = last_restart(action, start)
+        if last is None:
             return False
-        note = action.steps[begun[-1]].note
-        if any(s.step == "restart" and s.state == "done" for s in action.steps[begun[-1] :]):
+        note, done = last
+        if done:
             return True
         state = self._unit()
         return not note or state.invocation_id != note or state.active_state != "active"
 
     def _wait_ready(self, replaced: str | None) -> VllmMetrics:
-        """Until /metrics answers from a process newer than invocation ``replaced`` (None: any)
-        and, with traffic, tokens advance."""
-        deadline = self._clock() + self.settings.ready_timeout
-        last: VllmMetrics | None = None
-        problem = "not started"
-        while self._clock() < deadline:
-            state = self._unit()
-            if state.active_state == "failed" or (
-                state.active_state == "inactive" and state.sub_state == "dead"
-            ):
-                raise ActuatorError(
-                    f"{self.unit} {state.active_state} ({state.sub_state}, {state.result}) "
-                    "after the restart"
-                )
-            # The new process died and Restart= starts it again (NRestarts counts those since
-            # the last start that was asked for): waiting on would only spend the start limit
-            # a rollback needs.
-            if state.sub_state == "auto-restart" or (replaced is not None and state.n_restarts):
-                raise ActuatorError(
-                    f"{self.unit} exited and Restart= is starting it again ({state.result})"
-                )
-            fresh = replaced is None or state.invocation_id != replaced
-            if fresh and state.active_state == "active":
-                try:
-                    metrics = self.probe.scrape()
-                except ScrapeError as exc:
-                    problem = str(exc)
-                else:
-                    busy = (metrics.num_requests_running or 0) > 0
-                    if not busy or (last is not None and _advanced(last, metrics)):
-                        return metrics
-                    last, problem = metrics, "requests running, tokens not advancing yet"
-            self._progress(f"waiting for {self.unit}: {problem}")
-            self._sleep(self.settings.poll_interval)
-        raise ActuatorError(
-            f"{self.unit} not ready within {self.settings.ready_timeout:g} s: {problem}"
-        )
+        """Until vLLM serves from a process newer than invocation ``replaced`` (None: any):
+        ``wait_ready``."""
+        try:
+            return wait_ready(
+                self.unit, replaced, read_unit=self._unit, scrape=self.probe.scrape,
+                timeout=self.settings.ready_timeout, poll_interval=self.settings.poll_interval,
+                clock=self._clock, sleep=self._sleep, progress=self._progress,
+            )  # fmt: skip
+        except NotReady as exc:
+            raise ActuatorError(str(exc)) from None
 
     def _attest(
-        self,
-        argv: tuple[str, ...],
-        flags: Mapping[str, FlagValue],
-        metrics: VllmMetrics,
+        self, argv: tuple[str, ...], flags: Mapping[str, FlagValue], metrics: VllmMetrics
     ) -> None:
-        state = self._unit()
-        running, argv = self._vllms_command(state, argv)
-        environ = _environ(self.proc, state.main_pid)
-        if running is not None and not _same_command(running, argv, environ):
-            raise ActuatorError(
-                f"the running process's command line is not the one written: "
-                f"{' '.join(running)[:200]}"
-            )
-        for name, value in flags.items():
-            spec = vflags.CATALOGUE[name]
-            if spec.attested(value, metrics.cache_config) is False:
-                raise ActuatorError(
-                    f"--{name} is not in effect: cache_config_info shows "
-                    f"{spec.attest_label}={metrics.cache_config.get(spec.attest_label or '')}"
-                )
-
-    def _vllms_command(
-        self, state: UnitState, argv: tuple[str, ...]
-    ) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
-        """vLLM's own command line as it runs, and the part of ``argv`` it must equal. In a
-        container MainPID is the engine, whose argv is the unit's whatever vLLM received: the
-        process that proves the flags is vLLM's in the container, found in the unit's cgroup
-        (podman with --cgroups=split or disabled, Quadlet) or through the engine by the
-        container's name (Docker); its arguments are compared with those after the image.
-        (None, argv) when it cannot be found: cache_config_info alone proves the flags."""
-        written = vflags.parse_command(argv)
-        engine = written.container
-        if engine is None:
-            return _cmdline(self.proc, state.main_pid), argv
-        for pid in _container_pids(state, engine, argv, self.proc):
-            running = _cmdline(self.proc, pid) or ()
-            try:
-                inside = vflags.parse_command(running)
-            except vflags.VllmCommandError:
-                continue
-            if inside.container is None:  # vLLM itself, not the engine's copy of the line
-                return running[inside.args_start :], argv[written.args_start :]
-        return None, argv
+        _refuse(attest_refusal(self._unit(), argv, flags, metrics, self.proc))
 
     def _restore(self, action: int, previous: str | None, *, restart: bool) -> None:
         with self._step(action, "restore"):
@@ -1056,7 +753,7 @@ class Actuator:
         try:
             self.dropin.restore(previous)
         except OSError as exc:
-            raise ActuatorError(_write_problem(self.dropin.path, exc)) from None
+            raise ActuatorError(write_problem(self.dropin.path, exc)) from None
         self._reload()
 
     def _finish(
@@ -1154,23 +851,8 @@ class Actuator:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    class _StepContext:
-        def __init__(self, actuator: Actuator, action: int, step: str, note: str) -> None:
-            self.actuator, self.action, self.step, self.note = actuator, action, step, note
-
-        def __enter__(self) -> None:
-            a = self.actuator
-            a.ledger.step(self.action, self.step, "begin", a._wall(), self.note)
-            if os.environ.get("VKVAGENT_KILL_AT") == self.step:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        def __exit__(self, kind: object, exc: object, _tb: object) -> None:
-            a = self.actuator
-            state = "done" if kind is None else "failed"
-            a.ledger.step(self.action, self.step, state, a._wall(), "" if exc is None else str(exc))
-
-    def _step(self, action: int, step: str, note: str = "") -> Actuator._StepContext:
-        return Actuator._StepContext(self, action, step, note)
+    def _step(self, action: int, step: str, note: str = "") -> Step:
+        return Step(self.ledger, action, step, note, self._wall)
 
     def _unit(self) -> UnitState:
         try:
@@ -1188,279 +870,29 @@ class Actuator:
         """The command line flags are applied to: the one vkvagent derived its drop-in from
         while that drop-in is in place, else the unit's as it is now (the unit file may have
         been edited since a rollback removed the drop-in)."""
-        stored = self._stored_base()
+        stored = self._base_file.load()
         if stored is None or self.dropin.read() is None:
             return _argv(state)
         return tuple(stored["argv"])
 
-    def _stored_base(self) -> dict[str, Any] | None:
-        try:
-            loaded: dict[str, Any] = json.loads(self._base_file.read_text(encoding="utf-8"))
-            return loaded
-        except (OSError, ValueError):
-            return None
-
     def _save_base(self, argv: tuple[str, ...], own: tuple[str, ...] | None = None) -> None:
-        record = {"argv": list(argv), "own_hash": argv_hash(own or argv)}
         try:
-            write_atomically(self._base_file, json.dumps(record), 0o640)
+            self._base_file.save(argv, own)
         except OSError as exc:
-            raise ActuatorError(_write_problem(self._base_file, exc)) from None
-
-
-class _Stop:
-    """One stop of vLLM, watched through /metrics from just before the restart job: the
-    requests in flight when it was asked for, how long vLLM's own drain took (``drain``
-    "vllm", its ``shutdown`` timeout), and what was cut off (``Costs``). ``waited``: the
-    quiet-moment wait before it, if any."""
-
-    def __init__(
-        self, actuator: Actuator, before: UnitState, drain: str, waited: float | None, shutdown: int
-    ) -> None:
-        self.actuator, self.drain, self.waited, self.shutdown = actuator, drain, waited, shutdown
-        metrics = actuator._scrape()
-        self.in_flight = _in_flight(metrics)
-        self.busy = self.in_flight or 0.0  # the last non-zero count seen
-        self.rate: float | None = None  # the run's mean requests/s until the stop
-        start = before.exec_main_start_timestamp / 1e6
-        if metrics is not None and metrics.request_success_total is not None and start:
-            uptime = actuator._wall() - start
-            self.rate = metrics.request_success_total / uptime if uptime >= 60 else None
-        self.drained_at: float | None = None  # when none were left in flight
-        self.gone_at: float | None = None  # when vLLM stopped answering
-        self.stopped_at: float | None = None  # when systemd's job (stop and start) ended
-        self.requested = actuator._clock()  # the restart job is asked for now
-
-    def tick(self) -> None:
-        """While systemd stops a vLLM that drains: watch the requests in flight fall."""
-        a = self.actuator
-        if self.gone_at is not None:
-            return
-        metrics = a._scrape()
-        now = a._clock()
-        if metrics is None:
-            self.gone_at = now
-            return
-        left = _in_flight(metrics) or 0.0
-        if left:
-            self.busy = left
-            a._progress(
-                f"stopping: vLLM finishing {left:.0f} requests in flight "
-                f"({now - self.requested:.0f} s of at most {self.shutdown} s)"
-            )
-        elif self.drained_at is None:
-            self.drained_at = now
-
-    def costs(self, ready_at: float | None) -> Costs:
-        drained: float | None = self.waited
-        aborted: float | None = self.in_flight  # stopped without a drain: all of them
-        if self.drain == "vllm":
-            # None left in flight; vLLM went away (it exits once its drain is over, so it may
-            # go between two looks that saw requests in flight); or it was gone before a
-            # first look.
-            ends = (self.drained_at, self.gone_at, self.stopped_at)
-            end = next((t for t in ends if t is not None), None)
-            drained = None if end is None else end - self.requested
-            # vLLM aborts what is left only at its --shutdown-timeout.
-            aborted = self.busy if drained is not None and drained >= self.shutdown else 0.0
-        down = None if ready_at is None else ready_at - self.requested
-        missed = None if self.rate is None or down is None else self.rate * down
-        return Costs(self.drain, self.in_flight, aborted, drained, down, missed)
+            raise ActuatorError(write_problem(self._base_file.path, exc)) from None
 
 
 def _with(plan: Plan) -> str:
     return " with the new flags" if plan.changes else " with systemd's stop settings for the drain"
 
 
-def _drains_for(argv: tuple[str, ...]) -> int:
-    """The seconds ``argv``'s vLLM drains after SIGTERM (its --shutdown-timeout); 0: none."""
-    try:
-        value = vflags.parse_command(argv).value("shutdown-timeout")
-    except vflags.VllmCommandError:
-        return 0
-    return value if isinstance(value, int) and value > 0 else 0
-
-
-def engine_stop_too_short(state: UnitState, drain: int) -> str:
-    """Why a drain of ``drain`` seconds through vLLM's --shutdown-timeout cannot happen in
-    this unit: its ExecStop= stops vLLM's container through the engine, which kills it sooner
-    than the drain and vLLM's teardown (STOP_MARGIN) take. The operator's ExecStop= stands:
-    vkvagent then drains by waiting for a quiet moment before the stop. "" when it fits, or
-    when the unit runs no container or stops none through an engine."""
-    try:
-        run = container.find(_argv(state))
-    except (ActuatorError, container.ContainerError):
-        return ""
-    if run is None or not drain:
-        return ""
-    grace, need = container.stop_grace(run, state.exec_stop), drain + STOP_MARGIN
-    if grace is None or grace[0] >= need:
-        return ""
-    if " rm " not in f" {grace[1]} ":
-        fix = f"give the engine's stop -t {need} or more"
-    elif run.engine == "podman":  # Quadlet's rm -f: stopped after the run's timeout
-        fix = f"run the container with --stop-timeout {need} or more (Quadlet: PodmanArgs=)"
-    else:
-        fix = f"stop the container with `{run.engine} stop -t {need}` first"
-    return (
-        f"ExecStop= `{grace[1]}` kills vLLM's container {grace[0]} s after its stop signal, "
-        f"before a drain of {drain} s and vLLM's teardown end: vkvagent drains by waiting for "
-        f"a quiet moment before the stop instead; {fix} to let vLLM drain itself"
-    )
-
-
-def _stop_settings(argv: tuple[str, ...]) -> dict[str, str]:
-    """How systemd must stop a command line whose vLLM drains on SIGTERM: wait the drain out
-    (TimeoutStopSec=), and signal the API server alone (KillMode=mixed). A SIGTERM of their own
-    kills the engine and its workers at once, failing the requests in flight (measured on 0.32);
-    from the API server they get the drain."""
-    seconds = _drains_for(argv)
-    return {"TimeoutStopSec": str(seconds + STOP_MARGIN), "KillMode": "mixed"} if seconds else {}
-
-
-def _index(action: Action, step: str) -> int | None:
-    """Where ``step`` was first begun in ``action``'s steps."""
-    return next((i for i, s in enumerate(action.steps) if s.step == step), None)
-
-
-def _restart_note(action: Action) -> str | None:
-    """The invocation the last restart step replaced (its note), None if unrecorded."""
-    notes = [s.note for s in action.steps if s.step == "restart" and s.state == "begin"]
-    return notes[-1] if notes and notes[-1] else None
-
-
-def _foreign(path: Path) -> str:
-    return (
-        f"{path} was edited by someone else; vkvagent will not overwrite it "
-        "(run `vkvagent adopt` to take it over)"
-    )
-
-
-def _write_problem(path: Path, exc: OSError) -> str:
-    reason = exc.strerror or str(exc)
-    if isinstance(exc, PermissionError):
-        return f"access denied: cannot write {path}: {reason}"
-    return f"cannot write {path}: {reason}"
+def _refuse(refusal: str) -> None:
+    """Raise a check's refusal (``preflight``) as ActuatorError; nothing when it is ""."""
+    if refusal:
+        raise ActuatorError(refusal)
 
 
 def _argv(state: UnitState) -> tuple[str, ...]:
     if not state.exec_start:
         raise ActuatorError(f"{state.name} has no ExecStart")
     return tuple(state.exec_start[-1].argv)
-
-
-def _fragment_command(state: UnitState) -> ExecCommand | None:
-    """The unit file's own ExecStart, whatever drop-ins say; None when it cannot be read."""
-    try:
-        text = Path(state.fragment_path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-    exec_start = parse_dropin(text).exec_start  # a unit file reads like a drop-in
-    if exec_start is None:
-        return None
-    try:
-        commands = split_exec_start(exec_start, specifiers=_specifiers(state.name), strict=False)
-    except ExecSyntaxError:
-        return None
-    return commands[-1] if commands else None
-
-
-def _fragment_argv(state: UnitState) -> tuple[str, ...] | None:
-    command = _fragment_command(state)
-    return apikey.mask_argv(command.argv) if command is not None else None
-
-
-def _specifiers(unit: str) -> dict[str, str]:
-    """The unit-name specifiers of ``unit`` (``vllm@a.service``: %n, %N, %p, %i, %I, %j)."""
-    name, _dot, _kind = unit.rpartition(".")
-    prefix, at, instance = name.partition("@")
-    return {
-        "n": unit, "N": name, "p": prefix, "P": prefix, "i": instance if at else "",
-        "I": instance if at else "", "j": prefix.rsplit("-", 1)[-1], "J": prefix.rsplit("-", 1)[-1],
-    }  # fmt: skip
-
-
-def _in_flight(metrics: VllmMetrics | None) -> float | None:
-    if metrics is None or metrics.num_requests_running is None:
-        return None
-    return metrics.num_requests_running + (metrics.num_requests_waiting or 0)
-
-
-def _advanced(before: VllmMetrics, after: VllmMetrics) -> bool:
-    pairs = (
-        (before.generation_tokens_total, after.generation_tokens_total),
-        (before.engine_steps_total, after.engine_steps_total),
-    )
-    return any(old is not None and new is not None and new > old for old, new in pairs)
-
-
-def _is_quadlet(source_path: str) -> bool:
-    """Whether a unit is Quadlet's: generated from the ``.container`` file ``source_path``."""
-    return source_path.endswith(".container")
-
-
-def _source_path(systemd: Systemd, unit: str) -> str:
-    """The file a generator made ``unit`` from; "" for a unit file, or when systemd cannot say
-    now (the actuator's preflight then reports why)."""
-    try:
-        return systemd.unit(unit).source_path
-    except SystemdError:
-        return ""
-
-
-def _own(state: UnitState) -> tuple[str, ...] | None:
-    """What vkvagent's drop-in is derived from, to notice later that it changed: the unit
-    file's own ExecStart, or Quadlet's whole ``.container`` file (the unit it generates holds
-    the drop-in's Exec= too). None when it cannot be read."""
-    if not _is_quadlet(state.source_path):
-        return _fragment_argv(state)
-    try:
-        return (Path(state.source_path).read_text(encoding="utf-8"),)
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _container_pids(
-    state: UnitState, engine: Container, argv: tuple[str, ...], proc: Path
-) -> Iterator[int]:
-    """The processes that may be vLLM's in a container: the unit's but its MainPID, then the
-    container's first process by the engine's word (asked only if those are not)."""
-    yield from (pid for pid in pids_in(state.control_group, proc) if pid != state.main_pid)
-    pid = engine.main_pid(argv)
-    if pid is not None:
-        yield pid
-
-
-def _cmdline(proc: Path, pid: int) -> tuple[str, ...] | None:
-    if pid <= 0:
-        return None
-    try:
-        raw = (proc / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return None
-    argv = (part.decode("utf-8", "surrogateescape") for part in raw.split(b"\0")[:-1])
-    return apikey.mask_argv(tuple(argv))  # as systemd's ExecStart reads (systemd.UnitState)
-
-
-def _environ(proc: Path, pid: int) -> dict[str, str] | None:
-    if pid <= 0:
-        return None
-    try:
-        raw = (proc / str(pid) / "environ").read_bytes()
-    except OSError:
-        return None
-    pairs = (item.decode("utf-8", "surrogateescape").partition("=") for item in raw.split(b"\0"))
-    return {name: value for name, _eq, value in pairs if name}
-
-
-def _same_command(
-    running: tuple[str, ...], intended: tuple[str, ...], environ: dict[str, str] | None
-) -> bool:
-    """The process's argv against the written one, after systemd's ``$VAR`` expansion with
-    the process's own environment (``$EXTRA_ARGS`` may become several words). Without the
-    environment, arguments with ``$`` are compared by position only."""
-    if environ is not None:  # the key `--api-key ${VAR}` expands to is masked in ``running``
-        return running == apikey.mask_argv(expand_exec_env(intended, environ))
-    if len(running) != len(intended):
-        return False
-    return all("$" in want or got == want for got, want in zip(running, intended))

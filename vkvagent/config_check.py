@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from vkvagent import apikey, config, hardening, status_text, toml_schema
-from vkvagent.actuator import engine_stop_too_short
+from vkvagent.drain import engine_stop_too_short
 from vkvagent.engine.samples import utc_text
 from vkvagent.engine.slo import ITL_BOUNDS, TTFT_BOUNDS, bracket
 from vkvagent.exitcodes import ExitCode
