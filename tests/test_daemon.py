@@ -22,20 +22,19 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from tests.conftest import metrics
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get
 from vkvagent import actions, config, controls, status, status_text
 from vkvagent.cli import main
-from vkvagent.daemon import STATE_FILE, Daemon
+from vkvagent.daemon import Daemon
 from vkvagent.demo import scaled_clock
 from vkvagent.drain import Costs
-from vkvagent.engine.samples import Sample, UnitFacts
 from vkvagent.events import Events
 from vkvagent.exporter import AgentMetrics
 from vkvagent.hooks import HookResult
 from vkvagent.ledger import Ledger
 from vkvagent.outcome import Outcome
+from vkvagent.state_files import STATE_FILE
 
 SCALE = 400.0
 
@@ -151,7 +150,7 @@ def test_ticks_write_status_events_metrics_and_survive_an_agent_restart(
         daemon.tick()
     finally:
         daemon.close()
-    assert daemon.judged == {action: True}
+    assert daemon.restarts.judged == {action: True}
     judged = [e for e in events_of(stream) if e["event"] == "restart.recovered"]
     assert len(judged) == 1 and judged[0]["cause"] == "uptime_decline"
     report = status.read(tmp_path / "state")
@@ -163,7 +162,7 @@ def test_ticks_write_status_events_metrics_and_survive_an_agent_restart(
     try:
         assert again.state.baseline is not None
         assert again.state.baseline == daemon.state.baseline
-        assert again.trend == daemon.trend
+        assert again.reporter.trend == daemon.reporter.trend
     finally:
         again.close()
 
@@ -198,165 +197,10 @@ def test_a_damaged_trend_costs_the_sparkline_not_the_baseline(tmp_path: Path) ->
     stream = io.StringIO()
     daemon = Daemon.offline(path, stream)
     try:
-        assert daemon.trend == () and daemon.judged == {3: True}
+        assert daemon.reporter.trend == () and daemon.restarts.judged == {3: True}
     finally:
         daemon.close()
     assert "state.write_failed" not in [e["event"] for e in events_of(stream)]
-
-
-def test_the_ledger_gives_the_policy_restarts_and_aborted_attempts(tmp_path: Path) -> None:
-    path = write_config(tmp_path, "http://127.0.0.1:9")
-    now = time.time()
-    with Ledger(tmp_path / "state") as ledger:
-        for kind, reason, outcome, hours_ago in (
-            ("restart", "uptime_decline: restart: in window", "done", 30),
-            ("apply", "manual", "rolled-back", 20),
-            ("restart", "stall: restart: emergency", "aborted", 0.2),
-            ("restart", "long ago: restart", "done", 9 * 24),  # past the 8 days looked at
-        ):
-            action = ledger.begin(kind, reason, now - hours_ago * 3600, {})
-            ledger.end(action, outcome, now - hours_ago * 3600 + 10)
-    daemon = Daemon.offline(path, io.StringIO())
-    try:
-        found = [(r.cause, r.aborted) for r in daemon._restarts(now, 1000.0)]
-    finally:
-        daemon.close()
-    assert found == [("uptime_decline", False), ("manual", False), ("stall", True)]
-
-
-def test_restarts_are_placed_on_the_monotonic_clock_once_whatever_the_wall_clock_does(
-    tmp_path: Path,
-) -> None:
-    """One restart taken on this boot's clock (the ledger kept its monotonic time and the
-    boot's id), one from another boot (only its wall time means anything): stepping the wall
-    clock a day either way changes neither's age."""
-    path = write_config(tmp_path, "http://127.0.0.1:9")
-    wall = time.time()
-    with Ledger(tmp_path / "state", boot="this-boot") as ledger:
-        here = ledger.begin("restart", "stall: restart", wall - 600, {}, mono=5000.0)
-        ledger.end(here, "done", wall - 590)
-    with Ledger(tmp_path / "state", boot="an-earlier-boot") as ledger:
-        before = ledger.begin("restart", "kv_pressure: restart", wall - 7200, {}, mono=1e6)
-        ledger.end(before, "done", wall - 7190)
-    daemon = Daemon.offline(path, io.StringIO())
-    daemon.parts.ledger.boot = "this-boot"
-    try:
-        ages = []
-        for step, mono in ((0.0, 5600.0), (86400.0, 5660.0), (-86400.0, 5720.0)):
-            records = daemon._restarts(wall + (mono - 5600.0) + step, mono)
-            ages.append([round(r.age(wall + step, mono)) for r in records])
-    finally:
-        daemon.close()
-    # This boot's from its own monotonic time; the earlier boot's aged by the wall clock when
-    # first read, then 60 s a step like the other.
-    assert ages == [[600, 7200], [660, 7260], [720, 7320]]
-
-
-def test_vllm_ending_without_vkvagent_asking_is_reported(tmp_path: Path) -> None:
-    """Told once per exit: brought back by Restart= (NRestarts counts up), or left stopped
-    (vLLM 0.32 exits 0 when its engine dies: Restart=on-failure does nothing). vkvagent's own
-    restart (a requested start sets NRestarts back to 0) is no such exit."""
-    stream = io.StringIO()
-    daemon = Daemon.offline(write_config(tmp_path, "http://127.0.0.1:9"), stream)
-
-    def seen(state: str, sub: str, restarts: int, invocation: str = "a", stopped: str = "") -> None:
-        unit = UnitFacts(
-            state, sub, invocation, 100, None, restarts, restart_policy="on-failure",
-            last_exit="exited with status 0" if state == "inactive" else "",
-        )  # fmt: skip
-        sample = Sample(time=time.time(), mono=time.monotonic(), vllm=None, unit=unit)
-        line = "RuntimeError: Engine core died" if state == "inactive" else ""
-        daemon._note_unit(sample, {"stopped": stopped, "exit_line": line})
-
-    try:
-        for state, sub, restarts, invocation in (
-            ("active", "running", 0, "a"),
-            ("activating", "auto-restart", 1, "a"),  # the engine died; Restart= acts
-            ("active", "running", 1, "b"),
-            ("active", "running", 0, "c"),  # vkvagent's restart
-            ("activating", "auto-restart", 1, "c"),  # a crash after it: 1 again, but new
-            ("active", "running", 1, "d"),
-            ("active", "running", 0, "e"),  # an operator's restart
-            ("inactive", "dead", 0, "c"),  # exited 0 under Restart=on-failure
-            ("inactive", "dead", 0, "c"),
-            ("active", "running", 0, "f"),
-        ):
-            seen(state, sub, restarts, invocation)
-        seen("inactive", "dead", 0, "f", stopped="systemd: Stopping vllm.service...")
-        # A stop the tick caught half-way: vLLM's graceful shutdown takes seconds.
-        seen("active", "running", 0, "g")
-        seen("deactivating", "stop-sigterm", 0, "g")
-        seen("inactive", "dead", 0, "g", stopped="systemd: Stopping vllm.service...")
-        # A start that failed, a tick catching it half-way: no run of vLLM ended.
-        seen("activating", "start", 0, "h")
-        seen("deactivating", "stop-sigterm", 0, "h")
-        seen("failed", "failed", 0, "h")
-    finally:
-        daemon.close()
-    exits = [e for e in events_of(stream) if e["event"] == "unit.exited"]
-    assert [(e["restarted_by_systemd"], e["n_restarts"]) for e in exits] == [
-        (True, 1),
-        (True, 1),
-        (False, 0),
-        (False, 0),
-        (False, 0),
-    ]
-    assert "Restart= started it again" in str(exits[0]["message"])
-    assert exits[2]["message"] == (
-        "vllm.service is inactive: vLLM exited with status 0 (RuntimeError: Engine core died), "
-        "and systemd will not start it again (Restart=on-failure); nobody stopped it"
-    )
-    assert (exits[2]["exit"], exits[2]["error"]) == (
-        "exited with status 0",
-        "RuntimeError: Engine core died",
-    )
-    for stop in exits[3:]:
-        assert stop["stopped_by"] == "systemd: Stopping vllm.service..."
-        assert "stopped on purpose" in str(stop["message"])
-
-
-def test_a_missing_error_line_is_looked_for_again_only_while_journald_may_lag(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """journald can hold a dead process's last lines for a moment after systemd reports the
-    unit down, so the journal is read again while no line was found, for JOURNAL_LAG seconds:
-    a clean stop has none, and is not read every tick for as long as vLLM stays down."""
-    from vkvagent import unitlog
-    from vkvagent.daemon import JOURNAL_LAG
-
-    reads: list[float] = []
-    lines: list[str] = []
-    monkeypatch.setattr(
-        unitlog,
-        "why_it_failed",
-        lambda _unit, since: reads.append(since) or (lines[-1] if lines else None),
-    )
-    monkeypatch.setattr(unitlog, "stopped_on_purpose", lambda _unit, _since: "")
-    daemon = Daemon.offline(write_config(tmp_path, "http://127.0.0.1:9"), io.StringIO())
-    down = UnitFacts("inactive", "dead", "a", 0, None, 0, active_since=100.0)
-
-    def tick(mono: float, unit: UnitFacts = down) -> dict[str, str]:
-        return daemon._why_down(Sample(time=1e9 + mono, mono=mono, vllm=None, unit=unit))
-
-    try:
-        said = [tick(float(mono)) for mono in range(0, 121, 2)]
-        assert len(reads) == JOURNAL_LAG / 2 and said[-1]["exit_line"] == ""
-        failed = replace(down, active_state="failed", sub_state="failed")
-        lines.append("RuntimeError: Engine core died")  # another state: read again, found
-        assert tick(200.0, failed)["exit_line"] == "RuntimeError: Engine core died"
-        assert tick(202.0, failed)["exit_line"] == "RuntimeError: Engine core died"
-        assert len(reads) == JOURNAL_LAG / 2 + 1
-        # A hang while active, vLLM answering again, then another hang in the same state: the
-        # second is read afresh, not given the first one's answer.
-        hung = replace(down, active_state="active", sub_state="running")
-        lines.append("")
-        assert tick(300.0, hung)["exit_line"] == ""
-        answered = Sample(time=1e9 + 302, mono=302.0, vllm=metrics(), unit=hung)
-        assert daemon._why_down(answered) == {}
-        lines.append("torch.OutOfMemoryError: CUDA out of memory")
-        assert tick(400.0, hung)["exit_line"] == "torch.OutOfMemoryError: CUDA out of memory"
-    finally:
-        daemon.close()
 
 
 def test_an_outcome_is_reported_with_the_flags_it_changed_and_vllms_words() -> None:

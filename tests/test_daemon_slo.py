@@ -174,7 +174,10 @@ def test_a_restarts_cut_off_requests_go_from_the_ledger_to_the_engine(tmp_path: 
             ledger.end(action, "done", now - minutes_ago * 60 + 5, notes=notes)
     daemon = Daemon.offline(path, io.StringIO())
     try:
-        found = [(r.cause, r.cut_off, r.refused) for r in daemon._restarts(now, 1000.0)]
+        found = [
+            (r.cause, r.cut_off, r.refused)
+            for r in daemon.restarts.records(daemon.parts.ledger, now, 1000.0)
+        ]
     finally:
         daemon.close()
     assert found == [

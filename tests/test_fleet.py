@@ -334,7 +334,7 @@ def test_daemon_takes_and_gives_back_a_slot_around_the_restart(etcd: Etcd, tmp_p
     actuator = FakeActuator(during=lambda: seen.append([h.host for h in watcher.holders()]))
     daemon, stream = daemon_with_fleet(tmp_path, etcd.url, group="daemon")
     try:
-        outcome = daemon._restart(actuator, restart_decision())  # type: ignore[arg-type]
+        outcome = daemon.restarter.restart(daemon.parts, actuator, restart_decision())  # type: ignore[arg-type]
         assert outcome is not None and outcome.result == "done"
         assert seen == [["gpu-here"]]  # held during the restart
         assert watcher.holders() == []  # given back after it
@@ -398,10 +398,10 @@ def test_daemon_waits_for_a_slot_and_says_so_once(etcd: Etcd, tmp_path: Path) ->
     daemon, stream = daemon_with_fleet(tmp_path, etcd.url, group="busy")
     try:
         for _tick in range(3):
-            assert daemon._restart(actuator, restart_decision()) is None  # type: ignore[arg-type]
+            assert daemon.restarter.restart(daemon.parts, actuator, restart_decision()) is None  # type: ignore[arg-type]
         daemon.tick()
         assert slot.release() is None
-        assert daemon._restart(actuator, restart_decision()) is not None  # type: ignore[arg-type]
+        assert daemon.restarter.restart(daemon.parts, actuator, restart_decision()) is not None  # type: ignore[arg-type]
     finally:
         daemon.close()
     events = fleet_events(stream)
@@ -420,8 +420,8 @@ def test_etcd_unreachable_holds_the_restart_with_a_clear_reason(tmp_path: Path) 
     daemon, stream = daemon_with_fleet(tmp_path, closed)
     try:
         for _tick in range(2):
-            assert daemon._restart(actuator, restart_decision()) is None  # type: ignore[arg-type]
-        assert daemon._restart(actuator, restart_decision("stall")) is None  # type: ignore[arg-type]
+            assert daemon.restarter.restart(daemon.parts, actuator, restart_decision()) is None  # type: ignore[arg-type]
+        assert daemon.restarter.restart(daemon.parts, actuator, restart_decision("stall")) is None  # type: ignore[arg-type]
         daemon.tick()
         daemon.tick()
     finally:
@@ -449,8 +449,8 @@ def test_emergency_only_lets_emergencies_restart_without_etcd(tmp_path: Path) ->
     actuator = FakeActuator()
     daemon, stream = daemon_with_fleet(tmp_path, closed, on_unreachable="emergency-only")
     try:
-        assert daemon._restart(actuator, restart_decision()) is None  # type: ignore[arg-type]
-        outcome = daemon._restart(actuator, restart_decision("stall"))  # type: ignore[arg-type]
+        assert daemon.restarter.restart(daemon.parts, actuator, restart_decision()) is None  # type: ignore[arg-type]
+        outcome = daemon.restarter.restart(daemon.parts, actuator, restart_decision("stall"))  # type: ignore[arg-type]
         assert outcome is not None and outcome.result == "done"
     finally:
         daemon.close()
@@ -471,9 +471,9 @@ def test_etcd_down_then_back_holds_then_resumes(tmp_path: Path) -> None:
     actuator = FakeActuator()
     daemon, stream = daemon_with_fleet(tmp_path, server.url, group="outage")
     try:
-        assert daemon._restart(actuator, restart_decision()) is not None  # type: ignore[arg-type]
+        assert daemon.restarter.restart(daemon.parts, actuator, restart_decision()) is not None  # type: ignore[arg-type]
         server.stop()
-        assert daemon._restart(actuator, restart_decision()) is None  # type: ignore[arg-type]
+        assert daemon.restarter.restart(daemon.parts, actuator, restart_decision()) is None  # type: ignore[arg-type]
         daemon.tick()
         report = status.read(tmp_path / "state")
         assert report is not None and report.fleet is not None
@@ -485,7 +485,7 @@ def test_etcd_down_then_back_holds_then_resumes(tmp_path: Path) -> None:
         report = status.read(tmp_path / "state")
         assert report is not None and report.fleet is not None
         assert report.fleet.state == "idle"
-        assert daemon._restart(actuator, restart_decision()) is not None  # type: ignore[arg-type]
+        assert daemon.restarter.restart(daemon.parts, actuator, restart_decision()) is not None  # type: ignore[arg-type]
         assert fleet_of(server.url, "outage").holders() == []
     finally:
         daemon.close()
