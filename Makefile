@@ -132,8 +132,8 @@ $(VKVAGENT_VLLM_HOME)/venv/.amx: tests/vllm_amx.pth $(VKVAGENT_VLLM_HOME)/venv/.
 
 # The facts of that vLLM's argument parser, which the flag catalogue is checked against.
 vllm-flag-facts: vllm-real
-	$(VLLM_PYTHON) tools/vllm_flag_facts.py >vkvagent/data/vllm-options.json.tmp
-	mv vkvagent/data/vllm-options.json.tmp vkvagent/data/vllm-options-$(VLLM_VERSION).json
+	$(VLLM_PYTHON) tools/vllm_flag_facts.py >vkvagent/knowledge/data/vllm-options.json.tmp
+	mv vkvagent/knowledge/data/vllm-options.json.tmp vkvagent/knowledge/data/vllm-options-$(VLLM_VERSION).json
 
 $(VKVAGENT_VLLM_HOME)/model/.made: tests/vllm_model.py $(VKVAGENT_VLLM_HOME)/venv/.installed
 	$(VLLM_PYTHON) tests/vllm_model.py $(VKVAGENT_VLLM_HOME)/model

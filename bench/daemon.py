@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vkvagent.daemon import Daemon
-from vkvagent.demo import scaled_clock, simulator
-from vkvagent.history import FILE_NAME as HISTORY_FILE
+from vkvagent.adapters.history import FILE_NAME as HISTORY_FILE
 from vkvagent.processes import stop_process
+from vkvagent.service.daemon import Daemon
+from vkvagent.tools.demo import scaled_clock, simulator
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SCALE = 1000.0

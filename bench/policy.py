@@ -7,7 +7,7 @@ in enforce mode, the oracle (the exact optimum, by dynamic programming) and the 
 (the optimum whose own restarts begin in vkvagent's default restart windows). vkvagent runs the
 real ``engine.decide`` on samples synthesised from the model every 30 s, in closed loop: its
 restarts change what the model serves and what the next samples say. Where the operator changes
-vLLM's flags (``slow-flags``), vkvagent also runs the daemon's flags loop (``vkvagent.reconcile``)
+vLLM's flags (``slow-flags``), vkvagent also runs the daemon's flags loop (``knowledge.reconcile``)
 that judges the change and rolls a slower one back. bench/README.md has the definitions and the
 latest table.
 """
@@ -58,7 +58,7 @@ from bench.policy_model import (
     window_mask,
     within,
 )
-from vkvagent.config import Config, SloConfig
+from vkvagent.adapters.gpu import GpuReader, RecordedBackend
 from vkvagent.engine import (
     Decision,
     EngineState,
@@ -76,9 +76,9 @@ from vkvagent.engine import (
 from vkvagent.engine.diagnosis import FIXABLE
 from vkvagent.engine.policy import PolicySettings, RestartRecord, window_state
 from vkvagent.engine.slo import SloSettings
-from vkvagent.flags import shown
-from vkvagent.gpu import GpuReader, RecordedBackend
-from vkvagent.reconcile import Change, FlagState, flags_key
+from vkvagent.knowledge.config import Config, SloConfig
+from vkvagent.knowledge.flags import shown
+from vkvagent.knowledge.reconcile import Change, FlagState, flags_key
 from vkvagent.sim.exposition import histogram_bounds
 
 SAMPLE_EVERY = 30.0  # seconds between samples, and between two decisions

@@ -17,8 +17,8 @@ from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from vkvagent.vllm import VllmClient
-from vkvagent.vllm_metrics import Normaliser
+from vkvagent.adapters.vllm import VllmClient
+from vkvagent.knowledge.vllm_metrics import Normaliser
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_PAGE = ROOT / "tests" / "fixtures" / "metrics" / "v1-2026.prom"
@@ -99,8 +99,9 @@ def main() -> None:
     server.shutdown()
     bare = rss_kib("import sys")
     daemon = rss_kib(
-        "import vkvagent.cli, vkvagent.config, vkvagent.gpu, vkvagent.history, "
-        "vkvagent.vllm_metrics, vkvagent.sampler, vkvagent.engine, vkvagent.vllm"
+        "import vkvagent.tools.cli, vkvagent.knowledge.config, vkvagent.adapters.gpu, "
+        "vkvagent.adapters.history, vkvagent.knowledge.vllm_metrics, vkvagent.adapters.sampler, "
+        "vkvagent.engine, vkvagent.adapters.vllm"
     )
     ratio = statistics.median(full) / statistics.median(scrape)
     print(

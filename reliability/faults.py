@@ -50,11 +50,11 @@ from tests.httpserver import RawServer, read_request
 from tests.sandbox import PROJECT, Sandbox, exec_line, reach_python, sim_unit
 from tests.simproc import SimProcess, get
 from tests.test_actuator import actions, restarts_requested
-from vkvagent.daemon import Clock, Daemon
-from vkvagent.demo import scaled_clock
+from vkvagent.adapters.history import History
+from vkvagent.adapters.vllm import ScrapeError, VllmClient
 from vkvagent.engine.diagnosis import FIXABLE
-from vkvagent.history import History
-from vkvagent.vllm import ScrapeError, VllmClient
+from vkvagent.service.daemon import Clock, Daemon
+from vkvagent.tools.demo import scaled_clock
 
 VLLM = "vllm.service"
 AGENT = "vkvagent.service"
@@ -166,7 +166,7 @@ def inside(box: Sandbox, code: str, *args: str) -> str:
 
 COUNT_SAMPLES = """
 import sys
-from vkvagent.history import History
+from vkvagent.adapters.history import History
 with History(sys.argv[1], readonly=True) as history:
     print(len(history.samples(until=float(sys.argv[2]))))
 """

@@ -50,14 +50,15 @@ from hypothesis import strategies as st
 
 from reliability.report import Row, need_sandbox
 from tests.sandbox import Sandbox
-from vkvagent import config, flags, replay, toml_schema
-from vkvagent.config import Config, ConfigError
-from vkvagent.dropin import argv_hash, quote_exec_arg, render_dropin
-from vkvagent.flags import CATALOGUE, FlagError
-from vkvagent.query_range import ReplayError, load_files
-from vkvagent.systemd import Systemd
-from vkvagent.vllm_command import VllmCommandError, apply_flags, parse_command
-from vkvagent.vllm_metrics import FLAVORS, WANTED, ExpositionError, Normaliser
+from vkvagent.adapters.query_range import ReplayError, load_files
+from vkvagent.adapters.systemd import Systemd
+from vkvagent.knowledge import config, flags, toml_schema
+from vkvagent.knowledge.config import Config, ConfigError
+from vkvagent.knowledge.dropin import argv_hash, quote_exec_arg, render_dropin
+from vkvagent.knowledge.flags import CATALOGUE, FlagError
+from vkvagent.knowledge.vllm_command import VllmCommandError, apply_flags, parse_command
+from vkvagent.knowledge.vllm_metrics import FLAVORS, WANTED, ExpositionError, Normaliser
+from vkvagent.tools import replay
 
 PROJECT = Path(__file__).resolve().parent.parent
 METRIC_PAGES = PROJECT / "tests" / "fixtures" / "metrics"

@@ -49,9 +49,9 @@ from tests.test_actuator import (
     vkvagent,
     write_config,
 )
-from vkvagent.dropin import parse_dropin
-from vkvagent.ledger import FILE_NAME, Action
-from vkvagent.steps import STEPS
+from vkvagent.actuation.steps import STEPS
+from vkvagent.adapters.ledger import FILE_NAME, Action
+from vkvagent.knowledge.dropin import parse_dropin
 
 VLLM = "vllm.service"
 # Not /etc/vkvagent and /var/lib/vkvagent: the sandbox's root is an overlay on the host's, where

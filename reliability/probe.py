@@ -21,9 +21,9 @@ from pathlib import Path
 from reliability.report import Row
 from tests.conftest import read_page
 from tests.httpserver import RawServer, free_port, read_request
-from vkvagent.daemon import Clock, Daemon
-from vkvagent.probe import Prober
-from vkvagent.vllm import VllmClient
+from vkvagent.adapters.probe import Prober
+from vkvagent.adapters.vllm import VllmClient
+from vkvagent.service.daemon import Clock, Daemon
 
 COMPLETION = json.dumps({"choices": [{"index": 0, "text": " the"}]}).encode()
 SLACK = 0.5  # seconds a probe may end past its timeout (thread scheduling on a busy host)

@@ -41,13 +41,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from reliability.report import Row
-from vkvagent import config, replay, timeline
-from vkvagent.daemon import Daemon
-from vkvagent.demo import scaled_clock, simulator
+from vkvagent.adapters.history import FILE_NAME as HISTORY_FILE
+from vkvagent.adapters.history import History
 from vkvagent.engine.diagnosis import FIXABLE
 from vkvagent.engine.samples import Sample
-from vkvagent.history import FILE_NAME as HISTORY_FILE
-from vkvagent.history import History
+from vkvagent.knowledge import config
+from vkvagent.service.daemon import Daemon
+from vkvagent.tools import replay, timeline
+from vkvagent.tools.demo import scaled_clock, simulator
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DAY = 86400.0

@@ -1,7 +1,7 @@
 """One agent of a simulated fleet, as its own process (tests/test_fleet.py starts several).
 
 It wants to restart from ``--start-at`` (a CLOCK_MONOTONIC time, shared by every process of
-the machine) on: it asks the daemon's gate (``vkvagent.fleet.Gate``, as ``Restarter.restart``
+the machine) on: it asks the daemon's gate (``adapters.fleet.Gate``, as ``Restarter.restart``
 does) every ``--retry`` seconds until it is let in, then "restarts": it appends
 ``start NAME T`` to ``--log``, sleeps ``--hold`` seconds, appends ``end NAME T`` and gives the
 slot back. Its events go to stdout, one JSON object a line. Exit 0 once restarted; 1 when
@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Any
 
-from vkvagent.config import FleetConfig
-from vkvagent.fleet import Gate
+from vkvagent.adapters.fleet import Gate
+from vkvagent.knowledge.config import FleetConfig
 
 
 def log(path: str, line: str) -> None:

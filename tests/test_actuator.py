@@ -35,10 +35,10 @@ from tests.sandbox import (
     sim_argv,
     sim_unit,
 )
-from vkvagent.dropin import HEADER, parse_dropin, split_exec_start
-from vkvagent.ledger import FILE_NAME, Action, Ledger
-from vkvagent.steps import STEPS
-from vkvagent.systemd import Systemd, UnitState
+from vkvagent.actuation.steps import STEPS
+from vkvagent.adapters.ledger import FILE_NAME, Action, Ledger
+from vkvagent.adapters.systemd import Systemd, UnitState
+from vkvagent.knowledge.dropin import HEADER, parse_dropin, split_exec_start
 
 pytestmark = pytest.mark.systemd
 
@@ -713,7 +713,7 @@ def test_a_unit_that_drains_under_the_default_killmode_gets_killmode_mixed_first
 def test_a_stop_that_signals_the_engine_too_is_no_drain_of_vllms(tmp_path: Path) -> None:
     """KillMode=control-group with vLLM's engine in the unit's cgroup: systemd's SIGTERM
     reaches the engine, which fails what it runs, so --shutdown-timeout drains nothing."""
-    from vkvagent.drain import stop_reaches_the_engine
+    from vkvagent.actuation.drain import stop_reaches_the_engine
 
     group = "/system.slice/vllm.service"
     for pid in (42, 43):  # the API server (MainPID) and its engine core
@@ -772,7 +772,7 @@ def test_a_vllm_that_exits_before_its_shutdown_timeout_aborted_nothing(
 ) -> None:
     """vLLM exits early only once its drain is over; it aborts requests only at its
     --shutdown-timeout. A vLLM gone between two looks that saw requests in flight cut none."""
-    from vkvagent.drain import Stop
+    from vkvagent.actuation.drain import Stop
 
     before = UnitState(
         "vllm.service", "loaded", "active", "running", "success", 42, "ab" * 16, 0, 0, None,

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES
-from vkvagent.actuator import Actuator, ActuatorError
-from vkvagent.dropin import DropinFile
-from vkvagent.gpu import GpuReader, RecordedBackend
-from vkvagent.ledger import Ledger
-from vkvagent.systemd import Systemd
-from vkvagent.vllm import VllmClient
+from vkvagent.actuation.actuator import Actuator, ActuatorError
+from vkvagent.adapters.gpu import GpuReader, RecordedBackend
+from vkvagent.adapters.ledger import Ledger
+from vkvagent.adapters.systemd import Systemd
+from vkvagent.adapters.vllm import VllmClient
+from vkvagent.knowledge.dropin import DropinFile
 
 
 def actuator(

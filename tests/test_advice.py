@@ -22,11 +22,11 @@ from tests.sandbox import (
 from tests.test_actuator import STATE_DIR, output, vkvagent, write_config
 from tests.test_diagnosis import CAPACITY, held, run, situation
 from tests.test_diagnosis import gpu as gpu_reading
-from vkvagent import advice, config, flags, status
 from vkvagent.atomicfile import write_atomically
-from vkvagent.cli import main
 from vkvagent.engine.kv import PROMPT_HEAVY, kv_advice
 from vkvagent.jsonsafe import finite
+from vkvagent.knowledge import advice, config, flags, status
+from vkvagent.tools.cli import main
 
 KV_FULL = dict(kv_usage=0.96, preemptions_per_s=0.25, waiting=30.0, running=16.0)
 ON = {"enable_prefix_caching": "True"}

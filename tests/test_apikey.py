@@ -14,11 +14,11 @@ import pytest
 from tests.certificates import make_certificates
 from tests.httpserver import Handler, HttpServer
 from vkvagent import apikey
+from vkvagent.adapters.probe import Prober
+from vkvagent.adapters.vllm import ScrapeError, VllmClient
 from vkvagent.apikey import ApiKey, KeyFileError
-from vkvagent.events import Events
-from vkvagent.probe import Prober
-from vkvagent.vllm import ScrapeError, VllmClient
-from vkvagent.vllm_command import VllmCommandError, apply_flags
+from vkvagent.knowledge.events import Events
+from vkvagent.knowledge.vllm_command import VllmCommandError, apply_flags
 
 KEY = "sk-test-5b0e1c7a9d"
 MASKED = apikey.MASK

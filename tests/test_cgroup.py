@@ -1,4 +1,4 @@
-"""vkvagent.cgroup: the unit's anonymous memory from memory.stat, under a cgroup root of the
+"""adapters.cgroup: the unit's anonymous memory from memory.stat, under a cgroup root of the
 test's own; unreadable in every way gives None, never an exception."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vkvagent.cgroup import MAX_STAT_BYTES, pids_in, read_anon
+from vkvagent.adapters.cgroup import MAX_STAT_BYTES, pids_in, read_anon
 
 UNIT = "/system.slice/vllm.service"
 ANON = 6_442_450_944  # 6 GiB: heap and stacks of the API server and engine processes

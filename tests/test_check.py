@@ -20,9 +20,9 @@ import pytest
 
 from tests.test_daemon import write_config
 from tests.test_status import GONE, SLO, full_report
-from vkvagent import status
-from vkvagent.cli import main
-from vkvagent.status import SloStatus, SourceFailure, StatusReport, Verdict
+from vkvagent.knowledge import status
+from vkvagent.knowledge.status import SloStatus, SourceFailure, StatusReport, Verdict
+from vkvagent.tools.cli import main
 
 NAGIOS = "/usr/sbin/nagios4"
 CHECK = f"{sys.executable} -m vkvagent status --config {{config}} -w 0.8: -c 0.6:"

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES
-from vkvagent.cli import _parser, main
 from vkvagent.engine.policy import Controls, PolicySettings, evaluate
-from vkvagent.exitcodes import ExitCode
+from vkvagent.tools.cli import _parser, main
+from vkvagent.tools.exitcodes import ExitCode
 
 RECORDING = FIXTURES / "gpu" / "h100x2-throttled.json"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tools import completion
-from vkvagent.cli import _parser
+from vkvagent.tools.cli import _parser
 
 SHELLS = {"bash": completion.bash, "zsh": completion.zsh}
 

@@ -10,15 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vkvagent import config, toml_schema
-from vkvagent.cli import main
-from vkvagent.config import Config, ConfigError
 from vkvagent.engine import Settings
 from vkvagent.engine.baseline import BaselineSettings
 from vkvagent.engine.diagnosis import DiagnosisSettings
 from vkvagent.engine.liveness import LivenessSettings
 from vkvagent.engine.policy import PolicySettings
 from vkvagent.engine.slo import SloSettings
+from vkvagent.knowledge import config, toml_schema
+from vkvagent.knowledge.config import Config, ConfigError
+from vkvagent.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

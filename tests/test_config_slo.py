@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from vkvagent import config
-from vkvagent.cli import main
-from vkvagent.config import Config, ConfigError, SloConfig
+from vkvagent.adapters.history import History
 from vkvagent.engine.samples import Sample
 from vkvagent.engine.slo import SloSettings
-from vkvagent.history import History
-from vkvagent.vllm_metrics import Normaliser
+from vkvagent.knowledge import config
+from vkvagent.knowledge.config import Config, ConfigError, SloConfig
+from vkvagent.knowledge.vllm_metrics import Normaliser
+from vkvagent.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 # The example: 99.9 % of requests served, TTFT <= 2 s and ITL <= 100 ms for 95 %.

@@ -13,8 +13,8 @@ import pytest
 
 from tests.sandbox import MASKED, Sandbox, require
 from tests.test_daemon import write_config
-from vkvagent.cli import main
-from vkvagent.exitcodes import ExitCode
+from vkvagent.tools.cli import main
+from vkvagent.tools.exitcodes import ExitCode
 
 NO_BUS = "unix:path=/run/no-such-bus/system_bus_socket"
 

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from vkvagent import container, unit_dropin
-from vkvagent.actuator import Actuator, ActuatorError, RestartSettings
-from vkvagent.drain import engine_stop_too_short
-from vkvagent.dropin import DropinFile, split_exec_start
-from vkvagent.ledger import Ledger
-from vkvagent.systemd import ExecCommand, Systemd, UnitState
-from vkvagent.vllm import VllmClient
-from vkvagent.vllm_command import VllmCommandError, apply_flags, parse_command
+from vkvagent import container
+from vkvagent.actuation import unit_dropin
+from vkvagent.actuation.actuator import Actuator, ActuatorError, RestartSettings
+from vkvagent.actuation.drain import engine_stop_too_short
+from vkvagent.adapters.ledger import Ledger
+from vkvagent.adapters.systemd import ExecCommand, Systemd, UnitState
+from vkvagent.adapters.vllm import VllmClient
+from vkvagent.knowledge.dropin import DropinFile, split_exec_start
+from vkvagent.knowledge.vllm_command import VllmCommandError, apply_flags, parse_command
 
 IMAGE = "vllm/vllm-openai:v0.11.0"
 PODMAN = [

@@ -24,17 +24,19 @@ from prometheus_client import generate_latest
 
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get
-from vkvagent import actions, config, controls, status, status_text
-from vkvagent.cli import main
-from vkvagent.daemon import Daemon
-from vkvagent.demo import scaled_clock
-from vkvagent.drain import Costs
-from vkvagent.events import Events
-from vkvagent.exporter import AgentMetrics
+from vkvagent.actuation.drain import Costs
+from vkvagent.actuation.outcome import Outcome
+from vkvagent.adapters import controls
+from vkvagent.adapters.exporter import AgentMetrics
+from vkvagent.adapters.ledger import Ledger
 from vkvagent.hooks import HookResult
-from vkvagent.ledger import Ledger
-from vkvagent.outcome import Outcome
-from vkvagent.state_files import STATE_FILE
+from vkvagent.knowledge import config, status, status_text
+from vkvagent.knowledge.events import Events
+from vkvagent.service.daemon import Daemon
+from vkvagent.service.state_files import STATE_FILE
+from vkvagent.tools import actions
+from vkvagent.tools.cli import main
+from vkvagent.tools.demo import scaled_clock
 
 SCALE = 400.0
 

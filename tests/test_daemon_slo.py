@@ -22,12 +22,12 @@ from tests.conftest import read_page
 from tests.httpserver import HttpServer
 from tests.test_daemon import events_of, write_config
 from tests.test_daemon_sources import INTERVAL, Moved
-from vkvagent import status
-from vkvagent.cli import main
-from vkvagent.daemon import Daemon
+from vkvagent.adapters.ledger import Ledger
 from vkvagent.engine.slo import Counts, SloSettings, SloState
-from vkvagent.events import Events
-from vkvagent.ledger import Ledger
+from vkvagent.knowledge import status
+from vkvagent.knowledge.events import Events
+from vkvagent.service.daemon import Daemon
+from vkvagent.tools.cli import main
 
 PAGE = read_page("v1-0.10.prom").encode()
 SLO = SloSettings(availability=0.999, ttft_seconds=2.0)

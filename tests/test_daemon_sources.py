@@ -16,11 +16,11 @@ from prometheus_client import generate_latest
 from tests.conftest import read_page
 from tests.httpserver import HttpServer
 from tests.test_daemon import write_config
-from vkvagent import status
-from vkvagent.cli import main
-from vkvagent.daemon import Clock, Daemon
-from vkvagent.events import Events
-from vkvagent.systemd import Systemd
+from vkvagent.adapters.systemd import Systemd
+from vkvagent.knowledge import status
+from vkvagent.knowledge.events import Events
+from vkvagent.service.daemon import Clock, Daemon
+from vkvagent.tools.cli import main
 
 PAGE = read_page("v1-0.10.prom").encode()
 INTERVAL = 20.0  # test_daemon.write_config's sample interval

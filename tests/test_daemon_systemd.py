@@ -17,8 +17,8 @@ import pytest
 
 from tests.sandbox import PROJECT, Sandbox, exec_line, require, sim_unit
 from tests.test_actuator import actions
-from vkvagent.events import CATALOGUE
-from vkvagent.systemd import Systemd
+from vkvagent.adapters.systemd import Systemd
+from vkvagent.knowledge.events import CATALOGUE
 
 pytestmark = pytest.mark.systemd
 

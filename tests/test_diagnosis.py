@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import FIXTURES, metrics
 from tests.conftest import window_stats as window
+from vkvagent.adapters.gpu import GpuReader, RecordedBackend
 from vkvagent.engine.baseline import Capacity, Regime, WindowStats, compare
 from vkvagent.engine.diagnosis import (
     CAUSES,
@@ -31,7 +32,6 @@ from vkvagent.engine.kv import Leak
 from vkvagent.engine.memory import MemoryPoint, memory_growth
 from vkvagent.engine.progress import ProbeFacts, Progress, Stall
 from vkvagent.engine.samples import EngineSignals, GpuReading, VllmMetrics
-from vkvagent.gpu import GpuReader, RecordedBackend
 
 S = DiagnosisSettings()
 HOLD = S.hold

@@ -1,5 +1,5 @@
 """The README and docs/: the overview fits on one screen, the links lead somewhere, and every
-default they state is the configuration schema's (``vkvagent/config.py``), either generated
+default they state is the configuration schema's (``knowledge/config.py``), either generated
 from it (docs/configuration.md's table, by tools/settings_table.py) or checked here."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from vkvagent.dropin import (
+from vkvagent.knowledge.dropin import (
     HASH_KEY,
     HEADER,
     ExecCommand,
@@ -277,8 +277,8 @@ def test_env_expansion_rules() -> None:
 
 def test_rewrite_pipeline_from_a_dbus_argv() -> None:
     """How the actuator uses both modules: D-Bus ExecStart (unit form) in, drop-in out."""
-    from vkvagent.flags import validate
-    from vkvagent.vllm_command import apply_flags, parse_command
+    from vkvagent.knowledge.flags import validate
+    from vkvagent.knowledge.vllm_command import apply_flags, parse_command
 
     dbus_argv = [PROGRAM, "serve", "/models/m 7b", "--api-key", "${KEY}", "--max_num_seqs=256"]
     flags = validate({"max-num-seqs": 64, "gpu-memory-utilization": 0.85}, "0.10.1")

@@ -19,6 +19,7 @@ import pytest
 from tests.cases import corpus
 from tests.cases.simhost import SimHost, cluster_metrics, hours_after, new_cluster
 from tests.conftest import FIXTURES, metrics
+from vkvagent.adapters.gpu import GpuReader, RecordedBackend
 from vkvagent.engine import (
     ACTIONS,
     Decision,
@@ -36,10 +37,9 @@ from vkvagent.engine.diagnosis import CAUSES
 from vkvagent.engine.policy import PolicySettings, RestartRecord
 from vkvagent.engine.samples import GpuReading, Sample
 from vkvagent.engine.traffic import TrafficProfile, rate_bin
-from vkvagent.gpu import GpuReader, RecordedBackend
+from vkvagent.knowledge.vllm_metrics import Normaliser
 from vkvagent.sim import exposition
 from vkvagent.sim.stats import ServerInfo
-from vkvagent.vllm_metrics import Normaliser
 
 START = datetime(2025, 3, 3, 20, 0, tzinfo=timezone.utc)  # a Monday
 WINDOW = ("daily 02:00-05:00",)

@@ -1,4 +1,4 @@
-"""vkvagent/events.py: journald's native protocol, the socket writer, JSON lines, detection."""
+"""knowledge/events.py: journald's native protocol, the socket writer, JSON lines, detection."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from vkvagent import events
-from vkvagent.events import (
+from vkvagent.knowledge import events
+from vkvagent.knowledge.events import (
     CATALOGUE,
     Events,
     JournalWriter,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vkvagent.events import _PRIORITY_NAMES, CATALOGUE
+from vkvagent.knowledge.events import _PRIORITY_NAMES, CATALOGUE
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "events.md"
 

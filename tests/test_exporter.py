@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_status import full_report, report
 from vkvagent import __version__
-from vkvagent.exporter import AgentMetrics
+from vkvagent.adapters.exporter import AgentMetrics
 
 
 def page_of(metrics: AgentMetrics) -> str:

@@ -1,7 +1,7 @@
 """vkvagent's flag catalogue, its command-line reader and the simulator, checked against what
-vLLM's own argument parser says (vkvagent/data/vllm-options-*.json, written from an installed
-vLLM by tools/vllm_flag_facts.py). The last test checks that file against the real vLLM 0.32
-of `make vllm-real`, so the facts cannot drift from the parser they describe."""
+vLLM's own argument parser says (vkvagent/knowledge/data/vllm-options-*.json, written from an
+installed vLLM by tools/vllm_flag_facts.py). The last test checks that file against the real
+vLLM 0.32 of `make vllm-real`, so the facts cannot drift from the parser they describe."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests import realvllm
-from vkvagent import flags, vllm_command
+from vkvagent.knowledge import flags, vllm_command
 from vkvagent.sim import serve_args as sim_flags
 
 FACTS = vllm_command.parser_facts()

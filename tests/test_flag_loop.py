@@ -1,4 +1,4 @@
-"""The daemon keeps vLLM's flags as [vllm.flags] says (vkvagent/reconcile.py), in a real
+"""The daemon keeps vLLM's flags as [vllm.flags] says (vkvagent/knowledge/reconcile.py), in a real
 systemd 252 (tests/sandbox.py) with the simulator as vllm.service: a change waits for its
 window, rides on a diagnosed restart, is judged by the fresh speed of the run it starts and
 rolled back when slower; `manual` applies nothing. Each test boots its own container."""

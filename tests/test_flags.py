@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from reliability.fuzz import valid_value
 from vkvagent.engine.samples import FlagValue
-from vkvagent.flags import (
+from vkvagent.knowledge.flags import (
     CATALOGUE,
     FOREIGN,
     FlagError,
@@ -24,8 +24,8 @@ from vkvagent.flags import (
     render_value,
     validate,
 )
+from vkvagent.knowledge.vllm_command import VllmCommandError, apply_flags, parse_command
 from vkvagent.sim import serve_args as sim
-from vkvagent.vllm_command import VllmCommandError, apply_flags, parse_command
 
 LATEST = "0.18.0"
 
@@ -756,10 +756,10 @@ def test_attested_reads_each_release_s_labels() -> None:
 
 
 def test_the_agent_does_not_import_the_simulator() -> None:
-    import vkvagent.dropin
-    import vkvagent.flags
+    import vkvagent.knowledge.dropin
+    import vkvagent.knowledge.flags
 
-    for module in (vkvagent.flags, vkvagent.dropin):
+    for module in (vkvagent.knowledge.flags, vkvagent.knowledge.dropin):
         assert module.__file__ is not None
         with open(module.__file__, encoding="utf-8") as source:
             assert "vkvagent.sim" not in source.read()

@@ -28,15 +28,15 @@ from prometheus_client import generate_latest
 from tests.certificates import make_certificates
 from tests.httpserver import RawServer, free_port, read_request
 from tests.test_daemon import events_of, write_config
-from vkvagent import config, status, status_text
-from vkvagent.cli import main
-from vkvagent.config import FleetConfig
-from vkvagent.daemon import Daemon
+from vkvagent.actuation.outcome import Outcome
+from vkvagent.adapters.fleet import EtcdClient, Fleet, FleetError, Gate
 from vkvagent.engine import Decision, EngineState
-from vkvagent.events import CATALOGUE
-from vkvagent.fleet import EtcdClient, Fleet, FleetError, Gate
-from vkvagent.outcome import Outcome
+from vkvagent.knowledge import config, status, status_text
+from vkvagent.knowledge.config import FleetConfig
+from vkvagent.knowledge.events import CATALOGUE
 from vkvagent.processes import stop_process
+from vkvagent.service.daemon import Daemon
+from vkvagent.tools.cli import main
 
 pytestmark = pytest.mark.fleet
 
@@ -638,8 +638,8 @@ def test_the_status_schema_names_every_state_a_gate_can_be_in() -> None:
     """status.FLEET_STATES is what the exporter and `status` list; the gate sets them."""
     import ast
 
-    from vkvagent import fleet
-    from vkvagent.status import FLEET_STATES
+    from vkvagent.adapters import fleet
+    from vkvagent.knowledge.status import FLEET_STATES
 
     source = ast.parse(Path(fleet.__file__).read_text())
     set_to = {

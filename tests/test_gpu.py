@@ -9,16 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES
-from vkvagent.cli import main
-from vkvagent.engine.gpu_faults import (
-    FAULT_CLASSES,
-    XIDS,
-    describe_xid,
-    is_fault,
-    xid_class,
-    xid_meaning,
-)
-from vkvagent.gpu import (
+from vkvagent.adapters.gpu import (
     GpuProcess,
     GpuReader,
     NvmlBackend,
@@ -29,6 +20,15 @@ from vkvagent.gpu import (
     reader_for,
     record,
 )
+from vkvagent.engine.gpu_faults import (
+    FAULT_CLASSES,
+    XIDS,
+    describe_xid,
+    is_fault,
+    xid_class,
+    xid_meaning,
+)
+from vkvagent.tools.cli import main
 
 RECORDING = FIXTURES / "gpu" / "h100x2-throttled.json"
 

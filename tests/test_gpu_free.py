@@ -1,4 +1,4 @@
-"""The GPUs free before vLLM starts (vkvagent/gpu_free.py), on recorded NVML process lists and
+"""The GPUs free before vLLM starts (adapters/gpu_free.py), on recorded NVML process lists and
 a /proc tree written as the kernel shows it: the unit's leftovers killed and their memory
 back, anyone else's refused and never killed, a leftover that will not go bounded, and
 vLLM's words for GPU memory it cannot get. A real GPU's process list when one is present."""
@@ -18,9 +18,15 @@ import pytest
 
 from tests.conftest import FIXTURES
 from tests.test_actuator_gpu import actuator
-from vkvagent.actuator import ActuatorError
-from vkvagent.gpu import GpuProcess, GpuReader, NvmlBackend, NvmlUnavailable, RecordedBackend
-from vkvagent.gpu_free import (
+from vkvagent.actuation.actuator import ActuatorError
+from vkvagent.adapters.gpu import (
+    GpuProcess,
+    GpuReader,
+    NvmlBackend,
+    NvmlUnavailable,
+    RecordedBackend,
+)
+from vkvagent.adapters.gpu_free import (
     UNSEEN_GRACE,
     GpuFree,
     GpusBusy,
@@ -31,7 +37,7 @@ from vkvagent.gpu_free import (
     is_gpu_memory_failure,
     unit_cgroup,
 )
-from vkvagent.systemd import UnitState
+from vkvagent.adapters.systemd import UnitState
 
 UNIT = "vllm.service"
 V2 = "0::/system.slice/vllm.service\n"  # cgroup v2, as /proc/PID/cgroup reads

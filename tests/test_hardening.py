@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from vkvagent import config, hardening
-from vkvagent.cli import main
-from vkvagent.hardening import HIDDEN, PRIVATE, READ, WRITE, Sandbox
+from vkvagent.knowledge import config, hardening
+from vkvagent.knowledge.hardening import HIDDEN, PRIVATE, READ, WRITE, Sandbox
+from vkvagent.tools.cli import main
 
 PROJECT = Path(__file__).resolve().parent.parent
 SHIPPED = PROJECT / "systemd/vkvagent.service"

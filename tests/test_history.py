@@ -21,10 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vkvagent import history as history_module
+from vkvagent.adapters import history as history_module
+from vkvagent.adapters.history import FILE_NAME, History, HistoryError
+from vkvagent.adapters.probe import ProbeResult
 from vkvagent.engine.samples import GpuReading, Histogram, Sample, UnitFacts, VllmMetrics
-from vkvagent.history import FILE_NAME, History, HistoryError
-from vkvagent.probe import ProbeResult
 
 REPO = Path(__file__).resolve().parents[1]
 DAY = 86400.0
@@ -438,7 +438,7 @@ def test_a_corrupt_file_is_a_history_error_naming_it(tmp_path: Path) -> None:
 READER = """
 import sys, time
 from tests.test_history import realistic_sample
-from vkvagent.history import History
+from vkvagent.adapters.history import History
 
 state_dir, wanted = sys.argv[1], int(sys.argv[2])
 with History(state_dir, readonly=True) as store:

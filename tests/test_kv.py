@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from tests.test_diagnosis import CAPACITY
-from vkvagent import flags
 from vkvagent.engine.kv import kv_advice
+from vkvagent.knowledge import flags
 
 
 def kv_suggestion(*args: Any) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def test_the_prefill_chunk_is_never_halved_below_what_vllm_starts_with(
 
 def test_a_suggested_memory_share_is_one_the_agent_may_set() -> None:
     from vkvagent.engine.kv import MEMORY_SHARE_TOP
-    from vkvagent.flags import CATALOGUE
+    from vkvagent.knowledge.flags import CATALOGUE
 
     limit = CATALOGUE["gpu-memory-utilization"]
     assert limit.minimum is not None and limit.maximum is not None

@@ -66,16 +66,42 @@ def imports(path: Path) -> list[tuple[str, bool]]:
 
 
 def layers() -> dict[str, int]:
-    """ARCHITECTURE.md's table: rank of each module."""
+    """ARCHITECTURE.md's table: the rank of each module. A row names a package and the modules
+    of that package it holds (the package's own ``__init__`` is in its first row)."""
     text = (ROOT / "ARCHITECTURE.md").read_text()
     section = text.split("## Import rules", 1)[1].split("\n## ", 1)[0]
-    ranks = {}
-    for row in re.findall(r"^\| (\d+) \|.*$", section, re.M):
-        line = next(r for r in section.splitlines() if r.startswith(f"| {row} |"))
-        for name in re.findall(r"`([\w.]+)`", line.rsplit("|", 2)[-2]):
-            assert name not in ranks, f"{name} is in two layers"
-            ranks[name] = int(row)
+    ranks: dict[str, int] = {}
+    for row in re.findall(r"^\| \d+ \|.*$", section, re.M):
+        rank, package, _what, names = (cell.strip() for cell in row.strip("|").split("|"))
+        prefix = package.strip("`").split(".", 1)[1] if "." in package else ""
+        listed = re.findall(r"`([\w.]+)`", names)
+        if (prefix or "vkvagent") not in ranks:
+            listed.append("")  # the package itself
+        for name in listed:
+            full = ".".join(p for p in (prefix, name) if p) or "vkvagent"
+            assert full not in ranks, f"{full} is in two layers"
+            ranks[full] = int(rank)
     return ranks
+
+
+def package_of(name: str) -> str:
+    """The package a module is in: ``knowledge`` for ``knowledge.flags`` and for ``knowledge``
+    itself; ``vkvagent`` for a top-level module."""
+    if (PACKAGE / name.replace(".", "/") / "__init__.py").exists():
+        return name
+    return name.rpartition(".")[0] or "vkvagent"
+
+
+def test_every_package_is_one_layer() -> None:
+    """The tree says what the table says: the modules of a package share one layer. The top
+    level holds the leaves, and ``__main__``, the program's entry, above everything."""
+    ranks = layers()
+    spans: dict[str, set[int]] = {}
+    for name in modules():
+        if name != "__main__":
+            spans.setdefault(package_of(name), set()).add(ranks[name])
+    assert {package: sorted(r) for package, r in spans.items() if len(r) > 1} == {}
+    assert ranks["__main__"] == max(ranks.values())
 
 
 def test_every_module_has_a_layer_and_every_import_goes_down() -> None:
@@ -91,7 +117,7 @@ def test_every_module_has_a_layer_and_every_import_goes_down() -> None:
             if ranks[target] > ranks[name]:
                 upward.append(f"{name} (layer {ranks[name]}) imports {target} ({ranks[target]})")
             # The agent never loads the simulator: only `vkvagent sim serve` starts it.
-            agent = not name.startswith("sim") and (name, target, lazy) != ("cli", "sim.cli", True)
+            agent = not name.startswith("sim") and (name, target, lazy) != ("tools.cli", "sim.cli", True)
             if target.startswith("sim") and agent:
                 upward.append(f"{name} imports the simulator's {target}")
     assert upward == []
@@ -135,10 +161,10 @@ def test_importing_the_engine_loads_nothing_of_the_outside() -> None:
 @pytest.mark.parametrize(
     ("adapter", "world"),
     [
-        ("vkvagent.config", "tomllib" if sys.version_info >= (3, 11) else "tomli"),
-        ("vkvagent.vllm", "http"),
-        ("vkvagent.systemd", "jeepney"),
-        ("vkvagent.ledger", "sqlite3"),
+        ("vkvagent.knowledge.config", "tomllib" if sys.version_info >= (3, 11) else "tomli"),
+        ("vkvagent.adapters.vllm", "http"),
+        ("vkvagent.adapters.systemd", "jeepney"),
+        ("vkvagent.adapters.ledger", "sqlite3"),
     ],
 )
 def test_the_purity_check_sees_an_adapters_world(adapter: str, world: str) -> None:

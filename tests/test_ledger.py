@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vkvagent.ledger import FILE_NAME, SCHEMA_VERSION, Ledger, LedgerError
+from vkvagent.adapters.ledger import FILE_NAME, SCHEMA_VERSION, Ledger, LedgerError
 
 
 def test_an_action_its_steps_and_its_outcome_are_kept_across_opens(tmp_path: Path) -> None:

@@ -30,9 +30,10 @@ from typing import Any
 import pytest
 
 from tests.sandbox import Sandbox, SandboxError, require, sandbox_fixture  # noqa: F401 - the `sandbox` fixture
-from vkvagent import __version__, config, hardening
-from vkvagent.cli import main
-from vkvagent.history import History
+from vkvagent import __version__
+from vkvagent.adapters.history import History
+from vkvagent.knowledge import config, hardening
+from vkvagent.tools.cli import main
 
 # The packages run on the system Python whichever Python runs pytest (their 3.9 and 3.13 runs
 # are a test of their own): `make test-pythons` leaves this module out.
@@ -291,8 +292,8 @@ def test_the_launcher_answers_in_one_line_while_its_tree_is_half_replaced(tmp_pa
     lib = tmp_path / "lib"
     (lib / "vkvagent").mkdir(parents=True)
     (lib / "vkvagent/__init__.py").write_text("")
-    (lib / "vkvagent/flags.py").write_text("")  # the older module, without `shown`
-    (lib / "vkvagent/cli.py").write_text("from vkvagent.flags import shown\n")
+    (lib / "vkvagent/knowledge/flags.py").write_text("")  # the older module, without `shown`
+    (lib / "vkvagent/tools/cli.py").write_text("from vkvagent.knowledge.flags import shown\n")
     launcher = tmp_path / "vkvagent"
     launcher.write_text(
         (PROJECT / "packaging/vkvagent").read_text().replace("/usr/lib/vkvagent", str(lib))

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.test_replay import ENFORCE, history, run_cli, write
-from vkvagent import plot, query_range, replay
+from vkvagent.adapters import query_range
 from vkvagent.engine import Settings
 from vkvagent.engine.policy import PolicySettings
+from vkvagent.tools import plot, replay
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -380,9 +380,9 @@ def test_apply_at_next_window_waits_for_the_window_then_returns() -> None:
 
     import pytest as _pytest
 
-    from vkvagent.actions import wait_for_window
     from vkvagent.engine.policy import PolicySettings
-    from vkvagent.exitcodes import CommandError
+    from vkvagent.tools.actions import wait_for_window
+    from vkvagent.tools.exitcodes import CommandError
 
     settings = PolicySettings(timezone="UTC", windows=("daily 02:00-04:00",))
     clock = [datetime(2026, 3, 2, 23, 0, tzinfo=timezone.utc)]

@@ -17,13 +17,13 @@ from prometheus_client import generate_latest
 from tests.httpserver import RawServer, free_port, read_request
 from tests.simproc import SimProcess
 from tests.test_daemon import events_of, process_start, write_config
-from vkvagent import status
-from vkvagent.daemon import Daemon
-from vkvagent.demo import scaled_clock
+from vkvagent.adapters.history import History
+from vkvagent.adapters.probe import Prober, ProbeResult, outcome_of
+from vkvagent.adapters.vllm import VllmClient
 from vkvagent.engine.progress import ProbeFacts
-from vkvagent.history import History
-from vkvagent.probe import Prober, ProbeResult, outcome_of
-from vkvagent.vllm import VllmClient
+from vkvagent.knowledge import status
+from vkvagent.service.daemon import Daemon
+from vkvagent.tools.demo import scaled_clock
 
 COMPLETION = json.dumps({"choices": [{"index": 0, "text": " the"}]}).encode()
 
@@ -260,8 +260,8 @@ def test_the_daemon_probes_an_idle_server_and_finds_it_healthy(tmp_path: Path) -
 
 def test_the_status_schema_names_every_outcome_a_probe_can_have() -> None:
     """status.PROBE_OUTCOMES is what the exporter and `status` list; outcome_of makes them."""
-    from vkvagent.status import PROBE_OUTCOMES
-    from vkvagent.vllm import ScrapeError
+    from vkvagent.adapters.vllm import ScrapeError
+    from vkvagent.knowledge.status import PROBE_OUTCOMES
 
     made = {
         outcome_of(error)

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 import pytest
 
 from tests.httpserver import RawServer
-from vkvagent import query_range
+from vkvagent.adapters import query_range
 
 START = datetime(2025, 3, 3, 0, 0, tzinfo=timezone.utc)  # a Monday, 00:00 UTC
 

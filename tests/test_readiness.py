@@ -1,4 +1,4 @@
-"""``GET /ready`` for load balancers: the answer from the last status (vkvagent/readiness.py),
+"""``GET /ready`` for load balancers: the answer from the last status (knowledge/readiness.py),
 and the exporter serving it beside the metrics over real loopback HTTP."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from tests.test_status import GONE, NOW, report
-from vkvagent.exporter import AgentMetrics, Exporter
-from vkvagent.readiness import readiness
-from vkvagent.status import StatusReport
+from vkvagent.adapters.exporter import AgentMetrics, Exporter
+from vkvagent.knowledge.readiness import readiness
+from vkvagent.knowledge.status import StatusReport
 
 SERVING = {"version": "0.32.0", "flavor": "v1-latest", "recognised": True, "uptime_s": 7200.0}
 

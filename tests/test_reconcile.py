@@ -1,4 +1,4 @@
-"""The flags loop's memory and verdicts (vkvagent/reconcile.py): pure, on values. The loop in
+"""The flags loop's memory and verdicts (knowledge/reconcile.py): pure, on values. The loop in
 the daemon, against a real systemd, is tests/test_flag_loop.py."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from vkvagent.engine.baseline import Baseline, BaselineSettings, Regime
-from vkvagent.flags import shown
-from vkvagent.reconcile import Change, FlagState, Judged, change_of, flags_key
+from vkvagent.knowledge.flags import shown
+from vkvagent.knowledge.reconcile import Change, FlagState, Judged, change_of, flags_key
 
 SETTINGS = BaselineSettings()
 BEFORE = ("vllm", "serve", "m")

@@ -14,12 +14,12 @@ import pytest
 from reliability import faults, kill, probe
 from reliability.report import Row
 from tests.sandbox import require
-from vkvagent.actuator import Actuator, ActuatorError
-from vkvagent.cli import main
-from vkvagent.dropin import DropinFile
-from vkvagent.ledger import Ledger
-from vkvagent.systemd import ExecCommand, Systemd, UnitState
-from vkvagent.vllm import VllmClient
+from vkvagent.actuation.actuator import Actuator, ActuatorError
+from vkvagent.adapters.ledger import Ledger
+from vkvagent.adapters.systemd import ExecCommand, Systemd, UnitState
+from vkvagent.adapters.vllm import VllmClient
+from vkvagent.knowledge.dropin import DropinFile
+from vkvagent.tools.cli import main
 
 
 def clean(row: Row) -> None:

@@ -10,8 +10,10 @@ import pytest
 from reliability import fuzz
 from reliability.report import table
 from tests.sandbox import require
-from vkvagent import config, query_range, replay, toml_schema
-from vkvagent.config import Config, ConfigError
+from vkvagent.adapters import query_range
+from vkvagent.knowledge import config, toml_schema
+from vkvagent.knowledge.config import Config, ConfigError
+from vkvagent.tools import replay
 
 
 @pytest.mark.parametrize("target", list(fuzz.TARGETS))

@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 
 from tests.sandbox import PROJECT, Sandbox, require
-from vkvagent import config, flags
-from vkvagent.config import Config, ConfigError
-from vkvagent.dropin import argv_hash, render_dropin
-from vkvagent.exporter import AgentMetrics, Exporter
-from vkvagent.flags import CATALOGUE, FlagError
-from vkvagent.ledger import Ledger
+from vkvagent.adapters.exporter import AgentMetrics, Exporter
+from vkvagent.adapters.ledger import Ledger
+from vkvagent.adapters.systemd import Systemd
+from vkvagent.knowledge import config, flags
+from vkvagent.knowledge.config import Config, ConfigError
+from vkvagent.knowledge.dropin import argv_hash, render_dropin
+from vkvagent.knowledge.flags import CATALOGUE, FlagError
+from vkvagent.knowledge.vllm_command import VllmCommandError, apply_flags
 from vkvagent.processes import stop_process
-from vkvagent.systemd import Systemd
-from vkvagent.vllm_command import VllmCommandError, apply_flags
 
 PACKAGE = PROJECT / "vkvagent"
 INJECTIONS = [
@@ -242,7 +242,7 @@ def test_the_metrics_endpoint_is_on_loopback_by_default() -> None:
 # container.py runs `ENGINE inspect`, the engine being the program of the unit's own
 # ExecStart= (whoever writes that runs code as root already), with an argv, never a shell.
 STARTS_PROCESSES = (
-    "vkvagent/sim/", "vkvagent/demo.py", "vkvagent/hooks.py", "vkvagent/processes.py",
+    "vkvagent/sim/", "vkvagent/tools/demo.py", "vkvagent/hooks.py", "vkvagent/processes.py",
     "vkvagent/container.py",
 )  # fmt: skip
 FORBIDDEN_CALLS = {

@@ -31,16 +31,17 @@ from prometheus_client.parser import parse_labels
 
 from tests.httpserver import RawServer, free_port
 from tests.simproc import SimProcess, get
-from vkvagent import query_range, timeline
-from vkvagent.cli import main
-from vkvagent.config import Config
+from vkvagent.adapters import query_range
 from vkvagent.engine import ACTIONS, Settings
 from vkvagent.engine.diagnosis import CAUSES
+from vkvagent.knowledge.config import Config
 from vkvagent.processes import stop_process
 from vkvagent.sim.capacity import Cluster, EngineModel, Scenario, capacity
 from vkvagent.sim.exposition import histogram_bounds, render
 from vkvagent.sim.stats import ServerInfo
 from vkvagent.sim.workload import Workload, azure_sizes, constant
+from vkvagent.tools import timeline
+from vkvagent.tools.cli import main
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 START = datetime(2025, 3, 3, 0, 0, tzinfo=timezone.utc)  # a Monday, 00:00 UTC

@@ -1,4 +1,4 @@
-"""The ledger's restarts as the policy reads them (vkvagent/restarting.py): which count, and
+"""The ledger's restarts as the policy reads them (vkvagent/service/restarting.py): which count, and
 each placed once on the monotonic clock. The restart the daemon carries out is tested with the
 daemon (test_daemon.py, test_fleet.py, test_daemon_systemd.py)."""
 
@@ -8,10 +8,10 @@ import io
 import time
 from pathlib import Path
 
-from vkvagent.events import Events
-from vkvagent.exporter import AgentMetrics
-from vkvagent.ledger import Ledger
-from vkvagent.restarting import RestartBook
+from vkvagent.adapters.exporter import AgentMetrics
+from vkvagent.adapters.ledger import Ledger
+from vkvagent.knowledge.events import Events
+from vkvagent.service.restarting import RestartBook
 
 
 def book() -> RestartBook:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from tests.conftest import FIXTURES, read_page
 from tests.httpserver import HttpServer, RawServer, free_port, read_request
+from vkvagent.adapters.gpu import GpuReader, NvmlUnavailable, RecordedBackend
+from vkvagent.adapters.history import History
+from vkvagent.adapters.sampler import Sampler, unit_facts
+from vkvagent.adapters.vllm import VllmClient
 from vkvagent.engine.samples import Sample
-from vkvagent.gpu import GpuReader, NvmlUnavailable, RecordedBackend
-from vkvagent.history import History
-from vkvagent.sampler import Sampler, unit_facts
-from vkvagent.vllm import VllmClient
 
 PAGE = read_page("v1-0.10.prom").encode()
 
@@ -90,8 +90,8 @@ def test_a_broken_page_is_an_invalid_sample() -> None:
 
 
 def test_the_units_state_goes_into_the_sample_and_its_failure_too() -> None:
+    from vkvagent.adapters.systemd import ExecCommand, SystemdError, UnitState
     from vkvagent.engine.samples import UnitFacts
-    from vkvagent.systemd import ExecCommand, SystemdError, UnitState
 
     state = UnitState(
         "vllm.service", "loaded", "active", "running", "success", 42, "ab" * 16, 1, 0,
@@ -123,7 +123,7 @@ def test_unit_facts_judge_growth_by_anon_memory_and_fall_back_to_memory_current(
     be read (cgroup v1, no such file), growth is judged on MemoryCurrent."""
     from dataclasses import replace
 
-    from vkvagent.systemd import ExecCommand, UnitState
+    from vkvagent.adapters.systemd import ExecCommand, UnitState
 
     state = UnitState(
         "vllm.service", "loaded", "active", "running", "success", 42, "ab" * 16, 1, 0,
@@ -165,8 +165,8 @@ def test_vllms_memory_is_read_from_its_containers_cgroup_when_the_engine_keeps_i
     With a recorded /proc and cgroup tree, and a ``docker`` that answers as Docker does."""
     from dataclasses import replace
 
-    from vkvagent.sampler import MemoryGroup
-    from vkvagent.systemd import ExecCommand, UnitState
+    from vkvagent.adapters.sampler import MemoryGroup
+    from vkvagent.adapters.systemd import ExecCommand, UnitState
 
     bin_dir, proc, root = tmp_path / "bin", tmp_path / "proc", tmp_path / "v2"
     asked = tmp_path / "asked"

@@ -29,7 +29,7 @@ import pytest
 
 from tests.sandbox import MASKED, PROJECT, Sandbox, require, sim_unit
 from tests.test_daemon_systemd import AGENT, CONFIG, agent_unit, log, write_config
-from vkvagent.events import CATALOGUE
+from vkvagent.knowledge.events import CATALOGUE
 
 DOC = PROJECT / "docs" / "events.md"
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vkvagent.gpu import GpuReader, RecordedBackend
+from vkvagent.adapters.gpu import GpuReader, RecordedBackend
 from vkvagent.sim.capacity import (
     SCENARIOS,
     STEP,

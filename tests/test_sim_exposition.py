@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import read_page
 from vkvagent.engine.samples import VllmMetrics
+from vkvagent.knowledge.vllm_metrics import FLAVORS, WANTED, Normaliser
 from vkvagent.sim.exposition import (
     CONTENT_TYPE,
     build_1_2_5_buckets,
@@ -21,7 +22,6 @@ from vkvagent.sim.exposition import (
     render,
 )
 from vkvagent.sim.stats import EngineStats, HttpStats, Observations, ServerInfo
-from vkvagent.vllm_metrics import FLAVORS, WANTED, Normaliser
 
 V0_07 = "v0-0.7-aibrix-doc-qwen2.5-coder-1.5b.prom"
 V1_08 = "v1-0.8-production-stack-318-qwen2.5-coder-32b.prom"

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.httpserver import free_port
 from tests.simproc import SimProcess, get, post_json
-from vkvagent.gpu import reader_for
-from vkvagent.vllm import VllmClient
-from vkvagent.vllm_metrics import FLAVORS, Normaliser
+from vkvagent.adapters.gpu import reader_for
+from vkvagent.adapters.vllm import VllmClient
+from vkvagent.knowledge.vllm_metrics import FLAVORS, Normaliser
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

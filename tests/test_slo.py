@@ -11,7 +11,6 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from tests.conftest import window_stats
-from vkvagent.config import Config, RestartConfig
 from vkvagent.engine import (
     EngineState,
     Histogram,
@@ -39,6 +38,7 @@ from vkvagent.engine.slo import (
 )
 from vkvagent.engine.tick import _budget
 from vkvagent.engine.traffic import TrafficProfile, rate_bin
+from vkvagent.knowledge.config import Config, RestartConfig
 
 BOUNDS = (0.1, 0.5, 1.0, 2.5, math.inf)
 SLO = SloSettings(availability=0.999, ttft_seconds=2.0, itl_seconds=0.1)

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from vkvagent import status, status_text
-from vkvagent.status import (
+from vkvagent.knowledge import status, status_text
+from vkvagent.knowledge.status import (
     FlagChange,
     FlagsStatus,
     FleetStatus,
@@ -40,8 +40,8 @@ from vkvagent.status import (
     is_stale,
     verdict_state,
 )
-from vkvagent.status_check import Range, checked, headline
-from vkvagent.status_text import costs_line, render, sparkline
+from vkvagent.knowledge.status_check import Range, checked, headline
+from vkvagent.knowledge.status_text import costs_line, render, sparkline
 
 NOW = 1_800_000_000.0
 GONE = 2**22 + 7  # above Linux's largest PID: a writer that no longer runs

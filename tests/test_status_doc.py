@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from tests.test_status import NOW, report
-from vkvagent import status
+from vkvagent.knowledge import status
 
 DOC = Path(__file__).resolve().parent.parent / "docs/status.md"
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+?) \| (.+) \|$")

@@ -1,4 +1,4 @@
-"""vkvagent.systemd against a real systemd 252 booted in systemd-nspawn (tests/sandbox.py),
+"""vkvagent.adapters.systemd against a real systemd 252 booted in systemd-nspawn (tests/sandbox.py),
 with the simulator running as vllm.service. No D-Bus mocks: every answer comes from systemd.
 
 Tests that restart, edit or stop get a freshly booted container each (``sandbox``); tests
@@ -27,7 +27,7 @@ from tests.sandbox import (
     shared_sandbox_fixture,  # noqa: F401 - the `shared_sandbox` fixture
     sim_argv,
 )
-from vkvagent.systemd import (
+from vkvagent.adapters.systemd import (
     ACCESS_DENIED,
     NO_SUCH_UNIT,
     TIMEOUT,
@@ -123,8 +123,8 @@ def test_the_units_control_group_and_its_anon_memory_in_the_containers_cgroup_fs
     the container's own /sys/fs/cgroup. The sandbox's hosts have hybrid cgroups: memory is
     accounted by the v1 controller, so there is no cgroup v2 memory.stat, anon is None and
     growth falls back to MemoryCurrent; the v1 memory.stat is there, without an anon line."""
-    from vkvagent.cgroup import read_anon
-    from vkvagent.sampler import unit_facts
+    from vkvagent.adapters.cgroup import read_anon
+    from vkvagent.adapters.sampler import unit_facts
 
     state = shared_systemd.unit(VLLM)
     assert state.control_group == "/system.slice/vllm.service"
@@ -159,7 +159,7 @@ def test_a_unit_that_never_ran_reads_as_inactive(shared_systemd: Systemd) -> Non
 # Read inside the container, where the unit's EnvironmentFile= is.
 KEYS = """
 import json, sys
-from vkvagent.systemd import Systemd
+from vkvagent.adapters.systemd import Systemd
 with Systemd() as bus:
     states = [bus.unit(name) for name in sys.argv[1:]]
 print(json.dumps([[s.exec_start[0].argv, s.api_key and [s.api_key.value, s.api_key.source],
@@ -418,7 +418,7 @@ def test_the_bus_going_away_mid_session(sandbox: Sandbox, systemd: Systemd) -> N
 
 
 UNPRIVILEGED = """
-from vkvagent.systemd import Systemd, SystemdError
+from vkvagent.adapters.systemd import Systemd, SystemdError
 systemd = Systemd()  # the container's own system bus, as the agent would use it
 print(systemd.unit("vllm.service").active_state)
 for call in (lambda: systemd.restart("vllm.service"), systemd.reload,
@@ -467,8 +467,8 @@ def test_access_denied_to_an_unprivileged_caller(sandbox: Sandbox, systemd: Syst
 def test_samples_carry_the_units_state_from_the_real_systemd(shared_systemd: Systemd) -> None:
     """What the daemon records each tick: InvocationID (restart detection) and the unit's
     memory, read over D-Bus with the sample."""
-    from vkvagent.sampler import Sampler
-    from vkvagent.vllm import VllmClient
+    from vkvagent.adapters.sampler import Sampler
+    from vkvagent.adapters.vllm import VllmClient
 
     sampler = Sampler(VllmClient("http://127.0.0.1:9"), unit=lambda: shared_systemd.unit(VLLM))
     sample = sampler.take()
@@ -479,7 +479,7 @@ def test_samples_carry_the_units_state_from_the_real_systemd(shared_systemd: Sys
 
 
 def test_the_units_own_output_is_read_back_from_the_real_journal(sandbox: Sandbox) -> None:
-    """vkvagent.unitlog reads journald through libsystemd inside the container: only the
+    """vkvagent.adapters.unitlog reads journald through libsystemd inside the container: only the
     unit's own lines, only those since the moment asked for and not of the invocation it is
     told to skip, in order."""
     script = "echo before; sleep 1.2; echo one; echo 'ValueError: two'; echo three"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import parse_labels
 
-from vkvagent import query_range, timeline
+from vkvagent.adapters import query_range
+from vkvagent.tools import timeline
 
 
 def series(name: str, points: list[tuple[float, float]], **labels: str) -> query_range.Series:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vkvagent.unitlog import MAX_LINE, error_line
+from vkvagent.adapters.unitlog import MAX_LINE, error_line
 
 LOGS = Path(__file__).parent / "fixtures" / "vllm"
 

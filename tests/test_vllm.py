@@ -39,10 +39,10 @@ from tests.httpserver import (
     peer_hung_up,
     read_request,
 )
-from vkvagent import cli
+from vkvagent.adapters.vllm import ScrapeError, VllmClient, base_url
 from vkvagent.engine.samples import VllmMetrics
-from vkvagent.exitcodes import ExitCode
-from vkvagent.vllm import ScrapeError, VllmClient, base_url
+from vkvagent.tools import cli
+from vkvagent.tools.exitcodes import ExitCode
 
 CONNECT = 0.3  # connect_timeout of the clients under test, seconds
 READ = 0.5  # read_timeout

@@ -72,7 +72,7 @@ windows = []
 # The history read inside the container (SQLite cannot open it through /proc/PID/root).
 PROBES = """
 import json, sys
-from vkvagent.history import History
+from vkvagent.adapters.history import History
 with History(sys.argv[1], readonly=True) as history:
     print(json.dumps([p.to_json() for p in history.probes()]))
 """

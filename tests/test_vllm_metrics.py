@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import METRIC_PAGES, counter, gauge, page, read_page
 from vkvagent.engine.samples import VllmMetrics
+from vkvagent.knowledge.vllm_metrics import ExpositionError, Normaliser
 from vkvagent.sim.stats import EngineStats
-from vkvagent.vllm_metrics import ExpositionError, Normaliser
 
 V0_07 = "v0-0.7-aibrix-doc-qwen2.5-coder-1.5b.prom"
 V1_08 = "v1-0.8-production-stack-318-qwen2.5-coder-32b.prom"

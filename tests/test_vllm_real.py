@@ -49,12 +49,12 @@ from tests.test_actuator import (
 )
 from tests.test_advice import sandbox_status
 from tests.test_daemon_systemd import AGENT, agent_unit, events, wait_event
+from vkvagent.adapters.ledger import Action
 from vkvagent.engine.baseline import WindowStats, window_stats
 from vkvagent.engine.diagnosis import DiagnosisSettings, mix_change
 from vkvagent.engine.samples import Histogram, VllmMetrics
 from vkvagent.engine.slo import difference, share_within
-from vkvagent.ledger import Action
-from vkvagent.vllm_metrics import Normaliser
+from vkvagent.knowledge.vllm_metrics import Normaliser
 
 pytestmark = [pytest.mark.vllm, pytest.mark.systemd]
 

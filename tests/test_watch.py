@@ -1,4 +1,4 @@
-"""What the daemon notices in the samples (vkvagent/watch.py): vLLM's process ending without
+"""What the daemon notices in the samples (vkvagent/service/watch.py): vLLM's process ending without
 vkvagent asking, and why it is down, from the journal. The sources' and the probe's events
 are tested with the daemon (test_daemon_sources.py, test_probe.py)."""
 
@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 
 from tests.conftest import metrics
-from vkvagent import unitlog
+from vkvagent.adapters import unitlog
 from vkvagent.engine.samples import Sample, UnitFacts
-from vkvagent.events import Events
-from vkvagent.watch import JOURNAL_LAG, UnitWatch
+from vkvagent.knowledge.events import Events
+from vkvagent.service.watch import JOURNAL_LAG, UnitWatch
 
 
 def events_of(stream: io.StringIO) -> list[dict[str, object]]:

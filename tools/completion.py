@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vkvagent.cli import _parser
+from vkvagent.tools.cli import _parser
 
 
 @dataclass

@@ -4,12 +4,12 @@ with its spellings, type, choices, nargs and whether it is a ``--x/--no-x`` pair
 Run it with the Python that has vLLM installed (``make vllm-flag-facts`` does, for the vLLM of
 ``make vllm-real``)::
 
-    python tools/vllm_flag_facts.py > vkvagent/data/vllm-options-0.32.0.json
+    python tools/vllm_flag_facts.py > vkvagent/knowledge/data/vllm-options-0.32.0.json
 
-vkvagent's command-line reader learns from these files which options take no value or several
-(vkvagent/vllm_command.py), and tests/test_flag_facts.py checks the flag catalogue and the simulator
-against them. So a new vLLM release starts as a new facts file, one option a line: the tests
-then name every flag whose existence, type or choices changed.
+vkvagent's command-line reader learns from these files which options take no value or
+several (knowledge/vllm_command.py), and tests/test_flag_facts.py checks the flag catalogue and
+the simulator against them. So a new vLLM release starts as a new facts file, one option a
+line: the tests then name every flag whose existence, type or choices changed.
 """
 
 from __future__ import annotations

@@ -1,3 +1,3 @@
-from vkvagent.cli import main
+from vkvagent.tools.cli import main
 
 raise SystemExit(main())

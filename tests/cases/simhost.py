@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from types import MappingProxyType
 
+from vkvagent.adapters.gpu import GpuReader, RecordedBackend
 from vkvagent.engine import Decision, EngineState, Observation, Settings, decide
 from vkvagent.engine.memory import MemoryPoint
 from vkvagent.engine.policy import RestartRecord
 from vkvagent.engine.samples import Histogram, Sample, VllmMetrics
-from vkvagent.gpu import GpuReader, RecordedBackend
 from vkvagent.sim.capacity import Cluster, EngineModel, Scenario, capacity
 from vkvagent.sim.exposition import histogram_bounds
 from vkvagent.sim.workload import Workload, azure_sizes, constant

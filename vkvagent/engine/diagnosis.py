@@ -86,7 +86,7 @@ class DiagnosisSettings:
     mix_tolerance: float = 0.5
     prefix_drop: float = 0.2  # the prefix-cache hit ratio this far below the fresh run's: too
     stall_after: float = 120.0  # requests pending and no token or step for this long
-    # The active probe (vkvagent.probe) is wanted once no token or step has moved for this
+    # The active probe (vkvagent.adapters.probe) is wanted once no token or step has moved for this
     # long, at most once per this long; 0: never probe.
     probe_after: float = 60.0
     unresponsive_after: float = 90.0  # /metrics accepts connections but never answers: this long

@@ -3,7 +3,7 @@
 A stall is told by clocks, not by one sample: when a work counter last moved, and since when
 the engine has had work by its gauges, overall and on each data-parallel engine (one engine
 stuck among busy ones moves the totals nowhere near a stall). The active probe's findings
-(``ProbeFacts``, from vkvagent.probe) settle what the gauges cannot: an answered probe proves
+(``ProbeFacts``, from adapters.probe) settle what the gauges cannot: an answered probe proves
 the engine alive, an unanswered one that it was not idle but stuck. Diagnosis names the
 ``stall`` from the ``Stall`` these clocks give; tick carries the clocks in the diagnosis state.
 

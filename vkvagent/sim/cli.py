@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TextIO
 
+from vkvagent.knowledge.vllm_metrics import FLAVORS
 from vkvagent.sim.capacity import SCENARIOS
 from vkvagent.sim.serve_args import (
     FLAVOR_VERSIONS,
@@ -20,7 +21,6 @@ from vkvagent.sim.serve_args import (
     resolve_for_model,
 )
 from vkvagent.sim.server import MODEL_MAX_LEN, SimOptions, serve
-from vkvagent.vllm_metrics import FLAVORS
 
 USAGE = "vkvagent sim serve MODEL [vLLM flags] [simulator options]"
 

@@ -1,6 +1,6 @@
 """The simulator's ``/metrics`` page, printed the way a chosen vLLM version prints it.
 
-Each flavour (``vkvagent.vllm_metrics.FLAVORS``) lists its families in the order, with the HELP
+Each flavour (``knowledge.vllm_metrics.FLAVORS``) lists its families in the order, with the HELP
 text, type, labels and histogram buckets of that version's metric loggers (the sources are
 tests/fixtures/metrics/SOURCES.md and docs/metrics.md):
 

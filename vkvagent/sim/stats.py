@@ -68,7 +68,7 @@ class ServerInfo:
     """What does not change while the server runs."""
 
     model: str  # the served model name (model_name label)
-    flavor: str  # one of vkvagent.vllm_metrics.FLAVORS
+    flavor: str  # one of vkvagent.knowledge.vllm_metrics.FLAVORS
     version: str  # what GET /version answers
     max_model_len: int
     cache_config: dict[str, str]  # vllm:cache_config_info labels (without engine)

@@ -1,0 +1,1 @@
+"""The operator's commands: the vkvagent command line, replay and its plot, and the demo."""
