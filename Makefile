@@ -211,7 +211,7 @@ reliability: dev
 	$(BIN)/python -m reliability
 
 config-example: dev
-	$(BIN)/python -c 'from vkvagent import config, toml_schema; \
+	$(BIN)/python -c 'from vkvagent.knowledge import config, toml_schema; \
 	open("config.example.toml", "w").write(toml_schema.render(config.Config(), with_docs=True))'
 
 # dist/vkvagent_<version>_all.deb and dist/vkvagent-<version>-1.noarch.rpm (packaging/README.md).

@@ -72,7 +72,7 @@ with open(sys.argv[1], "w", encoding="utf-8") as handle:
     handle.write(text)
 EOF
 # The shipped file must mean exactly the built-in defaults.
-PYTHONPATH=. "$PYTHON" -c 'import sys; from pathlib import Path; from vkvagent import config
+PYTHONPATH=. "$PYTHON" -c 'import sys; from pathlib import Path; from vkvagent.knowledge import config
 sys.exit(config.load(Path(sys.argv[1]), as_root=False) != config.Config())' "$stage/config.toml"
 
 # Shell completion, generated from the command's own parser so it names every option.

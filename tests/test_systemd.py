@@ -493,7 +493,7 @@ def test_the_units_own_output_is_read_back_from_the_real_journal(sandbox: Sandbo
     first, second = (entry["_SYSTEMD_INVOCATION_ID"] for entry in befores)
     since = int(befores[0]["__REALTIME_TIMESTAMP"]) / 1e6 + 0.6  # after the first "before"
     read = (
-        "import sys, json; from vkvagent import unitlog; since = float(sys.argv[1]); "
+        "import sys, json; from vkvagent.adapters import unitlog; since = float(sys.argv[1]); "
         "print(json.dumps([unitlog.read('talker.service', since), "
         "unitlog.read('talker.service', since, skip=sys.argv[2]), "
         "unitlog.why_it_failed('talker.service', since, sys.argv[2]), "
