@@ -12,12 +12,11 @@ import contextlib
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vkvagent import apikey
 from vkvagent.actuation.actuator import Actuator, ActuatorError, Plan
 from vkvagent.actuation.drain import DRAIN_FLAG, STOP_MARGIN
-from vkvagent.adapters import fleet
 from vkvagent.adapters.gpu import reader_for
 from vkvagent.adapters.history import History
 from vkvagent.adapters.ledger import Ledger
@@ -28,6 +27,9 @@ from vkvagent.adapters.vllm import VllmClient
 from vkvagent.knowledge import config, status
 from vkvagent.knowledge.events import Events
 from vkvagent.knowledge.flags import FlagError
+
+if TYPE_CHECKING:
+    from vkvagent.adapters.fleet import Gate
 
 
 class Parts:
@@ -45,7 +47,11 @@ class Parts:
     ) -> None:
         self.config = cfg
         # [fleet]: at most N hosts of a group restarting at once (None: no fleet configured)
-        self.fleet = fleet.Gate(cfg.fleet, emit) if cfg.fleet.endpoints else None
+        self.fleet: Gate | None = None
+        if cfg.fleet.endpoints:
+            from vkvagent.adapters import fleet  # noqa: PLC0415 - etcd's client only for a fleet
+
+            self.fleet = fleet.Gate(cfg.fleet, emit)
         self.settings = cfg.engine_settings()
         self.state_dir = Path(cfg.agent.state_dir)
         self.state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)

@@ -17,11 +17,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vkvagent.actuation.actuator import Actuator, ActuatorError
 from vkvagent.actuation.outcome import Outcome
-from vkvagent.adapters import fleet
 from vkvagent.adapters.exporter import AgentMetrics
 from vkvagent.adapters.ledger import Action, Ledger, LedgerError
 from vkvagent.engine import Decision
@@ -31,6 +30,9 @@ from vkvagent.knowledge import status
 from vkvagent.knowledge.reconcile import change_of
 from vkvagent.service.flag_loop import FlagsDue
 from vkvagent.service.parts import Parts
+
+if TYPE_CHECKING:
+    from vkvagent.adapters import fleet
 
 RESTART_KINDS = ("restart", "apply", "rollback")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -17,11 +18,10 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from vkvagent import __version__
-from vkvagent.adapters import controls, query_range
+from vkvagent.adapters import controls
 from vkvagent.engine.policy import MODES
 from vkvagent.errors import NEEDS_OPERATOR, NeedsOperator, VkvagentError
 from vkvagent.knowledge import advice, config, status, status_check, status_text
-from vkvagent.tools import actions, config_check, readings, replay
 from vkvagent.tools.exitcodes import CommandError, ExitCode, UsageError
 
 
@@ -47,6 +47,18 @@ def _stdout_to_devnull() -> None:
     # A stdout without a descriptor (tests) has nothing to flush at exit.
     with contextlib.suppress(OSError, ValueError, AttributeError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _later(module: str, name: str) -> Callable[[argparse.Namespace, TextIO], int]:
+    """A command whose module is imported only when it runs, so that ``vkvagent run`` loads
+    the daemon's code and none of the other commands'."""
+
+    def command(args: argparse.Namespace, out: TextIO) -> int:
+        run: Callable[[argparse.Namespace, TextIO], int]
+        run = getattr(importlib.import_module(f"vkvagent.tools.{module}"), name)
+        return run(args, out)
+
+    return command
 
 
 def _dispatch(argv: Sequence[str] | None, out: TextIO, err: TextIO) -> int:
@@ -102,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     scrape.add_argument("--model", help="read only this model_name (default: config, or all)")
     scrape.add_argument("--json", action="store_true", help="print one JSON object")
     _config_option(scrape)
-    scrape.set_defaults(command=readings.scrape)
+    scrape.set_defaults(command=_later("readings", "scrape"))
 
     gpu = commands.add_parser("gpu", help="read the GPUs through NVML once")
     gpu.add_argument("--json", action="store_true", help="print one JSON object")
@@ -120,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
         help="read from a file made by --record instead of NVML",
     )
     _config_option(gpu)
-    gpu.set_defaults(command=readings.gpu)
+    gpu.set_defaults(command=_later("readings", "gpu"))
 
     plan = commands.add_parser(
         "plan", help="show the command line [vllm.flags] would give vLLM, before and after"
@@ -140,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     _config_option(plan)
-    plan.set_defaults(command=actions.plan)
+    plan.set_defaults(command=_later("actions", "plan"))
 
     apply = commands.add_parser(
         "apply", help="apply [vllm.flags] now: drop-in, restart, attest; rolled back on failure"
@@ -153,11 +165,11 @@ def _parser() -> argparse.ArgumentParser:
         help="wait until a [policy] restart window is open, then apply (now, if one is)",
     )
     _action_options(apply)
-    apply.set_defaults(command=actions.apply)
+    apply.set_defaults(command=_later("actions", "apply"))
 
     restart = commands.add_parser("restart", help="restart vLLM through the safe path")
     _action_options(restart)
-    restart.set_defaults(command=actions.restart)
+    restart.set_defaults(command=_later("actions", "restart"))
 
     rollback = commands.add_parser(
         "rollback", help="put back the drop-in vkvagent replaced last, and restart"
@@ -167,13 +179,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     _fleet_option(rollback)
     _config_option(rollback)
-    rollback.set_defaults(command=actions.rollback)
+    rollback.set_defaults(command=_later("actions", "rollback"))
 
     adopt = commands.add_parser(
         "adopt", help="accept the unit's current command line (someone's manual edits included)"
     )
     _config_option(adopt)
-    adopt.set_defaults(command=actions.adopt)
+    adopt.set_defaults(command=_later("actions", "adopt"))
 
     replayer = commands.add_parser(
         "replay",
@@ -302,7 +314,7 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         help="a file, or a directory with config.toml and conf.d/ (default: /etc/vkvagent)",
     )
-    check.set_defaults(command=config_check.check)
+    check.set_defaults(command=_later("config_check", "check"))
     config_cmd.set_defaults(command=_usage(config_cmd))
 
     sim = commands.add_parser(
@@ -427,12 +439,12 @@ def _status(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _pause(args: argparse.Namespace, out: TextIO) -> int:
+    from vkvagent.adapters.query_range import parse_duration, parse_time  # noqa: PLC0415
+
     now = time.time()
     try:
         until = (
-            now + query_range.parse_duration(args.duration)
-            if args.duration
-            else query_range.parse_time(args.until, now)
+            now + parse_duration(args.duration) if args.duration else parse_time(args.until, now)
         )
     except ValueError as exc:
         raise UsageError(f"pause: {exc}") from None
@@ -464,6 +476,9 @@ def _demo(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _replay(args: argparse.Namespace, out: TextIO) -> int:
+    from vkvagent.adapters import query_range  # noqa: PLC0415 - the daemon needs neither
+    from vkvagent.tools import replay  # noqa: PLC0415
+
     if args.plot:
         from vkvagent.tools import plot  # noqa: PLC0415 - matplotlib only when a picture is asked for
 
