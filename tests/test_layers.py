@@ -28,8 +28,6 @@ OUTSIDE = (
     "subprocess",
     "prometheus_client",
     "pynvml",
-    "structlog",
-    "apscheduler",
 )
 
 

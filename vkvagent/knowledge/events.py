@@ -4,13 +4,12 @@ Every event has a stable name (``VKV_EVENT=restart.completed``), a fixed ``MESSA
 name, a syslog ``PRIORITY``, a one-line ``MESSAGE`` for people, and every input, threshold and
 reason as its own field. Under systemd (stderr is the journal: ``JOURNAL_STREAM``) events go to
 journald through its native protocol, so fields stay fields; anywhere else they are one JSON
-object per line on stderr. structlog carries the bound context and the timestamp; the two
-renderers at the end are this module's. docs/events.md is the catalogue.
+object per line on stderr. Each event is stamped, stripped of secrets and rendered, in that
+order. docs/events.md is the catalogue.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -23,8 +22,6 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, TextIO
-
-import structlog
 
 from vkvagent import apikey
 from vkvagent.jsonsafe import finite
@@ -207,9 +204,7 @@ def under_journald(stream: TextIO = sys.stderr) -> bool:
     return expected == f"{st.st_dev}:{st.st_ino}"
 
 
-def _without_secrets(
-    _logger: Any, _method: str, event: MutableMapping[str, Any]
-) -> MutableMapping[str, Any]:
+def _without_secrets(event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """Every text of the event without vLLM's API key (``apikey.redact``): a journal line or
     a command line quoted in it may hold one."""
     for key, value in event.items():
@@ -241,9 +236,6 @@ class Events:
         self.journal = journal
         self.stream = stream if stream is not None else sys.stderr
         self._now = now
-        self.log = structlog.wrap_logger(
-            None, processors=[self._stamp, _without_secrets, self._render]
-        )
 
     @classmethod
     def for_environment(cls, now: Callable[[], float] = time.time) -> Events:
@@ -260,19 +252,14 @@ class Events:
     def emit(self, name: str, message: str, **fields: Any) -> None:
         if name not in CATALOGUE:
             raise ValueError(f"unknown event {name!r}")
-        with contextlib.suppress(structlog.DropEvent):
-            self.log.msg(name, message=message, **fields)
-
-    def _stamp(
-        self, _logger: Any, _method: str, event: MutableMapping[str, Any]
-    ) -> MutableMapping[str, Any]:
+        event: dict[str, Any] = {"message": message, **fields, "event": name}
         event["timestamp"] = datetime.fromtimestamp(self._now(), timezone.utc).isoformat()
-        return event
+        self._render(_without_secrets(event))
 
-    def _render(self, _logger: Any, _method: str, event: MutableMapping[str, Any]) -> Any:
+    def _render(self, event: MutableMapping[str, Any]) -> None:
         if self.journal is not None:
             self.journal.write(journal_fields(event))
-            raise structlog.DropEvent
+            return
         name = str(event.pop("event"))
         kind = CATALOGUE[name]
         line = {
@@ -285,4 +272,3 @@ class Events:
         }
         self.stream.write(json.dumps(finite(line), default=str) + "\n")
         self.stream.flush()
-        raise structlog.DropEvent

@@ -1,6 +1,6 @@
 """The daemon, ``vkvagent run``: sample, decide, act, report, on a schedule.
 
-One apscheduler job runs the tick every ``sample_interval``: take a sample (vLLM, GPUs, the
+A ``Ticker`` runs the tick every ``sample_interval``: take a sample (vLLM, GPUs, the
 unit over D-Bus), store it, run the engine, act on a restart decision through the actuator
 (one action at a time, under the state directory's lock), then write the status, publish
 the metrics and tell systemd the loop is alive (``WATCHDOG=1`` from the tick itself, so a hung
@@ -18,7 +18,6 @@ decision's and the objectives' events (``decision_log``, ``slo_alerts``), the st
 
 from __future__ import annotations
 
-import logging
 import math
 import signal
 import threading
@@ -30,7 +29,6 @@ from pathlib import Path
 from typing import TextIO
 
 import sdnotify
-from apscheduler.schedulers.background import BackgroundScheduler
 
 from vkvagent import __version__
 from vkvagent.actuation.actuator import Plan
@@ -54,6 +52,7 @@ from vkvagent.service.parts import Parts, RememberedEvents
 from vkvagent.service.restarting import RestartBook, Restarter
 from vkvagent.service.slo_alerts import BurnAlerts
 from vkvagent.service.status_report import StatusReporter, last_restart, status_line
+from vkvagent.service.ticker import Ticker
 from vkvagent.service.watch import ProbeWatch, SourceWatch, UnitWatch
 
 HISTORY_PRUNE_EVERY = 3600.0
@@ -141,19 +140,8 @@ class Daemon:
 
     def run(self) -> int:
         """Until SIGTERM or SIGINT. Returns the exit status."""
-        logging.getLogger("apscheduler").setLevel(logging.ERROR)
         self.restarter.recover(self.parts.actuator)
-        scheduler = BackgroundScheduler(timezone=timezone.utc)
-        scheduler.add_job(
-            self._job,
-            "interval",
-            seconds=self.parts.config.agent.sample_interval / self.clock.scale,
-            next_run_time=datetime.now(timezone.utc),
-            max_instances=1,
-            coalesce=True,
-            misfire_grace_time=None,
-            id="tick",
-        )
+        ticker = Ticker(self._job, self.parts.config.agent.sample_interval / self.clock.scale)
         handlers = {
             signal.SIGTERM: self._on_stop,
             signal.SIGINT: self._on_stop,
@@ -161,7 +149,7 @@ class Daemon:
         }
         previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
         try:
-            scheduler.start()
+            ticker.start()
             self.notify("READY=1\nSTATUS=started; first evaluation under way")
             cfg = self.parts.config
             self.events.emit(
@@ -182,15 +170,11 @@ class Daemon:
                 if self._reload and not self.stopping.is_set():
                     self._reload = False
                     self.reload()
-                    scheduler.reschedule_job(
-                        "tick",
-                        trigger="interval",
-                        seconds=self.parts.config.agent.sample_interval / self.clock.scale,
-                    )
+                    ticker.reschedule(self.parts.config.agent.sample_interval / self.clock.scale)
         finally:
             self.notify("STOPPING=1")
             self.events.emit("agent.stopping", "vkvagent is stopping")
-            scheduler.shutdown(wait=True)
+            ticker.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.close()

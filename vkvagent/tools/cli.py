@@ -367,7 +367,7 @@ def _config_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, _out: TextIO) -> int:
-    from vkvagent.service.daemon import Daemon  # noqa: PLC0415 - apscheduler only for the daemon
+    from vkvagent.service.daemon import Daemon  # noqa: PLC0415 - the daemon's code only for the daemon
 
     try:
         daemon = Daemon(args.config)
