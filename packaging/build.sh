@@ -49,7 +49,7 @@ PYTHONPATH=. "$PYTHON" - "$stage/config.toml" <<'EOF'
 import re
 import sys
 
-from vkvagent import config, toml_schema
+from vkvagent.knowledge import config, toml_schema
 
 lines = [
     "# vkvagent's configuration. Each key is shown with its default; uncomment to change it.",

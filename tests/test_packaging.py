@@ -67,7 +67,7 @@ COMMON_FILES = (
     "/usr/share/vkvagent/grafana/vkvagent.json",
     "/usr/share/vkvagent/siem/rsyslog-vkvagent.conf",
     "/usr/share/bash-completion/completions/vkvagent",
-    "/usr/lib/vkvagent/vkvagent/cli.py",
+    "/usr/lib/vkvagent/vkvagent/tools/cli.py",
     "/usr/lib/vkvagent/jeepney/__init__.py",
     "/usr/lib/vkvagent/prometheus_client/__init__.py",
     "/usr/lib/vkvagent/pynvml.py",
@@ -290,8 +290,9 @@ def test_the_launcher_answers_in_one_line_while_its_tree_is_half_replaced(tmp_pa
     find a cli.py of one version importing a name another version's module lacks. It says so
     in one line, no traceback; `status` exits 3 (unknown) as a check expects."""
     lib = tmp_path / "lib"
-    (lib / "vkvagent").mkdir(parents=True)
-    (lib / "vkvagent/__init__.py").write_text("")
+    for package in ("vkvagent", "vkvagent/knowledge", "vkvagent/tools"):
+        (lib / package).mkdir(parents=True)
+        (lib / package / "__init__.py").write_text("")
     (lib / "vkvagent/knowledge/flags.py").write_text("")  # the older module, without `shown`
     (lib / "vkvagent/tools/cli.py").write_text("from vkvagent.knowledge.flags import shown\n")
     launcher = tmp_path / "vkvagent"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import timezone
 from typing import Any
 
 from vkvagent.actuation.actuator import ActuatorError, Plan
@@ -132,7 +132,7 @@ class FlagLoop:
                 kind=due.kind,
                 flags=rendered(due.plan.changes),
                 apply=apply,
-                next_window=_iso(decision.next_window.timestamp())
+                next_window=decision.next_window.astimezone(timezone.utc).isoformat()
                 if decision.next_window
                 else None,
             )
@@ -290,7 +290,3 @@ def _vllm_failed(ledger: Ledger, action_id: int) -> bool:
     except LedgerError:
         return False
     return action.reached("ready") and not action.finished("attest")
-
-
-def _iso(at: float) -> str:
-    return datetime.fromtimestamp(at, timezone.utc).isoformat()
