@@ -27,6 +27,7 @@ from tests.sandbox import (
     shared_sandbox_fixture,  # noqa: F401 - the `shared_sandbox` fixture
     sim_argv,
 )
+from vkvagent.actuation.restarted import wait_ready
 from vkvagent.adapters.systemd import (
     ACCESS_DENIED,
     NO_SUCH_UNIT,
@@ -37,6 +38,9 @@ from vkvagent.adapters.systemd import (
     SystemdError,
     UnitState,
 )
+from vkvagent.adapters.vllm import ScrapeError
+from vkvagent.engine.samples import VllmMetrics
+from vkvagent.knowledge.vllm_metrics import Normaliser
 
 pytestmark = pytest.mark.systemd
 VLLM = "vllm.service"
@@ -271,6 +275,51 @@ def test_the_start_limit_fails_the_sixth_start_until_reset_failed(
     assert (state.active_state, state.sub_state, state.result) == ("inactive", "dead", "success")
     assert systemd.restart(VLLM, timeout=30) == "done"  # the counter went with the failure
     assert systemd.unit(VLLM).active_state == "active"
+
+
+def test_a_restart_asked_for_while_restart_waits_keeps_nrestarts_and_the_new_run_is_ready(
+    sandbox: Sandbox, systemd: Systemd
+) -> None:
+    """systemd clears NRestarts at a start only when the unit went down for good: a restart
+    asked for while Restart= waits to start the unit again (a rollback after a broken flag)
+    brings up a run that still counts 1. wait_ready counts from the new run's first reading,
+    so that run, which serves, is ready, not "exited and Restart= is starting it again"."""
+    script = f"test -e /run/fixed || {{ sleep 0.5; exit 1; }}; exec {exec_line(sim_argv())}"
+    sandbox.write_unit(
+        "vllm.service.d/50-broken.conf",
+        "[Service]\nRestart=on-failure\nRestartSec=5\nExecStart=\n"
+        f"ExecStart={exec_line(['/bin/sh', '-c', script])}\n",
+    )
+    systemd.reload()
+    assert systemd.restart(VLLM, timeout=30) == "done"
+    deadline = time.monotonic() + 20
+    state = systemd.unit(VLLM)
+    # The second failure: NRestarts and Result come from one read of the service's
+    # properties (the unit's own, such as SubState, from another, a moment apart).
+    while not (
+        state.sub_state == "auto-restart" and (state.n_restarts, state.result) == (1, "exit-code")
+    ):
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+        state = systemd.unit(VLLM)
+    sandbox.run("touch", "/run/fixed")
+    assert systemd.restart(VLLM, timeout=30) == "done"
+    after = systemd.unit(VLLM)
+    assert (after.active_state, after.result, after.n_restarts) == ("active", "success", 1)
+
+    def scrape() -> VllmMetrics:
+        try:
+            return Normaliser().normalise(sandbox.http_get(8000, "/metrics")[1].decode())
+        except OSError as exc:
+            raise ScrapeError(str(exc)) from None
+
+    metrics = wait_ready(
+        VLLM, state.invocation_id, read_unit=lambda: systemd.unit(VLLM), scrape=scrape,
+        timeout=20, poll_interval=0.2, clock=time.monotonic, sleep=time.sleep,
+        progress=lambda _line: None,
+    )  # fmt: skip
+    assert metrics.models == (MODEL,)
+    assert systemd.unit(VLLM).invocation_id == after.invocation_id
 
 
 def test_no_start_limit_with_start_limit_interval_zero(sandbox: Sandbox, systemd: Systemd) -> None:

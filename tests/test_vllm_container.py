@@ -86,6 +86,15 @@ def container_box_fixture() -> Iterator[Sandbox]:
         yield box
 
 
+@pytest.fixture(autouse=True)
+def _each_alone(box: Sandbox) -> Iterator[None]:
+    """What a test left behind, a daemon still running or vLLM down, is not the next one's."""
+    yield
+    box.run("systemctl", "stop", AGENT, check=False)
+    box.run("systemctl", "start", "vllm.service", check=False)
+    box.wait_http(timeout=START_TIMEOUT)
+
+
 DAEMON_CONFIG = f"""\
 [agent]
 sample_interval = {INTERVAL:g}

@@ -106,7 +106,7 @@ class UnitState:
     main_pid: int  # 0 when no main process runs
     invocation_id: str  # 32 hex digits, new for every start; "" when never started
     exec_main_start_timestamp: int  # CLOCK_REALTIME, µs since the epoch; 0 when never started
-    n_restarts: int  # automatic restarts (Restart=) only; a manual restart sets it back to 0
+    n_restarts: int  # automatic restarts (Restart=) only; see restarted.restarted for the reset
     memory_current: int | None  # bytes; None when not accounted
     exec_start: tuple[ExecCommand, ...]
     fragment_path: str  # the unit file; "" when there is none
