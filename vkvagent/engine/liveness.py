@@ -118,7 +118,7 @@ def observe(
         exits = 0
         if state.unit is not None:
             was_state, was_restarts = state.unit
-            if unit.n_restarts > was_restarts:  # a requested start sets it back to 0
+            if unit.n_restarts > was_restarts:  # a requested start never raises it
                 exits = unit.n_restarts - was_restarts
             elif (
                 unit.active_state in ("inactive", "failed")

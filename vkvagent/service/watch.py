@@ -97,7 +97,7 @@ class UnitWatch:
             "error": line or None,
         }
         said = f"vLLM {now.last_exit or 'exited'}" + (f" ({line})" if line else "")
-        # NRestarts counts Restart='s starts since the last requested one, which sets it to 0.
+        # NRestarts counts Restart='s starts; a requested start sets it to 0 or keeps it.
         if now.n_restarts > 0 and now.n_restarts != before.n_restarts:
             self.emit(
                 "unit.exited",
