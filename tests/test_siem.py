@@ -240,6 +240,14 @@ def delivered_all(box: Sandbox, sinks: dict[str, Siem], want: int) -> bool:
     )
 
 
+def wait_delivered(box: Sandbox, sinks: dict[str, Siem], want: int, timeout: float = 30) -> None:
+    """Until every collector has delivered ``want`` events, or ``timeout`` seconds (the
+    tests then say what is missing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not delivered_all(box, sinks, want):
+        time.sleep(0.2)
+
+
 @pytest.fixture(name="shipped_run", scope="module")
 def shipped_run_fixture() -> Iterator[Run]:
     """The events, emitted and shipped once for the three tests."""
@@ -264,11 +272,14 @@ def shipped_run_fixture() -> Iterator[Run]:
             wait_events(box, {"agent.started": 1, "decision.changed": 1})
             box.run("systemctl", "stop", "vllm.service")
             wait_events(box, {"source.failed": 1, "decision.changed": 2})
+            # Delivered before each stop, so that each collector's run has its connection.
+            wait_delivered(box, sinks, len(local_events(box)))
             interrupted = [time.time()]
             box.run("systemctl", "restart", *COLLECTORS)
             # After their restart: vLLM is back.
             box.run("systemctl", "start", "vllm.service")
             wait_events(box, {"source.recovered": 1, "decision.changed": 3})
+            wait_delivered(box, sinks, len(local_events(box)))
             # While they are stopped: the daemon stops, and starts again.
             stopped_at = time.time()
             interrupted.append(stopped_at)
@@ -279,9 +290,7 @@ def shipped_run_fixture() -> Iterator[Run]:
             wait_events(box, {"agent.stopping": 2})
             box.run("systemctl", "start", *COLLECTORS)
             local = local_events(box)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not delivered_all(box, sinks, len(local)):
-                time.sleep(0.2)
+            wait_delivered(box, sinks, len(local))
             time.sleep(1.0)  # any duplicate a restart would send has come by now
             delivered = {name: parse(sink.received()) for name, sink in sinks.items()}
             remote = remote_events(box)
