@@ -33,6 +33,7 @@ from bench.policy import (
     unexplained,
     vkvagent_settings,
 )
+from bench.policy_ceiling import grid, lull_schedule
 from bench.policy_model import (
     COLD_STEPS,
     DAY_STEPS,
@@ -892,3 +893,32 @@ def test_vkvagents_ledger_counts_the_requests_an_emergency_cut_off() -> None:
     sample, _memory = synth.sample(SAMPLE_EVERY, model.evaluate(0, COLD_STEPS), 0.0)
     assert sample.vllm is not None and sample.vllm.http_5xx_total == 0
     assert sample.vllm.http_requests_total == sample.vllm.request_success_total > 0
+
+
+def test_the_ceilings_rule_restarts_each_run_from_its_uptime_at_the_first_lull() -> None:
+    model = Model(world_named("steady"), steps=3 * DAY_STEPS)
+    # 4.0 to 4.9 requests/s by the minute's last digit: a tenth of each day at 4.0.
+    model.rate = 4.0 + 0.1 * (np.arange(model.steps) % 10)
+    steps = lull_schedule(model, hours=20, quantile=0.1)
+    first = 20 * HOUR - model.first_uptime  # the first step of the run at 20 h of uptime
+    assert steps[0] == first + (-first) % 10  # the first minute at 4.0 from there
+    assert steps[1] == steps[0] + 20 * HOUR  # the next run starts on a 4.0 minute too
+    assert all(model.rate[k] == 4.0 for k in steps)
+    # Without a lull asked for, at the uptime itself.
+    assert lull_schedule(model, hours=20, quantile=1.0)[0] == first
+    # Scored, cut off and drained: the rules that meet availability, the best first. Three
+    # days' budget at 99.9 % affords no restart of a run of 20 h; runs of 80 h never restart.
+    slo = vkvagent_settings(slo=True).slo
+    found = grid(model, slo, 1.0, uptimes=(20, 80), quantiles=(0.1, 1.0))
+    assert {(f.hours, f.quantile, f.drained) for f in found} == set(
+        itertools.product((80,), (0.1, 1.0), (False, True))
+    )
+    assert all(f.restarts == [] and f.spent == 0 for f in found)
+    # At 99 % it affords them: each rule scored as its walk, the best first.
+    slo = replace(slo, availability=0.99)
+    found = grid(model, slo, 1.0, uptimes=(20,), quantiles=(0.1, 1.0))
+    assert len(found) == 4 and all(f.restarts for f in found)
+    assert [f.of_oracle for f in found] == sorted((f.of_oracle for f in found), reverse=True)
+    for f in found:
+        got = attained(model, walk(model, f.restarts, f.drained, slo=True), slo)
+        assert f.of_oracle == got.score(slo) and f.spent == got.spent(slo, "availability")
