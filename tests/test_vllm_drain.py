@@ -134,7 +134,12 @@ def restart_when_the_engine_holds_a_young_stream(
         with ThreadPoolExecutor(1) as pool:
             restarting = pool.submit(act, box)
             asked = box.root / ASKED.lstrip("/")
-            wait_until(lambda: asked.exists() or restarting.done(), 60, "the pre_stop hook")
+            # The command starts among the CPU engine's threads, a dozen runnable on a
+            # 2-CPU host while it streams: its steps before the hook took 3 to 43 s there,
+            # and over 60 s once in CI. Its own limits (COMMAND_TIMEOUT) bound the wait.
+            wait_until(
+                lambda: asked.exists() or restarting.done(), COMMAND_TIMEOUT, "the pre_stop hook"
+            )
             if not asked.exists():  # the restart ended before its hook: its own failure
                 raise AssertionError(f"no pre_stop hook ran: {restarting.result()}")
             try:
