@@ -98,8 +98,8 @@ class Etcd:
         self.process = None
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+@pytest.fixture(scope="module", name="etcd")
+def etcd_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
     server = Etcd(tmp_path_factory.mktemp("etcd")).start()
     try:
         yield server

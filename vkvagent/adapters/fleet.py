@@ -12,6 +12,13 @@ TTL (kured's lock, an annotation with an optional TTL, could: kured #822, #137).
 is free the restart waits for a later tick; when etcd does not answer, ``on_unreachable``
 decides: ``hold`` (fail closed: no restart) or ``emergency-only``.
 
+Each host also publishes an entry of its own, ``PREFIX/GROUP/hosts/NAME``, a digest of its
+status (``fleet_view.HostEntry``) for ``vkvagent fleet status``: every ``PUBLISH_EVERY``
+seconds and at once when its state changes, two requests (a keepalive of the entry's lease,
+a put). The lease lasts ``ENTRY_LEASE`` publishes, so a host gone for good leaves the group
+minutes after its entry went stale. The slots are read apart (``PREFIX/GROUP/slot-``), so
+listing them never reads the entries.
+
 The client is a small one on http.client against etcd's v3 JSON gateway (``/v3/...``, served
 by every etcd since 3.4 on its client port; keys and values base64), not etcd3gw. etcd3gw is
 pure Python too, but it pulls requests (and futurist, urllib3, ...): requests cannot bound a
@@ -30,6 +37,7 @@ import base64
 import contextlib
 import http.client
 import json
+import math
 import os
 import socket
 import ssl
@@ -43,10 +51,14 @@ from urllib.parse import urlsplit
 from vkvagent import __version__
 from vkvagent.errors import VkvagentError
 from vkvagent.knowledge.config import FleetConfig
-from vkvagent.knowledge.status import FleetStatus, SlotHolder
+from vkvagent.knowledge.fleet_view import HostEntry
+from vkvagent.knowledge.status import FleetStatus, SlotHolder, StatusReport
 
 MAX_BODY = 1024 * 1024
 LIST_EVERY = 30.0  # seconds between two listings of the holders for the status, when idle
+PUBLISH_EVERY = 30.0  # seconds between two puts of this host's entry, when nothing changed
+ENTRY_LEASE = 10  # publishes an entry outlives its host by: it leaves the group after that
+ENTRIES_PAGE = 100  # entries a read: about 100 kB, and 550 kB were each as big as one may be
 # gRPC codes etcd returns in the gateway's error body
 _NOT_FOUND, _UNAVAILABLE, _DEADLINE, _UNAUTHENTICATED = 5, 14, 4, 16
 
@@ -143,12 +155,18 @@ class EtcdClient:
         answer = self.call("kv/txn", {"compare": [absent], "success": [{"request_put": put}]})
         return bool(answer.get("succeeded", False))
 
-    def range_prefix(self, prefix: str, limit: int = 1000) -> list[dict[str, Any]]:
-        """The keys under ``prefix``: key and value decoded, lease and revisions as given."""
+    def put(self, key: str, value: str, lease: str) -> None:
+        """Put ``key`` with ``lease``, whatever it held."""
+        self.call("kv/put", {"key": _b64(key), "value": _b64(value), "lease": lease})
+
+    def range_prefix(self, prefix: str, limit: int = 1000, start: str = "") -> list[dict[str, Any]]:
+        """The keys under ``prefix`` (from ``start`` on, if given), at most ``limit``: key and
+        value decoded, lease and revisions as given."""
         answer = self.call(
             "kv/range",
-            {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "limit": str(limit)},
-        )
+            {"key": _b64(start or prefix), "range_end": _b64(prefix_end(prefix)),
+             "limit": str(limit)},
+        )  # fmt: skip
         found = []
         with _answer_of("kv/range"):
             for kv in answer.get("kvs") or []:
@@ -422,6 +440,7 @@ class Fleet:
         self.prefix = f"{prefix.rstrip('/')}/{group}/"
         self.host = host or socket.gethostname()
         self._mono, self._wall = mono, wall
+        self._entry_lease: str | None = None  # the lease this host's entry is put with
 
     @classmethod
     def from_config(cls, cfg: FleetConfig, **clocks: Callable[[], float]) -> Fleet:
@@ -444,13 +463,41 @@ class Fleet:
             **clocks,
         )
 
+    @property
+    def slots_prefix(self) -> str:
+        return f"{self.prefix}slot-"
+
     def key(self, index: int) -> str:
-        return f"{self.prefix}slot-{index}"
+        return f"{self.slots_prefix}{index}"
+
+    @property
+    def hosts_prefix(self) -> str:
+        """Where the group's hosts publish their entries: apart from the slots, which are
+        read far more often."""
+        return f"{self.prefix}hosts/"
+
+    def publish(self, entry: str, ttl: int) -> None:
+        """Put this host's entry under a lease of its own, renewed with each put, so that
+        it leaves ``ttl`` seconds after the last. Raises FleetError."""
+        if self._entry_lease is None or not self.client.keepalive(self._entry_lease):
+            self._entry_lease, _granted = self.client.grant(ttl)
+        self.client.put(self.hosts_prefix + self.host, entry, self._entry_lease)
+
+    def entries(self) -> list[tuple[str, str]]:
+        """Every host's entry: (host, its value as published), ENTRIES_PAGE a read, so that
+        each answer stays within MAX_BODY. Raises FleetError."""
+        found: list[dict[str, Any]] = []
+        while True:
+            start = found[-1]["key"] + "\0" if found else ""
+            page = self.client.range_prefix(self.hosts_prefix, ENTRIES_PAGE, start)
+            found += page
+            if len(page) < ENTRIES_PAGE:
+                return [(kv["key"][len(self.hosts_prefix) :], kv["value"]) for kv in found]
 
     def holders(self) -> list[SlotHolder]:
         """The group's slots held now (one range read). Raises FleetError."""
         found = []
-        for kv in self.client.range_prefix(self.prefix):
+        for kv in self.client.range_prefix(self.slots_prefix):
             name = kv["key"][len(self.prefix) :]
             if not name.startswith("slot-") or not name[5:].isdigit():
                 continue
@@ -564,11 +611,13 @@ class Gate:
         emit: Emit,
         *,
         fleet: Fleet | None = None,
+        publish_every: float = PUBLISH_EVERY,
         mono: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
         self.emit = emit
+        self.publish_every = publish_every
         self.fleet = fleet or Fleet.from_config(cfg, mono=mono, wall=wall)
         self._mono, self._wall = mono, wall
         self.state = "idle"  # one of status.FLEET_STATES
@@ -580,6 +629,8 @@ class Gate:
         self._waited: tuple[str, ...] | None = None
         self._unreachable_told: set[str] = set()  # effects told during this outage
         self._lost_told: set[str] = set()
+        self._published: tuple[str, str | None, int] | None = None  # the entry's last words
+        self._publish_at = -float("inf")
 
     @property
     def group(self) -> str:
@@ -699,10 +750,7 @@ class Gate:
                 holders = self.fleet.holders()
             except FleetError as exc:
                 self._failed(str(exc))
-                self._tell_unreachable(
-                    "idle", f"etcd unreachable: restarts would be held "
-                    f"(on_unreachable = {self.cfg.on_unreachable})"
-                )  # fmt: skip
+                self._tell_unreachable("idle", self._held_then())
             else:
                 self._answered(holders)
                 if self.state == "unreachable":
@@ -719,6 +767,32 @@ class Gate:
             holders=tuple(self.holders),
             listed=self._listed_at,
         )
+
+    def publish(self, report: StatusReport) -> None:
+        """Put this host's entry (``fleet_view.HostEntry``) when one is due: every
+        ``publish_every`` seconds, and at once when its state, cause or exit code changes.
+        Never while etcd does not answer: the tick's listing finds out when it does again."""
+        if self.state == "unreachable":
+            return
+        now = self._mono()
+        entry = HostEntry.of(report, self.fleet.host, self._wall(), self.publish_every)
+        said = (entry.state, entry.cause, entry.code)
+        if said == self._published and now < self._publish_at:
+            return
+        try:
+            self.fleet.publish(
+                json.dumps(entry.to_json(), separators=(",", ":")),
+                math.ceil(ENTRY_LEASE * self.publish_every),
+            )
+        except FleetError as exc:
+            self._failed(str(exc))
+            self._tell_unreachable("idle", self._held_then())
+            return
+        self._published, self._publish_at = said, now + self.publish_every
+
+    def _held_then(self) -> str:
+        held = self.cfg.on_unreachable
+        return f"etcd unreachable: restarts would be held (on_unreachable = {held})"
 
     def _answered(self, holders: list[SlotHolder]) -> None:
         self.holders = holders

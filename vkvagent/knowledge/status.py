@@ -64,6 +64,7 @@ class StatusError(VkvagentError):
 # -- the document ---------------------------------------------------------------------------
 
 _P = TypeVar("_P", bound="_Part")
+_PARTS: dict[str, type[_Part]] = {}  # every part of a document, by its class name
 
 
 class _Part:
@@ -72,7 +73,12 @@ class _Part:
     Reading takes what older versions wrote: a key they lacked (or null) reads as the field's
     default; a value of the wrong type, or a required key missing, is a StatusError naming
     its place. The type of each key is its field's annotation, kept as text by ``from
-    __future__ import annotations``: ``_read`` knows the few forms the schema uses."""
+    __future__ import annotations``: ``_read`` knows the few forms the schema uses, and a
+    part by its class name, wherever it is defined (the fleet's entries are parts too)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _PARTS[cls.__name__] = cls
 
     def to_json(self) -> dict[str, Any]:
         parts = dataclasses.fields(self)  # type: ignore[arg-type]
@@ -144,8 +150,7 @@ def _read(annotation: str, value: object, at: str) -> Any:
                 item = kind[len("tuple[") : -len(", ...]")]
                 return tuple(_read(item, v, f"{at}[{i}]") for i, v in enumerate(value))
         else:  # a part of the document, which checks its own shape
-            part: type[_Part] = globals()[kind]
-            return part.from_json(value, at)
+            return _PARTS[kind].from_json(value, at)
     raise StatusError(f"{at}: expected {_expected(annotation)}, got {_kind(value)}")
 
 

@@ -383,8 +383,11 @@ class Daemon:
         )
 
     def _show(self, report: status.StatusReport) -> None:
-        """Write ``report`` as the status (`vkvagent status`, the exporter's /ready)."""
+        """Write ``report`` as the status (`vkvagent status`, the exporter's /ready), and
+        publish it to the fleet's group (`vkvagent fleet status`)."""
         self.writes.write("status", lambda: state_files.write_status(self.parts.state_dir, report))
+        if self.parts.fleet is not None:
+            self.parts.fleet.publish(report)
 
     def _save(self) -> None:
         saved = state_files.SavedState(

@@ -271,6 +271,18 @@ def _parser() -> argparse.ArgumentParser:
     _config_option(status_cmd)
     status_cmd.set_defaults(command=_status)
 
+    fleet = commands.add_parser("fleet", help="the hosts of this host's [fleet] group")
+    fleet.set_defaults(command=_usage(fleet))
+    fleet_commands = fleet.add_subparsers(title="commands", metavar="COMMAND")
+    fleet_status = fleet_commands.add_parser(
+        "status",
+        help="a line per host of the group, as each last published itself (exit codes as "
+        "`vkvagent status`'s: the worst host's; a host gone silent is unknown)",
+    )
+    fleet_status.add_argument("--json", action="store_true", help="print one JSON object")
+    _config_option(fleet_status)
+    fleet_status.set_defaults(command=_later("fleet_status", "status"))
+
     pause = commands.add_parser(
         "pause",
         help="the daemon makes no restart until a time, not even an emergency's (a stall, a "
