@@ -4,6 +4,7 @@ counted unknown and then gone, a garbage entry refused by name, etcd down."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import time
@@ -43,13 +44,13 @@ def entry_text(entry: HostEntry, **changed: Any) -> str:
 
 
 def test_an_entry_says_the_verdict_and_nothing_secret() -> None:
-    entry = HostEntry.of(DEGRADED, "gpu-a", NOW + 5, every=30.0)
+    entry = HostEntry.of(DEGRADED, "gpu-a", NOW + 5, every=300.0)
     published = entry.to_json()
     assert SECRET not in json.dumps(published)
     assert published["schema"] == 1 and (entry.state, entry.code) == ("degraded", 1)
     assert (entry.cause, entry.ratio, entry.vllm_version) == ("uptime_decline", 0.71, "0.11.0")
     assert entry.last_restart is not None and entry.last_restart.recovered is True
-    assert entry.stale_after == 90.0  # three publishes missed
+    assert entry.stale_after == 330.0  # the next publish, and three samples (10 s) more
     assert HostEntry.parse("gpu-a", entry_text(entry)) == entry
     acting = report("acting", stale_after=600.0)
     assert HostEntry.of(acting, "gpu-a", NOW, every=30.0).stale_after == 600.0  # a restart's length
@@ -138,7 +139,7 @@ def test_fleet_status_over_etcd_ages_out_a_silent_host_and_refuses_garbage(
         assert sorted(hosts) == ["gpu-a", "gpu-b"] and view["refused"] == []
         for host in hosts.values():
             assert (host["stale"], host["slot"]) == (False, None)
-            assert host["stale_after"] == 90.0  # three publishes (every 30 s) missed
+            assert host["stale_after"] == 360.0  # a publish every 5 min, and 3 samples of 20 s
             assert (host["state"], host["exit_code"]) == ("critical", 2)
         assert code == view["code"] == StatusCode.CRITICAL
 
@@ -146,7 +147,7 @@ def test_fleet_status_over_etcd_ages_out_a_silent_host_and_refuses_garbage(
         # when its lease ends (ENTRY_LEASE publishes).
         gate = Gate(FleetConfig(endpoints=(etcd.url,), group="view", name="gpu-c"), Recorded(),
                     publish_every=0.5)  # fmt: skip
-        gate.publish(report("healthy", updated=time.time()))
+        gate.publish(report("healthy", updated=time.time(), interval=0.1))  # stale after 0.8 s
         assert line_of(fleet_status(path)[1], "gpu-c").split()[1] == "healthy"
         time.sleep(1.6)
         code, said = fleet_status(path)
@@ -188,8 +189,12 @@ def test_a_host_publishes_on_its_cadence_and_at_once_when_its_verdict_changes(et
 
     gate.publish(report("healthy", updated=time.time()))
     first = published()
-    gate.publish(report("healthy", updated=time.time()))
-    assert published() == first  # nothing changed, and the next publish is an hour away
+    # Only the speed and the reason changed, and the next publish is an hour away: no put,
+    # no revision for etcd to keep.
+    again = report("healthy", updated=time.time())
+    gate.publish(dataclasses.replace(again, verdict=dataclasses.replace(
+        again.verdict, ratio=0.91, reason="healthy: speed 0.91")))  # fmt: skip
+    assert published() == first
     gate.publish(report("degraded", updated=time.time()))
     assert (published().state, published().code) == ("degraded", 1)
 

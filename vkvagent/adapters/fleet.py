@@ -13,11 +13,13 @@ is free the restart waits for a later tick; when etcd does not answer, ``on_unre
 decides: ``hold`` (fail closed: no restart) or ``emergency-only``.
 
 Each host also publishes an entry of its own, ``PREFIX/GROUP/hosts/NAME``, a digest of its
-status (``fleet_view.HostEntry``) for ``vkvagent fleet status``: every ``PUBLISH_EVERY``
-seconds and at once when its state changes, two requests (a keepalive of the entry's lease,
-a put). The lease lasts ``ENTRY_LEASE`` publishes, so a host gone for good leaves the group
-minutes after its entry went stale. The slots are read apart (``PREFIX/GROUP/slot-``), so
-listing them never reads the entries.
+status (``fleet_view.HostEntry``) for ``vkvagent fleet status``: at once when what it says
+changes (its verdict, vLLM's version, its last action), else every ``PUBLISH_EVERY`` seconds,
+two requests (a keepalive of the entry's lease, a put). Each put is a revision etcd keeps
+until it compacts (off by default), so the entries are not a heartbeat: 1,000 hosts put about
+3 a second. The lease lasts ``ENTRY_LEASE`` publishes, so a host gone for good leaves the
+group a quarter of an hour after its last. The slots are read apart
+(``PREFIX/GROUP/slot-``), so listing them never reads the entries.
 
 The client is a small one on http.client against etcd's v3 JSON gateway (``/v3/...``, served
 by every etcd since 3.4 on its client port; keys and values base64), not etcd3gw. etcd3gw is
@@ -56,8 +58,8 @@ from vkvagent.knowledge.status import FleetStatus, SlotHolder, StatusReport
 
 MAX_BODY = 1024 * 1024
 LIST_EVERY = 30.0  # seconds between two listings of the holders for the status, when idle
-PUBLISH_EVERY = 30.0  # seconds between two puts of this host's entry, when nothing changed
-ENTRY_LEASE = 10  # publishes an entry outlives its host by: it leaves the group after that
+PUBLISH_EVERY = 300.0  # seconds between two puts of this host's entry when it says the same
+ENTRY_LEASE = 3  # publishes an entry outlives its host by: it leaves the group after that
 ENTRIES_PAGE = 100  # entries a read: about 100 kB, and 550 kB were each as big as one may be
 # gRPC codes etcd returns in the gateway's error body
 _NOT_FOUND, _UNAVAILABLE, _DEADLINE, _UNAUTHENTICATED = 5, 14, 4, 16
@@ -629,7 +631,7 @@ class Gate:
         self._waited: tuple[str, ...] | None = None
         self._unreachable_told: set[str] = set()  # effects told during this outage
         self._lost_told: set[str] = set()
-        self._published: tuple[str, str | None, int] | None = None  # the entry's last words
+        self._published: tuple[object, ...] | None = None  # the last entry's facts
         self._publish_at = -float("inf")
 
     @property
@@ -769,14 +771,14 @@ class Gate:
         )
 
     def publish(self, report: StatusReport) -> None:
-        """Put this host's entry (``fleet_view.HostEntry``) when one is due: every
-        ``publish_every`` seconds, and at once when its state, cause or exit code changes.
+        """Put this host's entry (``fleet_view.HostEntry``) when one is due: at once when
+        what it says changes (``HostEntry.facts``), else every ``publish_every`` seconds.
         Never while etcd does not answer: the tick's listing finds out when it does again."""
         if self.state == "unreachable":
             return
         now = self._mono()
         entry = HostEntry.of(report, self.fleet.host, self._wall(), self.publish_every)
-        said = (entry.state, entry.cause, entry.code)
+        said = entry.facts()
         if said == self._published and now < self._publish_at:
             return
         try:

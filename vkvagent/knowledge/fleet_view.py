@@ -59,15 +59,23 @@ class HostEntry(_Part):
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, **super().to_json()}
 
+    def facts(self) -> tuple[object, ...]:
+        """What publishes the entry at once when it changes. The speed, the reason and the
+        uptime change with every sample: they wait for the next publish (the uptime is
+        shown as published plus the entry's age)."""
+        return (self.state, self.code, self.cause, self.action, self.vllm_version,
+                self.last_restart)  # fmt: skip
+
     @classmethod
     def of(cls, report: StatusReport, host: str, now: float, every: float) -> HostEntry:
-        """The entry of a host whose daemon wrote ``report`` and publishes every ``every``
-        seconds: stale after three publishes missed, or a restart's length."""
+        """The entry of a host whose daemon wrote ``report`` and publishes at least every
+        ``every`` seconds: stale once three of its samples are missed after that, or a
+        restart's length (then it publishes nothing until the restart ends)."""
         v, last = report.verdict, report.last_restart
         return cls(
             host=host,
             published=round(now, 3),
-            stale_after=max(3 * every, report.stale_after or 0.0),
+            stale_after=max(every + 3 * report.interval, report.stale_after or 0.0),
             agent_version=report.agent_version,
             state=v.state,
             code=int(exit_code(report, now)),
@@ -225,7 +233,7 @@ def _row(peer: Peer, now: float) -> tuple[str, ...]:
         "unknown" if peer.stale else e.state,
         e.cause or "-",
         e.vllm_version or "-",
-        duration(e.uptime_s),
+        duration(e.uptime_s if e.uptime_s is None or peer.stale else e.uptime_s + peer.age),
         "-" if e.ratio is None else f"{e.ratio:.2f}",
         action,
         "-" if peer.slot is None else str(peer.slot),

@@ -51,8 +51,7 @@ class Parts:
         if cfg.fleet.endpoints:
             from vkvagent.adapters import fleet  # noqa: PLC0415 - etcd's client only for a fleet
 
-            every = max(fleet.PUBLISH_EVERY, cfg.agent.sample_interval)
-            self.fleet = fleet.Gate(cfg.fleet, emit, publish_every=every)
+            self.fleet = fleet.Gate(cfg.fleet, emit)
         self.settings = cfg.engine_settings()
         self.state_dir = Path(cfg.agent.state_dir)
         self.state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
