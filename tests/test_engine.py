@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -682,6 +683,37 @@ def test_a_decline_is_restarted_at_once_then_prevented_from_its_own_history() ->
     assert second.ratio is not None and second.ratio > 0.8  # before it was worth a diagnosis
     between = [d for d in host.decisions if first.time < d.time < second.time]
     assert not any(d.cause == "uptime_decline" for d in between)
+
+
+def test_a_new_host_prevents_its_first_decline_from_its_peers_runs() -> None:
+    """A host of a fleet, alone, waits to see its first run decline (a diagnosis, then a
+    restart); with the runs a peer of the same server shared, its first restart is already a
+    preventive one, before the decline, at the uptime the peer's cured run makes cheapest.
+    (The policy is the test above's.)"""
+    policy = PolicySettings(
+        mode="enforce", windows=WINDOW, cooldown=3600.0, max_per_day=24,
+        outside_windows="when_cheaper",
+    )  # fmt: skip
+
+    def host(start: datetime, **extra: Any) -> SimHost:
+        return SimHost("uptime-decline", Settings(policy=policy), start, onset=2 * 3600.0,
+                       rate=2.0, interval=15.0, decide_every=60.0, **extra)  # fmt: skip
+
+    peer = host(START)
+    peer.run_until(9.0)
+    shared = tuple(t for t in peer.state.past if t.cured)
+    assert shared and all(t.server == shared[0].server for t in shared)
+    day_after = START + timedelta(days=1)
+    alone, newcomer = host(day_after, seed=11), host(day_after, seed=11, peer_runs=shared)
+    alone.run_until(9.0)
+    newcomer.run_until(9.0)
+    check_reasons(newcomer.decisions)
+    on_its_own, first = restarts(alone)[0], restarts(newcomer)[0]
+    assert on_its_own.cause == "uptime_decline"
+    assert first.cause == "prevention"
+    assert f"({len(shared)} of them other hosts')" in first.reason
+    assert first.time < on_its_own.time
+    assert first.ratio is not None and first.ratio > 0.8  # before it was worth a diagnosis
 
 
 def test_a_leak_keeps_the_units_memory_max_through_a_sample_whose_unit_was_not_read() -> None:

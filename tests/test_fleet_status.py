@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from tests.etcd import Etcd
+from tests.test_daemon import write_config
 from tests.test_fleet import (
-    Etcd,
     Recorded,
     daemon_with_fleet,
     etcd_fixture,  # noqa: F401 - the `etcd` fixture
@@ -206,3 +207,15 @@ def test_a_group_of_more_hosts_than_a_page_is_read_whole(etcd: Etcd) -> None:
     for name in names:
         fleet.client.put(f"{fleet.hosts_prefix}{name}", name, "0")
     assert fleet.entries() == [(name, name) for name in names]
+
+
+def test_without_a_fleet_it_is_unknown_in_one_line(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "http://127.0.0.1:9")
+    code, said = fleet_status(path)
+    assert code == StatusCode.UNKNOWN
+    assert (
+        said
+        == "fleet status unknown: no [fleet] endpoints in the config: this host is in no group\n"
+    )
+    code, said = fleet_status(path, "--json")
+    assert (code, json.loads(said)["code"]) == (StatusCode.UNKNOWN, 3)

@@ -123,6 +123,38 @@ def test_only_cured_recent_runs_of_the_same_server_count() -> None:
     assert [t.run for t in many] == [f"r{i}" for i in range(2, KEPT + 2)]
 
 
+def test_a_new_host_plans_from_its_peers_runs_until_it_has_its_own() -> None:
+    peers = [cured(declining(f"peer-{i}", seed=i), outage=300.0) for i in range(3)]
+    assert plan(SETTINGS, [], "s", NOW) is None  # alone, a new host has nothing to plan from
+    borrowed = plan(SETTINGS, [], "s", NOW, peers=peers)
+    assert borrowed is not None and (borrowed.runs, borrowed.peers) == (3, 3)
+    assert borrowed.outage == 300.0  # the restart's cost the peers measured
+    assert 5.0 < borrowed.at / HOUR < 7.5
+    assert "3 cured run(s) of this server (3 of them other hosts') lost speed" in borrowed.words()
+    assert borrowed.evidence()["prevent_peer_runs"] == 3
+    # Once it has a cured run of its own, its own runs and outage decide.
+    own = cured(declining("own", onset_h=8.0), outage=120.0)
+    mine = plan(SETTINGS, [own], "s", NOW, peers=peers)
+    assert mine is not None and (mine.runs, mine.peers, mine.outage) == (1, 0, 120.0)
+    assert mine.at > borrowed.at
+    # Peers' runs of another server, or too old, do not count.
+    assert plan(SETTINGS, [], "another server", NOW, peers=peers) is None
+    assert plan(SETTINGS, [], "s", NOW + SETTINGS.max_age, peers=peers) is None
+
+
+def test_a_peers_run_that_disagrees_with_the_others_is_left_out() -> None:
+    agreeing = [cured(declining(f"peer-{i}", seed=i)) for i in range(3)]
+    # A run that loses ten times faster (another GPU, a noisy neighbour): left out.
+    odd = cured(declining("odd", onset_h=1.0, per_h=0.2, seed=9))
+    found = plan(SETTINGS, [], "s", NOW, peers=[*agreeing, odd])
+    assert found is not None and found.peers == 3
+    alone = plan(SETTINGS, [], "s", NOW, peers=agreeing)
+    assert alone is not None and found.at == alone.at
+    # Two runs cannot tell which of them is odd: both count.
+    pair = plan(SETTINGS, [], "s", NOW, peers=[agreeing[0], odd])
+    assert pair is not None and pair.peers == 2
+
+
 def test_a_track_survives_json_and_refuses_garbage() -> None:
     track = cured(declining("a"))
     assert Track.from_json(json.loads(json.dumps(track.to_json()))) == track

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from tests.simproc import SimProcess, get
 from vkvagent.adapters import query_range
 from vkvagent.engine import ACTIONS, Settings
 from vkvagent.engine.diagnosis import CAUSES
+from vkvagent.engine.policy import PLANNED
+from vkvagent.engine.prevention import Track
 from vkvagent.knowledge.config import Config
 from vkvagent.processes import stop_process
 from vkvagent.sim.capacity import Cluster, EngineModel, Scenario, capacity
@@ -201,7 +204,7 @@ def check_structure(data: dict[str, Any]) -> None:
     for d in decisions:
         assert ISO.match(d["time"]), d["time"]
         assert d["action"] in ACTIONS
-        assert d["cause"] is None or d["cause"] in (*CAUSES, "scheduled")
+        assert d["cause"] is None or d["cause"] in (*CAUSES, *PLANNED)
         assert isinstance(d["reason"], str) and d["reason"]
         assert isinstance(d["window_open"], bool)
         assert d["ratio"] is None or isinstance(d["ratio"], (int, float))
@@ -255,6 +258,44 @@ def test_uptime_decline_is_held_outside_the_window_and_restarted_when_it_opens(
     # The cause holds from its first decision to the end of the data.
     held = datetime.fromisoformat(summary["to"][:-1]) - datetime.fromisoformat(found["time"][:-1])
     assert summary["causes"]["uptime_decline"] == pytest.approx(held.total_seconds() / 60 + 0.5)
+
+
+def test_with_the_fleets_runs_a_replay_plans_a_first_restart_before_the_decline(
+    tmp_path: Path,
+) -> None:
+    """The daemon of a new host in a [fleet] group plans from its peers' cured runs; replay,
+    given them as a file (what etcdctl prints of the group's runs keys), decides as it did:
+    a preventive restart due an hour in, before the decline is worth a diagnosis. Without
+    them, the first restart waits for the decline."""
+    text = history("uptime-decline", 3.75, onset=1800.0, step=30.0)
+    # Restarts may recur hourly (the defaults space them 6 h apart, beyond this data).
+    config = ENFORCE + "cooldown = 3600\nmax_per_day = 24\n"
+    alone = replay_json(tmp_path, text, config=config)
+    server = alone["summary"]["server"]
+    assert isinstance(server, str) and server
+    assert "prevention" not in {d["cause"] for d in alone["decisions"]}
+    # Two peers' runs of this server, ended the day before: speed lost from half an hour of
+    # uptime, 20 % an hour, cured by their restart (3 min).
+    lines = []
+    for peer in ("gpu-1", "gpu-2"):
+        track = Track(run=f"{peer}-run", server=server)
+        for minute in range(10, 180):
+            track = track.add(minute * 60.0, 1.0 - max(0.0, 0.2 * (minute / 60 - 0.5)))
+        done = replace(track, ended=START.timestamp() - 86400, outage=180.0, next_run="n",
+                       cured=True)  # fmt: skip
+        document = {"schema": 1, "host": peer, "server": server, "runs": [done.to_json()]}
+        lines.append(json.dumps(document))
+    peers = write(tmp_path / "runs.jsonl", "\n".join(lines) + "\n")
+    data = replay_json(tmp_path, text, config=config, extra=("--fleet-runs", str(peers)))
+    first = next(d for d in data["decisions"] if d["cause"] is not None)
+    assert first["cause"] == "prevention" and first["action"] == "hold"
+    assert first["reason"].startswith("outside window") and at(1) <= first["time"] < at(1, 1)
+    assert first["evidence"]["prevent_peer_runs"] == 2
+    assert first["evidence"]["prevent_at_s"] < 3600
+    # The file is checked as the daemon checks what etcd holds.
+    code, _out, err = run_cli(str(write(tmp_path / "r.json", text)), "--fleet-runs",
+                              str(write(tmp_path / "bad.jsonl", "{\n")))  # fmt: skip
+    assert code == 1 and "bad.jsonl:1: not a host's runs: not JSON" in err
 
 
 def test_the_word_shown_follows_the_hysteresis_and_the_band_is_shown_beside_the_ratio(

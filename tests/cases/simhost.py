@@ -20,6 +20,7 @@ from vkvagent.adapters.gpu import GpuReader, RecordedBackend
 from vkvagent.engine import Decision, EngineState, Observation, Settings, decide
 from vkvagent.engine.memory import MemoryPoint
 from vkvagent.engine.policy import RestartRecord
+from vkvagent.engine.prevention import Track
 from vkvagent.engine.samples import Histogram, Sample, VllmMetrics
 from vkvagent.sim.capacity import Cluster, EngineModel, Scenario, capacity
 from vkvagent.sim.exposition import histogram_bounds
@@ -113,6 +114,7 @@ class SimHost:
     obey: bool = True  # carry out restart decisions
     gpus: int = 1
     leak: bool = False  # feed the unit's memory, growing with requests served
+    peer_runs: tuple[Track, ...] = ()  # other hosts' cured runs, as the fleet shares them
 
     decisions: list[Decision] = field(default_factory=list)
     restarts: list[RestartRecord] = field(default_factory=list)
@@ -168,6 +170,7 @@ class SimHost:
             unit_active=True,
             memory=tuple(self.memory),
             restarts=tuple(self.restarts),
+            peer_runs=self.peer_runs,
         )
         decision = decide(self.settings, self.state, observed, now)
         self.state = decision.state

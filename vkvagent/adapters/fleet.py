@@ -442,7 +442,7 @@ class Fleet:
         self.prefix = f"{prefix.rstrip('/')}/{group}/"
         self.host = host or socket.gethostname()
         self._mono, self._wall = mono, wall
-        self._entry_lease: str | None = None  # the lease this host's entry is put with
+        self._own_lease: str | None = None  # the lease this host's own keys are put with
 
     @classmethod
     def from_config(cls, cfg: FleetConfig, **clocks: Callable[[], float]) -> Fleet:
@@ -478,12 +478,13 @@ class Fleet:
         read far more often."""
         return f"{self.prefix}hosts/"
 
-    def publish(self, entry: str, ttl: int) -> None:
-        """Put this host's entry under a lease of its own, renewed with each put, so that
-        it leaves ``ttl`` seconds after the last. Raises FleetError."""
-        if self._entry_lease is None or not self.client.keepalive(self._entry_lease):
-            self._entry_lease, _granted = self.client.grant(ttl)
-        self.client.put(self.hosts_prefix + self.host, entry, self._entry_lease)
+    def put_own(self, key: str, value: str, ttl: int) -> None:
+        """Put one of this host's own keys (its entry, its runs) under a lease of its own,
+        renewed with each put, so that they leave ``ttl`` seconds after the last. Raises
+        FleetError."""
+        if self._own_lease is None or not self.client.keepalive(self._own_lease):
+            self._own_lease, _granted = self.client.grant(ttl)
+        self.client.put(key, value, self._own_lease)
 
     def entries(self) -> list[tuple[str, str]]:
         """Every host's entry: (host, its value as published), ENTRIES_PAGE a read, so that
@@ -782,7 +783,8 @@ class Gate:
         if said == self._published and now < self._publish_at:
             return
         try:
-            self.fleet.publish(
+            self.fleet.put_own(
+                self.fleet.hosts_prefix + self.fleet.host,
                 json.dumps(entry.to_json(), separators=(",", ":")),
                 math.ceil(ENTRY_LEASE * self.publish_every),
             )

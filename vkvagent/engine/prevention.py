@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -140,6 +141,7 @@ class Plan:
     rate: float  # speed lost per second after the onset
     outage: float  # seconds of service a restart costs
     runs: int  # cured runs it rests on
+    peers: int = 0  # of them, the fleet's: other hosts' runs of this server
 
     def cost_rate(self, period: float) -> float:
         """The share of the service lost by restarting every ``period`` seconds: one outage
@@ -157,8 +159,9 @@ class Plan:
         return self.rate / 2 * ((end - self.at) ** 2 - (start - self.at) ** 2)
 
     def words(self) -> str:
+        fleet = f" ({self.peers} of them other hosts')" if self.peers else ""
         return (
-            f"{self.runs} cured run(s) of this server lost speed from "
+            f"{self.runs} cured run(s) of this server{fleet} lost speed from "
             f"{self.onset / 3600:.1f} h of uptime at {self.rate * 360000:.2g} %/h; a restart "
             f"costs {self.outage / 60:.0f} min, so restart from {self.at / 3600:.1f} h"
         )
@@ -170,6 +173,7 @@ class Plan:
             "prevent_loss_per_h": self.rate * 3600,
             "prevent_outage_s": self.outage,
             "prevent_runs": self.runs,
+            "prevent_peer_runs": self.peers,
         }
 
 
@@ -179,19 +183,22 @@ def plan(
     server: str,
     now: float,
     current: Track | None = None,
+    peers: Sequence[Track] = (),
 ) -> Plan | None:
     """The plan for ``server`` from its cured runs that ended within ``max_age`` of ``now``
     (UTC Unix seconds), with the points of ``current``, the run in progress; None while the
-    cured runs are too few or show no clear decline."""
-    cured = [
-        t
-        for t in tracks
-        if t.cured
-        and not t.late
-        and t.server == server
-        and t.ended is not None
-        and 0 <= now - t.ended <= settings.max_age
-    ]
+    cured runs are too few or show no clear decline. ``peers``: the cured runs other hosts of
+    the fleet published; they count while this host has fewer than ``min_runs`` of its own
+    (a new host, or its first run after an upgrade), those that disagree with the others
+    left out (``agreeing``), and their outages while it has measured none."""
+
+    def usable(t: Track) -> bool:
+        fresh = t.ended is not None and 0 <= now - t.ended <= settings.max_age
+        return bool(t.cured) and not t.late and t.server == server and fresh
+
+    own = [t for t in tracks if usable(t)]
+    borrowed = [] if len(own) >= settings.min_runs else agreeing([t for t in peers if usable(t)])
+    cured = [*own, *borrowed]
     if not server or len(cured) < settings.min_runs:
         return None
     # One point per bucket, the runs' mean: at most TRACKED / BUCKET points to fit.
@@ -210,9 +217,35 @@ def plan(
         return None
     onset, rate = fit
     outages = sorted(t.outage for t in tracks if t.outage is not None and t.server == server)
+    outages = outages or sorted(t.outage for t in borrowed if t.outage is not None)
     outage = outages[len(outages) // 2] if outages else DEFAULT_OUTAGE
     at = math.sqrt(onset * onset + 2 * outage / rate)
-    return Plan(at=at, onset=onset, rate=rate, outage=outage, runs=len(cured))
+    return Plan(at=at, onset=onset, rate=rate, outage=outage, runs=len(cured), peers=len(borrowed))
+
+
+# A peer's run whose own decline reaches a tenth of the speed at an uptime this many times
+# sooner or later than the runs' median is left out: another GPU, a noisy neighbour, a bug.
+DISAGREES = 2.0
+JUDGED_FROM = 3  # peers' runs with a fit of their own needed to call one an outlier
+
+
+def agreeing(runs: Sequence[Track]) -> list[Track]:
+    """The peers' runs to trust: with JUDGED_FROM or more that show a decline of their own,
+    those whose decline reaches a tenth of the speed within DISAGREES times of their median
+    uptime for it (runs too short to fit add their points, unjudged)."""
+    tenth = {}
+    for run in runs:
+        fit = hinge(run.points())
+        if fit is not None:
+            tenth[run.run] = fit[0] + 0.1 / fit[1]
+    if len(tenth) < JUDGED_FROM:
+        return list(runs)
+    middle = statistics.median(tenth.values())
+    return [
+        r
+        for r in runs
+        if r.run not in tenth or middle / DISAGREES <= tenth[r.run] <= middle * DISAGREES
+    ]
 
 
 def hinge(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:

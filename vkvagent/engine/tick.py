@@ -111,6 +111,9 @@ class Observation:
     stopped: str = ""
     # vLLM's own error line from the journal of the run that ended, for the evidence; "": none.
     exit_line: str = ""
+    # The cured runs other hosts of the fleet published (prevention's evidence), for a host
+    # with too few of its own: ``prevention.plan``'s ``peers``.
+    peer_runs: Sequence[Track] = ()
 
 
 @dataclass(frozen=True)
@@ -432,7 +435,7 @@ def decide(
         traffic=traffic, track=replace(track, server=baseline.server), past=past,
         planned_at=state.planned_at if past is state.past else None,
     )  # fmt: skip
-    state = _planned(settings.prevention, state, now.timestamp())
+    state = _planned(settings.prevention, state, now.timestamp(), observed.peer_runs)
     if settings.slo.declared:
         state = replace(
             state,
@@ -763,14 +766,16 @@ def _budget(
 PLAN_EVERY = 3600.0
 
 
-def _planned(settings: PreventionSettings, state: EngineState, now: float) -> EngineState:
+def _planned(
+    settings: PreventionSettings, state: EngineState, now: float, peers: Sequence[Track]
+) -> EngineState:
     """The state with its prevention plan up to date (a plan costs milliseconds: not every
-    tick)."""
+    tick); the peers' runs that arrived since count at the next hour."""
     hour = math.floor(now / PLAN_EVERY) * PLAN_EVERY
     if state.planned_at == hour:
         return state
     server = state.baseline.server if state.baseline is not None else ""
-    found = plan(settings, state.past, server, hour, current=state.track)
+    found = plan(settings, state.past, server, hour, current=state.track, peers=peers)
     return replace(state, plan=found, planned_at=hour)
 
 

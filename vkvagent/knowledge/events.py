@@ -103,6 +103,9 @@ CATALOGUE: Mapping[str, EventType] = {
         WARNING, "etcd does not answer: restarts held (or emergencies only, as configured)"
     ),
     "fleet.reachable": EventType(INFO, "etcd answers again: restarts are coordinated again"),
+    "fleet.peer_refused": EventType(
+        WARNING, "a peer's published runs are not ones vkvagent reads: left out of the plan"
+    ),
     "slo.burning": EventType(
         WARNING, "an objective of [slo] burns its error budget fast or slowly (once per rise)"
     ),

@@ -30,7 +30,7 @@ from vkvagent.knowledge.status import (
 )
 
 SCHEMA = 1  # the entries' layout; a newer one is refused, not guessed at
-MAX_ENTRY = 4096  # bytes: an entry is about 500; anything bigger is not one of vkvagent's
+MAX_ENTRY = 4096  # bytes: an entry is about 700; anything bigger is not one of vkvagent's
 REASON_CHARS = 200
 # The exit code of the group: the worst host's, critical before unknown before degraded (as
 # Nagios ranks a cluster's states).

@@ -38,7 +38,7 @@ from vkvagent.adapters.history import HistoryError
 from vkvagent.adapters.ledger import Action, Ledger, LedgerError
 from vkvagent.adapters.systemd import SystemdError
 from vkvagent.apikey import KeyFileError
-from vkvagent.engine import Decision, Observation, Recent, decide
+from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
 from vkvagent.engine.liveness import CAUSES as DOWN
 from vkvagent.engine.policy import RestartRecord
 from vkvagent.engine.progress import ProbeFacts
@@ -285,10 +285,14 @@ class Daemon:
                 unit_started=sample.unit.active_since if sample.unit else None,
                 flags_due=proposed(p.config.vllm.apply_flags, due),
                 flags_slower=self.flag_loop.slower(due),
-                **down,
+                stopped=down.get("stopped", ""),
+                exit_line=down.get("exit_line", ""),
+                peer_runs=() if p.fleet_runs is None else p.fleet_runs.learned(_server(self.state)),
             )
             decision = decide(p.settings, self.state, observed, now)
             self.state = decision.state
+            if p.fleet_runs is not None:
+                p.fleet_runs.share(_server(self.state), self.state.past)
             slo = self.burn.report(p.settings.slo, decision, sample.time)
             self.flag_loop.judge(p, decision)
             if decision.probe_wanted:
@@ -394,6 +398,11 @@ class Daemon:
             self.state, self.restarts.judged, self.reporter.trend, self.flag_loop.state
         )
         state_files.save(self.parts.state_dir, saved)
+
+
+def _server(state: EngineState) -> str:
+    """The server identity this host runs (``carry.server_identity``); "" before a baseline."""
+    return state.baseline.server if state.baseline is not None else ""
 
 
 def _recent_actions(ledger: Ledger) -> list[Action] | None:

@@ -228,6 +228,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     replayer.add_argument("--json", action="store_true", help="print one JSON object")
     replayer.add_argument(
+        "--fleet-runs",
+        type=Path,
+        metavar="FILE",
+        help="the cured runs the [fleet] group shared, one host's a line (etcdctl get --prefix "
+        "--print-value-only PREFIX/GROUP/runs/SERVER/), as the daemon would have read them",
+    )
+    replayer.add_argument(
         "--plot",
         type=Path,
         metavar="FILE.png",
@@ -488,7 +495,7 @@ def _demo(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _replay(args: argparse.Namespace, out: TextIO) -> int:
-    from vkvagent.adapters import query_range  # noqa: PLC0415 - the daemon needs neither
+    from vkvagent.adapters import fleet_runs, query_range  # noqa: PLC0415 - the daemon needs neither
     from vkvagent.tools import replay  # noqa: PLC0415
 
     if args.plot:
@@ -520,9 +527,11 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
         store = query_range.load_files(args.files)
     else:
         raise UsageError("replay: give query_range FILEs, or --prometheus URL --match ...")
+    peer_runs = () if args.fleet_runs is None else fleet_runs.load(args.fleet_runs)
     result = replay.run(
         settings,
         store,
+        peer_runs=peer_runs,
         step=step,
         model=loaded.vllm.model,
         instance=args.instance,

@@ -16,7 +16,7 @@ span: what the engine added to its tallies at each decision (``_counted``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 from vkvagent.adapters.query_range import ReplayError, Store
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
 from vkvagent.engine.policy import WOULD_RESTART, RestartRecord
+from vkvagent.engine.prevention import Track
 from vkvagent.engine.samples import Sample, utc_text
 from vkvagent.engine.slo import EMPTY, OBJECTIVES, SloSettings, SloState, Tally
 from vkvagent.jsonsafe import finite
@@ -98,6 +99,7 @@ class Result:
     trace: Trace | None = None  # every evaluation, when asked for (``--plot``)
     # The [slo] objectives' events over the whole span, as the engine counted them.
     slo: Tally = EMPTY
+    server: str = ""  # the server identity of the last run learned: its fleet runs' key
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -107,6 +109,7 @@ class Result:
             "evaluations": self.evaluations,
             "mode": self.settings.policy.mode,
             "runs": len(self.runs),
+            "server": self.server or None,
             "restarts": self.restarts,
             "restarts_outside_window": self.restarts_outside_window,
             "held_back": len(self.held_back),
@@ -138,11 +141,17 @@ class Result:
 
 
 def replay(
-    settings: Settings, line: Timeline, *, trace: bool = False, margin: float = 0.20
+    settings: Settings,
+    line: Timeline,
+    *,
+    trace: bool = False,
+    margin: float = 0.20,
+    peer_runs: Sequence[Track] = (),
 ) -> Result:
     """Run the engine over the timeline, one decision per timestamp; ``trace`` keeps every
     evaluation's numbers in ``Result.trace``; ``margin``: [vllm] rollback_margin, for the
-    verdict on each flag change."""
+    verdict on each flag change; ``peer_runs``: the fleet's runs, as the daemon read them
+    (``fleet_runs.load``)."""
     result = Result(settings, line.step, trace=Trace() if trace else None)
     flags = _FlagChanges(settings, margin)
     recent = Recent(settings.baseline, margin=2 * line.step)
@@ -164,8 +173,9 @@ def replay(
         recent.add(sample, rss)
         now = datetime.fromtimestamp(sample.time, timezone.utc)
         observed = Observation(
-            samples=tuple(recent.samples), memory=recent.memory, restarts=tuple(restarts)
-        )
+            samples=tuple(recent.samples), memory=recent.memory, restarts=tuple(restarts),
+            peer_runs=peer_runs,
+        )  # fmt: skip
         decision = decide(settings, state, observed, now)
         result.slo = _counted(result.slo, state.slo, decision.state.slo)
         counted = False
@@ -176,6 +186,7 @@ def replay(
                 held.append(RestartRecord(sample.time, decision.cause or "?"))
                 result.held_back.append(_slim(decision))
         state = decision.state
+        result.server = state.baseline.server if state.baseline is not None else result.server
         flags.observe(sample, decision)
         result.evaluations += 1
         if result.trace is not None:
@@ -387,8 +398,9 @@ def run(
     instance: str = "",
     trace: bool = False,
     margin: float = 0.20,
+    peer_runs: Sequence[Track] = (),
 ) -> Result:
-    """Replay ``store``'s series with ``settings``."""
+    """Replay ``store``'s series with ``settings`` (and the fleet's ``peer_runs``)."""
     line = timeline(store.series(), step=step, model=model, instance=instance, seen=store.names)
     check_step(settings, line.step)
-    return replay(settings, line, trace=trace, margin=margin)
+    return replay(settings, line, trace=trace, margin=margin, peer_runs=peer_runs)

@@ -1,0 +1,119 @@
+"""What the hosts of a fleet group learn from each other, against a real etcd: a host's cured
+runs read back by its peers, a peer's garbage refused by name and kept out, etcd down."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tests.etcd import Etcd
+from tests.test_fleet import (  # noqa: F401 - the `etcd` fixture
+    Recorded,
+    daemon_with_fleet,
+    etcd_fixture,
+    fleet_of,
+)
+from tests.test_prevention import cured, declining
+from vkvagent.adapters.fleet_runs import READ_EVERY, FleetRuns, parse
+from vkvagent.engine.baseline import Baseline
+from vkvagent.engine.prevention import Track
+
+pytestmark = pytest.mark.fleet
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def runs_of(
+    etcd: Etcd, host: str, clock: Clock | None = None, group: str = "runs"
+) -> tuple[FleetRuns, Recorded]:
+    events = Recorded()
+    return FleetRuns(fleet_of(etcd.url, group, name=host), events, clock or Clock()), events
+
+
+def test_a_hosts_cured_runs_reach_its_peers_and_garbage_is_refused_by_name(etcd: Etcd) -> None:
+    tracks = (cured(declining("a-1")), cured(declining("a-2", seed=2)), declining("a-3"))
+    a, _ = runs_of(etcd, "gpu-a")
+    a.share("s", tracks)  # the run in progress (not cured) stays home
+    clock = Clock()
+    b, said = runs_of(etcd, "gpu-b", clock)
+    b.share("s", (cured(declining("b-1", seed=3)),))
+    assert b.learned("s") == tracks[:2]  # gpu-a's, not its own
+    assert b.learned("another server") == ()
+
+    # A peer's garbage: refused with an event naming it, once; the others still count.
+    raw = fleet_of(etcd.url, "runs").client
+    raw.put(f"{b.prefix('s')}gpu-x", "{", "0")
+    liar = {"schema": 1, "host": "gpu-y", "server": "s",
+            "runs": [Track(run="y", server="s", cured=False).to_json()]}  # fmt: skip
+    raw.put(f"{b.prefix('s')}gpu-y", json.dumps(liar), "0")
+    assert b.learned("s") == tracks[:2]  # read again only every READ_EVERY
+    clock.now += READ_EVERY
+    assert b.learned("s") == tracks[:2]
+    clock.now += READ_EVERY
+    b.learned("s")
+    refused = [
+        (f["peer"], f["error"]) for name, _m, f in said.events if name == "fleet.peer_refused"
+    ]
+    assert refused == [
+        ("gpu-x", "not JSON"), ("gpu-y", "a run that is not a cured one of this server")
+    ]  # fmt: skip
+
+    # etcd down: what was last read stands.
+    etcd.stop()
+    try:
+        clock.now += READ_EVERY
+        assert b.learned("s") == tracks[:2]
+    finally:
+        etcd.start()
+
+
+@pytest.mark.parametrize(
+    ("document", "refusal"),
+    [
+        ({"schema": 2, "host": "p", "server": "s", "runs": []}, "schema 2: expected 1"),
+        ({"schema": 1, "host": "q", "server": "s", "runs": []}, "another host or server"),
+        ({"schema": 1, "host": "p", "server": "t", "runs": []}, "another host or server"),
+        ({"schema": 1, "host": "p", "server": "s", "runs": {}}, "runs: expected a list"),
+        ({"schema": 1, "host": "p", "server": "s", "runs": [{"run": 1}]}, "track: KeyError"),
+        ({"schema": 1, "host": "p", "server": "s", "runs": ["x" * 40000]}, "over the 32768"),
+    ],
+)
+def test_what_is_not_a_peers_runs_is_refused_saying_why(
+    document: dict[str, object], refusal: str
+) -> None:
+    with pytest.raises(ValueError, match=refusal):
+        parse("p", "s", json.dumps(document))
+
+
+def test_a_daemon_plans_from_its_peers_runs_then_shares_its_own(etcd: Etcd, tmp_path: Path) -> None:
+    peer, _ = runs_of(etcd, "gpu-peer", group="learning")
+    hour_ago = time.time() - 3600  # the daemon plans on the wall clock: runs of this week
+    theirs = tuple(cured(declining(f"p-{i}", seed=i), ended_at=hour_ago) for i in (1, 2))
+    peer.share("s", theirs)
+    daemon, _stream = daemon_with_fleet(tmp_path, etcd.url, group="learning")
+    try:
+        # A new host of server "s": a baseline, no run of its own yet.
+        daemon.state = replace(daemon.state, baseline=Baseline(run="r", server="s"))
+        daemon.tick()
+        assert daemon.state.plan is not None and daemon.state.plan.peers == 2
+        # Its first cured run: shared with the group, and its own plan from then on.
+        mine = cured(declining("mine", onset_h=8.0), ended_at=hour_ago)
+        daemon.state = replace(daemon.state, past=(mine,), planned_at=None)
+        daemon.tick()
+        assert daemon.state.plan is not None and daemon.state.plan.peers == 0
+        later = Clock()
+        later.now += READ_EVERY
+        other, _ = runs_of(etcd, "gpu-other", later, group="learning")
+        assert other.learned("s") == (mine, *theirs)  # by host: gpu-here, gpu-peer
+    finally:
+        daemon.close()
