@@ -8,7 +8,7 @@ PY313 ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python3
 # pyenv prefix printing nothing would leave /bin/python3: refuse rather than test another Python.
 check-python = $(if $(filter /bin/python3,$(1)),$(error $(2) not found: install it with pyenv))
 
-.PHONY: dev deps vllm-real vllm-flag-facts demo test lint typecheck unit unit-vllm unit-rest test-pythons test-pythons-run bench bench-policy bench-policy-ceiling bench-restart reliability config-example package clean
+.PHONY: dev deps vllm-real vllm-flag-facts demo test lint typecheck unit unit-vllm unit-rest test-pythons test-pythons-run bench bench-policy bench-policy-ceiling bench-restart bench-fleet reliability config-example package clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -205,6 +205,10 @@ bench-policy: dev
 # run from an uptime, at a lull (bench/README.md). About 80 s a scenario.
 bench-policy-ceiling: dev
 	$(BIN)/python -m bench.policy_ceiling
+
+# What the fleet's host entries cost the real etcd, 1,000 simulated hosts (bench/README.md).
+bench-fleet: dev deps
+	$(BIN)/python -m bench.fleet_etcd
 
 # What vkvagent adds to a restart of the real vLLM 0.32 (bench/README.md). Root, ~6 minutes.
 bench-restart: dev vllm-real
