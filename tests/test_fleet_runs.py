@@ -80,7 +80,11 @@ def test_a_hosts_cured_runs_reach_its_peers_and_garbage_is_refused_by_name(etcd:
 @pytest.mark.parametrize(
     ("document", "refusal"),
     [
-        ({"schema": 2, "host": "p", "server": "s", "runs": []}, "schema 2: expected 1"),
+        (
+            {"schema": 2, "host": "p", "server": "s", "runs": []},
+            r"schema 2: newer than this vkvagent reads \(1\)",
+        ),
+        ({"schema": "1", "host": "p", "server": "s", "runs": []}, "schema .1.: expected 1"),
         ({"schema": 1, "host": "q", "server": "s", "runs": []}, "another host or server"),
         ({"schema": 1, "host": "p", "server": "t", "runs": []}, "another host or server"),
         ({"schema": 1, "host": "p", "server": "s", "runs": {}}, "runs: expected a list"),

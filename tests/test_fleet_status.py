@@ -66,7 +66,7 @@ def test_an_entry_says_the_verdict_and_nothing_secret() -> None:
         ("gpu-a", {"ratio": "fast"}, "ratio: expected a number, got text"),
         ("gpu-a", {"state": "fine"}, "state 'fine', code 1: not vkvagent's"),
         ("gpu-a", {"code": 7}, "state 'degraded', code 7: not vkvagent's"),
-        ("gpu-a", {"reason": "x" * 5000}, "bytes, over the 4096 an entry may have"),
+        ("gpu-a", {"reason": "x" * 5000}, "bytes, over the 4096 it may have"),
     ],
 )
 def test_an_entry_that_is_not_one_of_vkvagents_is_refused_saying_why(

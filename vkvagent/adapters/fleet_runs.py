@@ -29,6 +29,7 @@ from pathlib import Path
 from vkvagent.adapters.fleet import ENTRY_LEASE, PUBLISH_EVERY, Emit, Fleet, FleetError
 from vkvagent.adapters.query_range import ReplayError
 from vkvagent.engine.prevention import Track
+from vkvagent.knowledge.fleet_view import published
 
 SCHEMA = 1
 MAX_RUNS = 32 * 1024  # bytes: KEPT runs of TRACKED / BUCKET points each are about 8 kB
@@ -132,16 +133,7 @@ def load(path: Path) -> tuple[Track, ...]:
 
 def parse(peer: str, server: str, raw: str) -> list[Track]:
     """The cured runs of ``server`` that ``peer`` published; ValueError saying why not."""
-    size = len(raw.encode("utf-8"))
-    if size > MAX_RUNS:
-        raise ValueError(f"{size} bytes, over the {MAX_RUNS} its runs may have")
-    try:
-        document = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise ValueError("not JSON") from None
-    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
-        schema = document.get("schema") if isinstance(document, dict) else None
-        raise ValueError(f"schema {schema!r}: expected {SCHEMA}")
+    document = published(raw, MAX_RUNS, SCHEMA)
     if document.get("host") != peer or document.get("server") != server:
         raise ValueError("it names another host or server")
     runs = document.get("runs")

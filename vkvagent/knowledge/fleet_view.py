@@ -93,26 +93,36 @@ class HostEntry(_Part):
     @classmethod
     def parse(cls, host: str, raw: str) -> HostEntry:
         """The entry published under ``host``'s key; StatusError saying why it is refused."""
-        size = len(raw.encode("utf-8"))
-        if size > MAX_ENTRY:
-            raise StatusError(f"{size} bytes, over the {MAX_ENTRY} an entry may have")
         try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise StatusError("not JSON") from None
-        schema = data.get("schema") if isinstance(data, dict) else None
-        if schema != SCHEMA:
-            newer = isinstance(schema, int) and schema > SCHEMA
-            raise StatusError(
-                f"schema {schema!r}: "
-                + (f"newer than this vkvagent reads ({SCHEMA})" if newer else f"expected {SCHEMA}")
-            )
+            data = published(raw, MAX_ENTRY, SCHEMA)
+        except ValueError as exc:
+            raise StatusError(str(exc)) from None
         entry = cls.from_json(data)
         if entry.host != host:
             raise StatusError(f"it names another host, {entry.host!r}")
         if entry.state not in STATES or entry.code not in list(StatusCode):
             raise StatusError(f"state {entry.state!r}, code {entry.code}: not vkvagent's")
         return entry
+
+
+def published(raw: str, limit: int, schema: int) -> dict[str, Any]:
+    """What a peer published under one of its keys: a JSON object of ``schema``, at most
+    ``limit`` bytes; ValueError saying why not (a newer schema named as such)."""
+    size = len(raw.encode("utf-8"))
+    if size > limit:
+        raise ValueError(f"{size} bytes, over the {limit} it may have")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ValueError("not JSON") from None
+    said = data.get("schema") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or said != schema:
+        newer = isinstance(said, int) and said > schema
+        raise ValueError(
+            f"schema {said!r}: "
+            + (f"newer than this vkvagent reads ({schema})" if newer else f"expected {schema}")
+        )
+    return data
 
 
 @dataclass(frozen=True)
