@@ -18,7 +18,7 @@ from tests.test_fleet import (  # noqa: F401 - the `etcd` fixture
     fleet_of,
 )
 from tests.test_prevention import cured, declining
-from vkvagent.adapters.fleet_runs import READ_EVERY, FleetRuns, parse
+from vkvagent.adapters.fleet_runs import READ_EVERY, RETRY_AFTER, FleetRuns, parse
 from vkvagent.engine.baseline import Baseline
 from vkvagent.engine.prevention import Track
 
@@ -68,13 +68,18 @@ def test_a_hosts_cured_runs_reach_its_peers_and_garbage_is_refused_by_name(etcd:
         ("gpu-x", "not JSON"), ("gpu-y", "a run that is not a cured one of this server")
     ]  # fmt: skip
 
-    # etcd down: what was last read stands.
+    # etcd down: what was last read stands, and etcd is not asked again for a minute.
     etcd.stop()
     try:
         clock.now += READ_EVERY
         assert b.learned("s") == tracks[:2]
     finally:
         etcd.start()
+    a.share("s", (*tracks[:2], cured(declining("a-3", seed=4))))
+    clock.now += RETRY_AFTER / 2
+    assert b.learned("s") == tracks[:2]
+    clock.now += RETRY_AFTER / 2
+    assert len(b.learned("s")) == 3
 
 
 @pytest.mark.parametrize(

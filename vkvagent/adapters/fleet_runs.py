@@ -35,6 +35,9 @@ SCHEMA = 1
 MAX_RUNS = 32 * 1024  # bytes: KEPT runs of TRACKED / BUCKET points each are about 8 kB
 PEERS_READ = 20  # peers whose runs are read: up to KEPT runs each, plenty for one fit
 READ_EVERY = 1800.0  # seconds between two reads of the peers' runs of the same server
+# Seconds without asking etcd again after it did not answer: the tick pays a request's
+# timeout for the runs once a minute at most while etcd is down.
+RETRY_AFTER = 60.0
 
 
 class FleetRuns:
@@ -46,15 +49,16 @@ class FleetRuns:
         self._read: tuple[str, float] | None = None  # the server and time of the last read
         self._learned: tuple[Track, ...] = ()
         self._refused: set[tuple[str, str]] = set()  # (peer, digest of its value) told
+        self._quiet_until = -float("inf")  # no request before: etcd did not answer
 
     def prefix(self, server: str) -> str:
         return f"{self.fleet.prefix}runs/{server}/"
 
     def share(self, server: str, tracks: Sequence[Track]) -> None:
-        """Put this host's cured runs of ``server`` when they changed. A failed put is put
-        again at the next tick; the gate's listing tells of an etcd that does not answer."""
+        """Put this host's cured runs of ``server`` when they changed. A failed put is tried
+        again RETRY_AFTER later; the gate's listing tells of an etcd that does not answer."""
         mine = [t.to_json() for t in tracks if t.cured and not t.late and t.server == server]
-        if not server or not mine:
+        if not server or not mine or self._mono() < self._quiet_until:
             return
         document = {"schema": SCHEMA, "host": self.fleet.host, "server": server, "runs": mine}
         value = json.dumps(document, separators=(",", ":"))
@@ -64,22 +68,28 @@ class FleetRuns:
             ttl = math.ceil(ENTRY_LEASE * PUBLISH_EVERY)
             self.fleet.put_own(self.prefix(server) + self.fleet.host, value, ttl)
         except FleetError:
+            self._quiet_until = self._mono() + RETRY_AFTER
             return
         self._shared = value
 
     def learned(self, server: str) -> tuple[Track, ...]:
         """The peers' cured runs of ``server``: read again every READ_EVERY, and at once for
-        another server; what was last read while etcd does not answer."""
+        another server; what was last read while etcd does not answer (asked again
+        RETRY_AFTER later)."""
         if not server:
             return ()
         now, read = self._mono(), self._read
-        if read is not None and read[0] == server and now - read[1] < READ_EVERY:
-            return self._learned
+        known = self._learned if read is not None and read[0] == server else ()
+        if (read is not None and read[0] == server and now - read[1] < READ_EVERY) or (
+            now < self._quiet_until
+        ):
+            return known
         prefix = self.prefix(server)
         try:
             found = self.fleet.client.range_prefix(prefix, PEERS_READ + 1)  # ours among them
         except FleetError:
-            return self._learned if read is not None and read[0] == server else ()
+            self._quiet_until = now + RETRY_AFTER
+            return known
         runs: list[Track] = []
         for kv in found:
             peer = kv["key"][len(prefix) :]
