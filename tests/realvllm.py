@@ -269,12 +269,21 @@ class Streams(Clients):
         self.paused = paused
         self.streams: list[Stream] = []
         self._open: dict[int, float] = {}  # each client's stream under way: when it began
+        self._flowing: dict[int, float] = {}  # ... and when its first token came
 
     def under_way(self, client: int | None = None) -> list[float]:
         """When each stream under way began (wall clock); ``client``: that client's alone
         (client 0 asks for the longest answers)."""
         with self._lock:
             return [t for n, t in self._open.items() if client is None or n == client]
+
+    def flowing(self, client: int) -> dict[float, float]:
+        """``client``'s stream under way, if its first token came (the engine runs it): when
+        it began, and when that token came."""
+        with self._lock:
+            if client not in self._flowing:
+                return {}
+            return {self._open[client]: self._flowing[client]}
 
     def count(self, outcome: str) -> int:
         with self._lock:
@@ -304,9 +313,10 @@ class Streams(Clients):
             started = time.time()
             with self._lock:
                 self._open[number] = started
-            outcome = self._stream(tokens)
+            outcome = self._stream(number, tokens)
             with self._lock:
                 del self._open[number]
+                self._flowing.pop(number, None)
                 if outcome is not None:
                     self.streams.append(Stream(started, time.time(), outcome))
             if outcome is None:
@@ -314,7 +324,7 @@ class Streams(Clients):
             elif outcome != "ok":
                 self._stop.wait(0.1)
 
-    def _stream(self, tokens: int) -> str | None:
+    def _stream(self, number: int, tokens: int) -> str | None:
         """One completion's outcome; None when paused, checked before connecting and again
         just before the request is sent (a connection can take a while on a busy host)."""
         if self.paused():
@@ -343,10 +353,13 @@ class Streams(Clients):
                 response.read()
                 return "rejected"
             finished = done = False
-            for line in response.read().decode(errors="replace").splitlines():
+            for raw in response:
+                line = raw.decode(errors="replace").rstrip("\r\n")
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: "):
+                    with self._lock:
+                        self._flowing.setdefault(number, time.time())
                     chunk = json.loads(line[6:])
                     choices = chunk.get("choices") or [{}]
                     finished = finished or choices[0].get("finish_reason") == "length"
