@@ -6,6 +6,7 @@ rolled back when slower; `manual` applies nothing. Each test boots its own conta
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from datetime import datetime, timedelta, timezone
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.sandbox import Sandbox, sim_unit
+from tests.sandbox import PROJECT, Sandbox, sim_unit
 from tests.test_actuator import actions, running_argv
 from tests.test_daemon_systemd import (
     AGENT,
@@ -42,6 +43,15 @@ learn_for = 60
 value_interval = 1
 min_values = 3
 """
+
+
+# The container's own etcd, off its default ports (the host's etcd.service may use them).
+ETCD, PEER = "http://127.0.0.1:2479", "http://127.0.0.1:2480"
+
+
+def fleet(name: str) -> str:
+    """[fleet]: the container's etcd, one group, this host's ``name``."""
+    return f'[fleet]\nendpoints = ["{ETCD}"]\ngroup = "replicas"\nname = "{name}"\n'
 
 
 def config(policy: str = "", vllm: str = "", flags: str = "", baseline: str = "") -> str:
@@ -207,17 +217,24 @@ def test_a_diagnosed_restart_carries_the_pending_flags_in_one_restart() -> None:
         assert action.detail["changes"] == {"max-num-seqs": 64}
 
 
-def test_flags_that_make_vllm_slower_are_rolled_back_and_rejected() -> None:
+def test_flags_that_make_vllm_slower_are_rolled_back_rejected_and_held_back_on_a_peer() -> None:
+    """Host gpu-a tries a slower set, rolls it back and rejects it; gpu-b, another daemon
+    of its fleet group (the same vLLM: the same server), holds the set back from its first
+    tick. The real etcd runs in the container."""
     policy = 'windows = ["daily 00:00-24:00"]\ncooldown = 0\nmin_interval = 0\nmax_per_day = 10\n'
     with boot({"vllm.service": sim_unit(*RATE)}) as box:
-        write_config(box, config(policy=policy, baseline=FAST_BASELINE))
+        box.run(
+            "systemd-run", "--unit=test-etcd", shutil.which("etcd") or "etcd", "--data-dir",
+            "/var/lib/etcd-test", "--listen-client-urls", ETCD, "--advertise-client-urls", ETCD,
+            "--listen-peer-urls", PEER, "--initial-advertise-peer-urls", PEER,
+            "--initial-cluster", f"default={PEER}", "--log-level", "warn",
+        )  # fmt: skip
+        write_config(box, config(policy=policy, baseline=FAST_BASELINE) + fleet("gpu-a"))
         box.run("systemctl", "start", AGENT)
         # The first run learns its fresh speed, then the operator asks for a smaller batch.
         wait_status(box, lambda s: s["verdict"]["ratio"] is not None, 60)
-        write_config(
-            box,
-            config(policy=policy, flags=f"max-num-seqs = {SLOW_SEQS}\n", baseline=FAST_BASELINE),
-        )
+        slow = config(policy=policy, flags=f"max-num-seqs = {SLOW_SEQS}\n", baseline=FAST_BASELINE)
+        write_config(box, slow + fleet("gpu-a"))
         box.run("systemctl", "reload", AGENT)
         applied = wait_event(box, "restart.completed", timeout=60)
         assert applied["VKV_CAUSE"] == "flags"
@@ -256,3 +273,32 @@ def test_flags_that_make_vllm_slower_are_rolled_back_and_rejected() -> None:
         found = actions(box)
         assert [(a.kind, a.outcome) for a in found] == [("apply", "done"), ("apply", "done")]
         assert found[1].reason.startswith("flags: restart: in window; flags: roll back")
+
+        # gpu-b, the same config: the set waits for the group, and vLLM is not restarted.
+        box.run("systemctl", "start", AGENT)
+        other = box.root / "etc/vkvagent-b/config.toml"  # its --config: /etc/vkvagent-b
+        other.parent.mkdir(mode=0o755, parents=True)
+        other.write_text(
+            slow.replace("[agent]\n", '[agent]\nstate_dir = "/var/lib/vkvagent-b"\n', 1)
+            + fleet("gpu-b") + '[metrics]\nlisten = "127.0.0.1:9850"\n'
+        )  # fmt: skip
+        other.chmod(0o644)
+        box.run(
+            "systemd-run", "--unit=vkvagent-b", f"--setenv=PYTHONPATH={PROJECT}",
+            sys.executable, "-m", "vkvagent", "run", "--config", "/etc/vkvagent-b",
+        )  # fmt: skip
+        held = wait_event(box, "flags.held", timeout=60)
+        assert (held["VKV_PEER"], held["VKV_TRIAL"]) == ("gpu-a", "rejected"), held
+        assert held["MESSAGE"].startswith("[vllm.flags] held back: gpu-a rejected it: slower: ")
+        shown_b = box.run(
+            sys.executable, "-m", "vkvagent", "status", "--json", "--config", "/etc/vkvagent-b",
+            check=False,
+        )  # fmt: skip
+        flags_b = json.loads(shown_b.stdout)["flags"]
+        assert flags_b["pending"] == {"max-num-seqs": SLOW_SEQS} and flags_b["due"] is None
+        assert flags_b["problem"].startswith("held back: gpu-a rejected it: slower: "), flags_b
+        time.sleep(5)
+        assert len(events(box, "restart.started")) == 2, "\n".join(
+            box.messages("vkvagent-b.service")
+        )
+        assert len(events(box, "flags.held")) == 1  # once

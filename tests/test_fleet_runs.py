@@ -1,5 +1,6 @@
 """What the hosts of a fleet group learn from each other, against a real etcd: a host's cured
-runs read back by its peers, a peer's garbage refused by name and kept out, etcd down."""
+runs and flag trials read back by its peers, a peer's garbage refused by name and kept out,
+etcd down."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ from tests.test_fleet import (  # noqa: F401 - the `etcd` fixture
     fleet_of,
 )
 from tests.test_prevention import cured, declining
-from vkvagent.adapters.fleet_runs import READ_EVERY, RETRY_AFTER, FleetRuns, parse
+from vkvagent.adapters.fleet_peers import READ_EVERY, RETRY_AFTER
+from vkvagent.adapters.fleet_flags import FleetTrials
+from vkvagent.adapters.fleet_runs import FleetRuns, parse
 from vkvagent.engine.baseline import Baseline
 from vkvagent.engine.prevention import Track
+from vkvagent.knowledge.reconcile import Trial
 
 pytestmark = pytest.mark.fleet
 
@@ -126,3 +130,26 @@ def test_a_daemon_plans_from_its_peers_runs_then_shares_its_own(etcd: Etcd, tmp_
         assert other.learned("s") == (mine, *theirs)  # by host: gpu-here, gpu-peer
     finally:
         daemon.close()
+
+
+def test_a_hosts_flag_trials_reach_its_peers_and_garbage_is_refused_by_name(etcd: Etcd) -> None:
+    a = FleetTrials(fleet_of(etcd.url, "trials", name="gpu-a"), Recorded(), Clock())
+    trying = Trial("gpu-a", "k", "s0", "trying", 1000.0)
+    a.share([trying])
+    clock, said = Clock(), Recorded()
+    b = FleetTrials(fleet_of(etcd.url, "trials", name="gpu-b"), said, clock)
+    b.share([Trial("gpu-b", "k", "s0", "trying", 1000.0)])
+    assert b.learned() == (trying,)  # gpu-a's, not its own
+    # The verdict replaces the trial; a host with nothing to tell withdraws what it said.
+    rejected = Trial("gpu-a", "k", "s0", "rejected", None, "slower: 0.80 (action 3)")
+    a.share([rejected])
+    clock.now += READ_EVERY
+    assert b.learned() == (rejected,)
+    a.share([])
+    raw = fleet_of(etcd.url, "trials").client
+    raw.put(f"{b.prefix}gpu-x", json.dumps({"schema": 1, "host": "gpu-x", "trials": [{}]}), "0")
+    raw.put(f"{b.prefix}gpu-y", json.dumps({"schema": 1, "host": "gpu-a", "trials": []}), "0")
+    clock.now += READ_EVERY
+    assert b.learned() == ()
+    refused = [(f["peer"], f["error"]) for n, _m, f in said.events if n == "fleet.peer_refused"]
+    assert refused == [("gpu-x", "trial: KeyError: 'key'"), ("gpu-y", "it names another host")]

@@ -9,7 +9,16 @@ import pytest
 
 from vkvagent.engine.baseline import Baseline, BaselineSettings, Regime
 from vkvagent.knowledge.flags import shown
-from vkvagent.knowledge.reconcile import Change, FlagState, Judged, change_of, flags_key
+from vkvagent.knowledge.reconcile import (
+    TRIAL_FOR,
+    Change,
+    FlagState,
+    Judged,
+    Trial,
+    change_of,
+    flags_key,
+    held_back,
+)
 
 SETTINGS = BaselineSettings()
 BEFORE = ("vllm", "serve", "m")
@@ -104,6 +113,42 @@ def test_a_rejection_lasts_until_the_config_asks_for_another_set() -> None:
     assert state.desired("slow").rejected == {"slow": "slower: 0.6"}
     assert state.desired("slow").desired("slow") == state.desired("slow")
     assert state.desired("new").rejected == {}
+
+
+def test_a_host_tells_its_group_the_set_it_tries_then_the_set_it_rejected() -> None:
+    """What a host publishes (adapters/fleet_flags.py): the set its run is trying, from the
+    server of the run before it, until the verdict; then a rejection, from that server."""
+    state = FlagState().noticed(change(server_before="s0"))
+    key = flags_key({"max-num-seqs": 20})
+    assert state.trials("gpu-a", "s1") == [Trial("gpu-a", key, "s0", "trying", APPLIED + 30)]
+    judged, _ = judge(state, APPLIED + 20, 60.0)
+    (rejected,) = judged.trials("gpu-a", "s1")
+    assert (rejected.key, rejected.server, rejected.state) == (key, "s0", "rejected")
+    assert rejected.since is None and rejected.why.startswith("slower: 0.60")
+    same, _ = judge(state, APPLIED + 20, 100.0)
+    assert same.trials("gpu-a", "s1") == []  # kept: nothing to tell
+    # A set vLLM did not start with: from the server the host still runs.
+    broken = FlagState().reject("k2", "vLLM did not start or run with them (action 9): x")
+    assert [(t.server, t.state) for t in broken.trials("gpu-a", "s0")] == [("s0", "rejected")]
+    # Round trip, and what is not a trial.
+    assert Trial.from_json("gpu-a", json.loads(json.dumps(rejected.to_json()))) == rejected
+    for bad in ({"key": "k"}, {**rejected.to_json(), "state": "liked"},
+                {**rejected.to_json(), "since": 5.0}, "x"):  # fmt: skip
+        with pytest.raises(ValueError, match="trial: "):
+            Trial.from_json("gpu-a", bad)
+
+
+def test_a_peers_trial_holds_the_same_set_from_the_same_server_back() -> None:
+    now = 10 * TRIAL_FOR
+    trying = Trial("gpu-a", "k", "s0", "trying", now - 3600)
+    rejected = Trial("gpu-b", "k", "s0", "rejected", None, "slower: 0.80")
+    assert held_back([trying], "k", "s0", now) == trying
+    assert held_back([trying, rejected], "k", "s0", now) == rejected  # the rejection first
+    assert held_back([trying, rejected], "other set", "s0", now) is None
+    # From another server (another vLLM, model, cache or flags): it says nothing here.
+    assert held_back([trying, rejected], "k", "s1", now) is None
+    # A trial with no verdict after TRIAL_FOR holds nothing (its host stalled).
+    assert held_back([trying], "k", "s0", now + TRIAL_FOR) is None
 
 
 def test_the_ledger_says_which_actions_changed_flags() -> None:

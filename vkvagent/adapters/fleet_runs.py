@@ -6,114 +6,53 @@ Replicas of one server (the same vLLM, model, cache config and flags:
 ``carry.server_identity``) lose speed alike, so each host publishes its own runs of the server
 it runs, ``PREFIX/GROUP/runs/SERVER/NAME``, under its entry's lease (``Fleet.put_own``), when
 they change: a run ends cured a few times a week, a few revisions a week. A host reads its
-peers' runs of its server (PEERS_READ of them, every READ_EVERY), and ``prevention.plan`` uses
+peers' runs of its server (``fleet_peers.PeerKeys``), and ``prevention.plan`` uses
 them while it has fewer than ``min_runs`` of its own (a new host, or its first run after an
 upgrade, which is a new server), leaving out those that disagree with the others.
 
 A peer's key is refused, with a ``fleet.peer_refused`` event naming the peer (once per value),
 when it is over MAX_RUNS bytes, not JSON, of another schema, names another host or server, or
 holds a run that is not a cured one of the server; it never reaches the engine. With etcd
-unreachable a host goes on with the runs it last read: the gate's listing says etcd is
-unreachable, once.
+unreachable a host goes on with the runs it last read.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from vkvagent.adapters.fleet import ENTRY_LEASE, PUBLISH_EVERY, Emit, Fleet, FleetError
+from vkvagent.adapters.fleet_peers import PeerKeys
 from vkvagent.adapters.query_range import ReplayError
 from vkvagent.engine.prevention import Track
 from vkvagent.knowledge.fleet_view import published
 
 SCHEMA = 1
 MAX_RUNS = 32 * 1024  # bytes: KEPT runs of TRACKED / BUCKET points each are about 8 kB
-PEERS_READ = 20  # peers whose runs are read: up to KEPT runs each, plenty for one fit
-READ_EVERY = 1800.0  # seconds between two reads of the peers' runs of the same server
-# Seconds without asking etcd again after it did not answer: the tick pays a request's
-# timeout for the runs once a minute at most while etcd is down.
-RETRY_AFTER = 60.0
 
 
-class FleetRuns:
+class FleetRuns(PeerKeys[Track]):
     """This host's runs shared with its group, and its peers' read back."""
-
-    def __init__(self, fleet: Fleet, emit: Emit, mono: Callable[[], float] = time.monotonic):
-        self.fleet, self.emit, self._mono = fleet, emit, mono
-        self._shared: str | None = None  # the value last put
-        self._read: tuple[str, float] | None = None  # the server and time of the last read
-        self._learned: tuple[Track, ...] = ()
-        self._refused: set[tuple[str, str]] = set()  # (peer, digest of its value) told
-        self._quiet_until = -float("inf")  # no request before: etcd did not answer
 
     def prefix(self, server: str) -> str:
         return f"{self.fleet.prefix}runs/{server}/"
 
     def share(self, server: str, tracks: Sequence[Track]) -> None:
-        """Put this host's cured runs of ``server`` when they changed. A failed put is tried
-        again RETRY_AFTER later; the gate's listing tells of an etcd that does not answer."""
+        """Put this host's cured runs of ``server`` when they changed."""
         mine = [t.to_json() for t in tracks if t.cured and not t.late and t.server == server]
-        if not server or not mine or self._mono() < self._quiet_until:
-            return
-        document = {"schema": SCHEMA, "host": self.fleet.host, "server": server, "runs": mine}
-        value = json.dumps(document, separators=(",", ":"))
-        if value == self._shared:
-            return
-        try:
-            ttl = math.ceil(ENTRY_LEASE * PUBLISH_EVERY)
-            self.fleet.put_own(self.prefix(server) + self.fleet.host, value, ttl)
-        except FleetError:
-            self._quiet_until = self._mono() + RETRY_AFTER
-            return
-        self._shared = value
+        if server and mine:
+            document = {"schema": SCHEMA, "host": self.fleet.host, "server": server, "runs": mine}
+            self.put(
+                self.prefix(server) + self.fleet.host, json.dumps(document, separators=(",", ":"))
+            )
 
     def learned(self, server: str) -> tuple[Track, ...]:
-        """The peers' cured runs of ``server``: read again every READ_EVERY, and at once for
-        another server; what was last read while etcd does not answer (asked again
-        RETRY_AFTER later)."""
+        """The peers' cured runs of ``server``."""
         if not server:
             return ()
-        now, read = self._mono(), self._read
-        known = self._learned if read is not None and read[0] == server else ()
-        if (read is not None and read[0] == server and now - read[1] < READ_EVERY) or (
-            now < self._quiet_until
-        ):
-            return known
-        prefix = self.prefix(server)
-        try:
-            found = self.fleet.client.range_prefix(prefix, PEERS_READ + 1)  # ours among them
-        except FleetError:
-            self._quiet_until = now + RETRY_AFTER
-            return known
-        runs: list[Track] = []
-        for kv in found:
-            peer = kv["key"][len(prefix) :]
-            if peer == self.fleet.host:
-                continue
-            try:
-                runs += parse(peer, server, kv["value"])
-            except ValueError as exc:
-                self._refuse(peer, server, kv["value"], str(exc))
-        self._read, self._learned = (server, now), tuple(runs)
-        return self._learned
-
-    def _refuse(self, peer: str, server: str, value: str, why: str) -> None:
-        told = (peer, hashlib.sha256(value.encode("utf-8", "replace")).hexdigest())
-        if told in self._refused:
-            return
-        self._refused.add(told)
-        self.emit(
-            "fleet.peer_refused",
-            f"{peer}'s runs of server {server} refused: {why}",
-            group=self.fleet.group,
-            peer=peer,
-            server=server,
-            error=why,
+        what = f"runs of server {server}"
+        return self.read(
+            self.prefix(server), lambda p, raw: parse(p, server, raw), what, server=server
         )
 
 

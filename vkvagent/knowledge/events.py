@@ -73,6 +73,9 @@ CATALOGUE: Mapping[str, EventType] = {
     "flags.refused": EventType(
         ERR, "a flag set is invalid, or did not start: not tried again until the config changes"
     ),
+    "flags.held": EventType(
+        NOTICE, "[vllm.flags] waits: a peer of the fleet is trying the set, or rejected it"
+    ),
     "flags.judged": EventType(
         NOTICE, "the verdict on a flag change: its run's fresh speed against the run before"
     ),
@@ -104,7 +107,7 @@ CATALOGUE: Mapping[str, EventType] = {
     ),
     "fleet.reachable": EventType(INFO, "etcd answers again: restarts are coordinated again"),
     "fleet.peer_refused": EventType(
-        WARNING, "a peer's published runs are not ones vkvagent reads: left out of the plan"
+        WARNING, "what a peer published (runs, flag trials) is not what vkvagent reads: left out"
     ),
     "slo.burning": EventType(
         WARNING, "an objective of [slo] burns its error budget fast or slowly (once per rise)"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,6 +56,7 @@ class Change:
     # The engine's run before it, when known: its fresh speed is what the change is judged
     # against (a run in between that learned nothing would leave an older one in its place).
     previous_run: str | None = None
+    server_before: str | None = None  # the server identity of that run: what a peer matches
     verdict: str = UNJUDGED
     ratio: float | None = None  # the new run's fresh speed / the previous run's
     speed_before: float | None = None  # generated tokens/s per request in the system
@@ -76,6 +77,7 @@ class Change:
             "key": self.key,
             "before": list(self.before),
             "previous_run": self.previous_run,
+            "server_before": self.server_before,
             "verdict": self.verdict,
             "ratio": self.ratio,
             "speed_before": self.speed_before,
@@ -96,6 +98,7 @@ class Change:
             key=str(data["key"]),
             before=tuple(str(a) for a in data["before"]),
             previous_run=None if data.get("previous_run") is None else str(data["previous_run"]),
+            server_before=None if data.get("server_before") is None else str(data["server_before"]),
             verdict=data["verdict"],
             ratio=optional_float(data.get("ratio")),
             speed_before=optional_float(data.get("speed_before")),
@@ -194,6 +197,21 @@ class FlagState:
             )
         return state, concluded
 
+    def trials(self, host: str, server: str) -> list[Trial]:
+        """What this host tells its group (``fleet_flags``): the set its run is trying, not
+        judged yet, and the sets it rejected, each with the server it was tried from (the
+        run before the change; for a set vLLM failed to start with, ``server``, the one it
+        still runs)."""
+        last, told = self.last, []
+        if last is not None and last.verdict == UNJUDGED and last.server_before:
+            told.append(Trial(host, last.key, last.server_before, "trying", last.ended))
+        for key, why in sorted(self.rejected.items()):
+            judged = last is not None and last.key == key and last.server_before
+            origin = last.server_before if judged and last is not None else server
+            if origin:
+                told.append(Trial(host, key, origin, "rejected", None, why))
+        return told
+
     def _concluded(
         self, change: Change, found: SpeedChange | None, why: str
     ) -> tuple[FlagState, Judged]:
@@ -218,6 +236,56 @@ class FlagState:
         return cls(last, rejected)
 
 
+@dataclass(frozen=True)
+class Trial:
+    """A flag set a host of the group tried from a server (``carry.server_identity`` of the
+    run before it): ``trying`` (its run not judged yet) or ``rejected`` (slower than the
+    flags before it, or vLLM failed with it: ``why``)."""
+
+    host: str
+    key: str  # flags_key of the whole set
+    server: str
+    state: str  # trying | rejected
+    since: float | None = None  # UTC seconds the trying set took effect
+    why: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "server": self.server, "state": self.state,
+                "since": self.since, "why": self.why}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, host: str, data: Any) -> Trial:
+        """The inverse of ``to_json``; ValueError (one line) for anything else."""
+        try:
+            trial = cls(host, str(data["key"]), str(data["server"]), str(data["state"]),
+                        optional_float(data.get("since")), str(data.get("why") or ""))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"trial: {type(exc).__name__}: {exc}") from None
+        if trial.state not in TRIAL_STATES or (trial.state == "trying") != (
+            trial.since is not None
+        ):
+            raise ValueError(f"trial: state {trial.state!r} with since {trial.since!r}")
+        return trial
+
+
+TRIAL_STATES = ("trying", "rejected")
+# A peer's trial holds a set back for at most this long: a verdict comes within the run's
+# fresh period (hours), or "no verdict" once it is over; one older is a host that stalled.
+TRIAL_FOR = 2 * 86400.0
+
+
+def held_back(trials: Sequence[Trial], key: str, server: str, now: float) -> Trial | None:
+    """The peer's trial that holds set ``key`` back on a host that runs ``server``: one that
+    rejected it from the same server, else one still trying it (for TRIAL_FOR at most), so
+    that a change reaches one host of the group at a time and stops at the first that finds
+    it slower or broken."""
+    same = [t for t in trials if t.key == key and t.server == server]
+    rejected = [t for t in same if t.state == "rejected"]
+    trying = [t for t in same if t.since is not None and now - t.since < TRIAL_FOR]
+    found = rejected or trying
+    return found[0] if found else None
+
+
 def change_of(
     action: int,
     started: float,
@@ -225,6 +293,7 @@ def change_of(
     detail: Mapping[str, Any],
     ignore: frozenset[str],
     previous_run: str | None = None,
+    server_before: str | None = None,
 ) -> Change | None:
     """The flag change a ledger action (``apply``, ``done``) made, or None when it changed
     only flags in ``ignore`` (the drain's, which a plain restart adds) or none."""
@@ -240,4 +309,5 @@ def change_of(
         key=flags_key({k: v for k, v in flags.items() if k not in ignore}),
         before=tuple(str(a) for a in detail.get("before") or ()),
         previous_run=previous_run,
+        server_before=server_before,
     )

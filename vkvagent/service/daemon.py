@@ -38,7 +38,7 @@ from vkvagent.adapters.history import HistoryError
 from vkvagent.adapters.ledger import Action, Ledger, LedgerError
 from vkvagent.adapters.systemd import SystemdError
 from vkvagent.apikey import KeyFileError
-from vkvagent.engine import Decision, EngineState, Observation, Recent, decide
+from vkvagent.engine import Decision, EngineState, Observation, Recent, decide, server_identity
 from vkvagent.engine.liveness import CAUSES as DOWN
 from vkvagent.engine.policy import RestartRecord
 from vkvagent.engine.progress import ProbeFacts
@@ -273,14 +273,19 @@ class Daemon:
             # last restart and the status; again after an action of this tick.
             actions = _recent_actions(p.ledger)
             self.flag_loop.notice(actions, self.state, p)
-            due = self.flag_loop.due(p, plan)
+            flags = in_effect(p, plan)
+            # The server vLLM runs now, for the peers' flag trials: known from the first
+            # sample, where the baseline's is learned later.
+            here = server_identity(sample.vllm, flags) if sample.vllm else _server(self.state)
+            trials = () if p.fleet_trials is None else p.fleet_trials.learned()
+            due = self.flag_loop.due(p, plan, trials, here, sample.time)
             observed = Observation(
                 samples=tuple(self.recent.samples),
                 unit_active=None if sample.unit is None else sample.unit.active_state == "active",
                 memory=self.recent.memory,
                 restarts=restarts,
                 controls=controls.read(p.state_dir),
-                flags=in_effect(p, plan),
+                flags=flags,
                 probe=p.prober.facts() if p.config.probe.enabled else ProbeFacts(),
                 unit_started=sample.unit.active_since if sample.unit else None,
                 flags_due=proposed(p.config.vllm.apply_flags, due),
@@ -295,6 +300,8 @@ class Daemon:
                 p.fleet_runs.share(_server(self.state), self.state.past)
             slo = self.burn.report(p.settings.slo, decision, sample.time)
             self.flag_loop.judge(p, decision)
+            if p.fleet_trials is not None:
+                p.fleet_trials.share(self.flag_loop.trials(p.fleet_trials.fleet.host, here))
             if decision.probe_wanted:
                 self.probes.send(p, sample)
             self.restarts.judge(actions, decision, p.drain_flag_names())
@@ -332,7 +339,7 @@ class Daemon:
                 plan = p.flag_plan(version, invocation)
                 actions = _recent_actions(p.ledger)  # with this tick's action
                 self.flag_loop.notice(actions, self.state, p)
-                due = self.flag_loop.due(p, plan)
+                due = self.flag_loop.due(p, plan, trials, here, sample.time)
             self.last = decision
             self.metrics.count(
                 action=decision.action,

@@ -11,9 +11,9 @@ status's ``flags`` part.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timezone
+from datetime import datetime, timezone
 from typing import Any
 
 from vkvagent.actuation.actuator import ActuatorError, Plan
@@ -23,7 +23,7 @@ from vkvagent.engine import Decision, EngineState
 from vkvagent.engine.policy import FLAGS
 from vkvagent.knowledge import status
 from vkvagent.knowledge.flags import rendered, shown
-from vkvagent.knowledge.reconcile import FlagState, change_of, flags_key
+from vkvagent.knowledge.reconcile import FlagState, Trial, change_of, flags_key, held_back
 from vkvagent.knowledge.vllm_command import VllmCommandError, parse_command
 from vkvagent.service.parts import Parts
 
@@ -45,7 +45,8 @@ class FlagLoop:
     def __init__(self, state: FlagState, emit: Callable[..., None]) -> None:
         self.state = state
         self.emit = emit
-        self._said: tuple[str, ...] = ()  # the pending or refused flags last reported
+        self._said: tuple[str, ...] = ()  # the pending, held or refused flags last reported
+        self.held: Trial | None = None  # the peer's trial that holds [vllm.flags] back
 
     def notice(self, recent: list[Action] | None, engine: EngineState, parts: Parts) -> None:
         """Take the ledger's newest flag change (the daemon's or `vkvagent apply`'s) as the
@@ -61,19 +62,30 @@ class FlagLoop:
                 return
             # The daemon's own change is noticed before the engine reads the new run; one of
             # `vkvagent apply` may be noticed after: then the engine's previous run stands.
-            before = run.key if run.started is None or run.started < action.started else None
-            if before is None and engine.previous is not None:
-                before = engine.previous.run
+            earlier = run.started is None or run.started < action.started
+            base = engine.baseline if earlier else engine.previous
+            before = run.key if earlier else None if base is None else base.run
             change = change_of(
-                action.id, action.started, action.ended, action.detail, ignore, before
-            )
+                action.id, action.started, action.ended, action.detail, ignore, before,
+                None if base is None else base.server,
+            )  # fmt: skip
             if change is not None:
                 self.state = self.state.noticed(change)
                 return
 
-    def due(self, parts: Parts, plan: Plan | str | None) -> FlagsDue | None:
+    def due(
+        self,
+        parts: Parts,
+        plan: Plan | str | None,
+        peers: Sequence[Trial] = (),
+        server: str = "",
+        now: float = 0.0,
+    ) -> FlagsDue | None:
         """The flag change the next restart should carry: a slower change to put back, else
-        [vllm.flags] when the unit runs other values and the set was not rejected."""
+        [vllm.flags] when the unit runs other values and the set was not rejected, here or
+        by a peer of the group that runs the same ``server``, and no such peer is trying it
+        (``peers``: their trials; ``now``: UTC seconds)."""
+        self.held = None
         last = self.state.last
         if last is not None and last.rollback_due and parts.actuator is not None:
             try:
@@ -93,7 +105,14 @@ class FlagLoop:
         changes = pending(plan, ignore)
         if not plan.changed or not changes or key in self.state.rejected:
             return None
+        self.held = held_back(peers, key, server, now)
+        if self.held is not None:
+            return None
         return FlagsDue("apply", f"apply {shown(changes)}", plan, key)
+
+    def trials(self, host: str, server: str) -> list[Trial]:
+        """What this host tells its group of its flag sets (``FlagState.trials``)."""
+        return self.state.trials(host, server)
 
     def slower(self, due: FlagsDue | None) -> float | None:
         """``Observation.flags_slower``: for a rollback, the speed the change was judged at."""
@@ -115,10 +134,20 @@ class FlagLoop:
             said = ("refused", plan)
         elif due is not None:
             said = ("pending", due.what)
+        elif self.held is not None:
+            said = ("held", held_words(self.held))
         if said == self._said:
             return
         self._said = said
-        if isinstance(plan, str) and said:
+        if self.held is not None and said[:1] == ("held",) and isinstance(plan, Plan):
+            self.emit(
+                "flags.held",
+                f"[vllm.flags] held back: {said[1]}",
+                flags=rendered(pending(plan, parts.drain_flag_names())),
+                peer=self.held.host,
+                trial=self.held.state,
+            )
+        elif isinstance(plan, str) and said:
             self.emit(
                 "flags.refused",
                 f"[vllm.flags] refused, not applied until the config changes: {plan}",
@@ -217,6 +246,8 @@ class FlagLoop:
             why = self.state.rejected.get(desired_key(plan, ignore))
             if waiting and why:
                 problem = f"rejected: {why}"
+            elif waiting and self.held is not None:
+                problem = f"held back: {held_words(self.held)}"
         # The status's part is the change's own document, less what only the loop needs.
         change = None if last is None else status.FlagChange.from_json(last.to_json())
         return status.FlagsStatus(
@@ -260,6 +291,14 @@ def pending(plan: Plan, ignore: frozenset[str]) -> dict[str, Any]:
 def desired_key(plan: Plan, ignore: frozenset[str]) -> str:
     """The name of the flag set ``plan`` applies, the drain's flags (``ignore``) left out."""
     return flags_key({k: v for k, v in plan.flags.items() if k not in ignore})
+
+
+def held_words(trial: Trial) -> str:
+    """Why a peer's trial holds [vllm.flags] back, in words."""
+    if trial.state == "rejected":
+        return f"{trial.host} rejected it: {trial.why}"
+    since = datetime.fromtimestamp(trial.since or 0.0, timezone.utc).strftime("%Y-%m-%d %H:%M")
+    return f"{trial.host} is trying it since {since} UTC; its verdict first"
 
 
 def waiting_for(apply: str, decision: Decision, due: FlagsDue) -> str:

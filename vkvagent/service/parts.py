@@ -30,6 +30,7 @@ from vkvagent.knowledge.flags import FlagError
 
 if TYPE_CHECKING:
     from vkvagent.adapters.fleet import Gate
+    from vkvagent.adapters.fleet_flags import FleetTrials
     from vkvagent.adapters.fleet_runs import FleetRuns
 
 
@@ -49,14 +50,18 @@ class Parts:
         self.config = cfg
         # [fleet]: at most N hosts of a group restarting at once (None: no fleet configured)
         self.fleet: Gate | None = None
-        # and what its hosts learn from each other: their cured runs, by server
+        # and what its hosts learn from each other: their cured runs, by server, and the flag
+        # sets they are trying or rejected
         self.fleet_runs: FleetRuns | None = None
+        self.fleet_trials: FleetTrials | None = None
         if cfg.fleet.endpoints:
             from vkvagent.adapters import fleet  # noqa: PLC0415 - etcd's client only for a fleet
+            from vkvagent.adapters.fleet_flags import FleetTrials  # noqa: PLC0415 - as above
             from vkvagent.adapters.fleet_runs import FleetRuns  # noqa: PLC0415 - as above
 
             self.fleet = fleet.Gate(cfg.fleet, emit)
-            self.fleet_runs = FleetRuns(self.fleet.fleet, emit)
+            self.fleet_runs = FleetRuns(self.fleet.fleet, emit, mono)
+            self.fleet_trials = FleetTrials(self.fleet.fleet, emit, mono)
         self.settings = cfg.engine_settings()
         self.state_dir = Path(cfg.agent.state_dir)
         self.state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
