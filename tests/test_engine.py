@@ -323,16 +323,20 @@ def known(**per_regime: tuple[float, float]) -> dict[int, Regime]:
     }
 
 
-def judged_against(previous: Baseline, current: Baseline) -> list[Decision]:
+def judged_against(
+    previous: Baseline | None, current: Baseline, peers: tuple[Baseline, ...] = ()
+) -> list[Decision]:
     """A day-old run at 100 generated tokens/s with 2 running (regime 13, 50 tokens/s per
-    request), decided every minute for 20 minutes, with these baselines."""
+    request), decided every minute for 20 minutes, with these baselines (``peers``: the
+    fleet's)."""
     state = decide(ENFORCE, EngineState(), Observation(DAY_OLD[:31]), now_of(DAY_OLD[30])).state
     # Learned in the run's first hours: a day later it learns nothing more.
     current = replace(current, run=state.run.key, busy_from=600.0)
     state = replace(state, previous=previous, baseline=current)
     decisions = []
     for end in range(37, len(DAY_OLD), 6):
-        d = decide(ENFORCE, state, Observation(DAY_OLD[end - 31 : end]), now_of(DAY_OLD[end - 1]))
+        observed = Observation(DAY_OLD[end - 31 : end], peer_baselines=peers)
+        d = decide(ENFORCE, state, observed, now_of(DAY_OLD[end - 1]))
         state = d.state
         decisions.append(d)
     return decisions
@@ -359,6 +363,33 @@ def test_a_load_this_run_has_not_learned_is_judged_by_an_earlier_run_it_matches(
         decisions = judged_against(previous, current)
         assert all(d.ratio is None and "baseline_run" not in d.evidence for d in decisions)
         assert decisions[-1].reason.startswith("unknown baseline: nothing learned at 91-128")
+
+
+def test_a_new_host_is_judged_at_a_load_it_has_not_learned_by_a_peer_it_matches() -> None:
+    """No run of its own before (a new host, or the first run after an upgrade): a peer's
+    fresh baseline of the same server stands in, as an earlier run's would, once this run is
+    as fast as the peer where both learned; the previous run's comes first."""
+    peer = Baseline(
+        run="start:1699900000.000@gpu-a", regimes=known(r11=(0.02, 90.0), r13=(0.02, 100.0)),
+        server=SERVER,
+    )  # fmt: skip
+    same_speed = Baseline(run="", regimes=known(r11=(0.02, 90.0)))
+    decisions = judged_against(None, same_speed, peers=(peer,))
+    assert all(d.ratio == pytest.approx(0.5) for d in decisions)
+    assert all(d.evidence["baseline_run"] == peer.run for d in decisions)
+    assert "speed 0.50 of peer gpu-a's fresh baseline at" in decisions[-1].reason
+    # A slower host than the peer (another GPU, a noisy neighbour), or a peer of another
+    # server, is not held to it.
+    slower = Baseline(run="", regimes=known(r11=(0.0215, 90.0)))
+    for peers, current in (((peer,), slower), ((replace(peer, server="another"),), same_speed)):
+        decisions = judged_against(None, current, peers=peers)
+        assert all(d.ratio is None and "baseline_run" not in d.evidence for d in decisions)
+    # This host's previous run first, the peers' where it learned nothing.
+    own = Baseline(run="start:1699800000.000", regimes=known(r11=(0.02, 90.0), r13=(0.02, 80.0)),
+                   server=SERVER)  # fmt: skip
+    decisions = judged_against(own, same_speed, peers=(peer,))
+    assert all(d.evidence["baseline_run"] == own.run for d in decisions)
+    assert all(d.ratio == pytest.approx(50 / 80) for d in decisions)
 
 
 def night_after_a_slow_evening(fault_at: float | None = None) -> list[Decision]:

@@ -19,14 +19,15 @@ from tests.test_fleet import (  # noqa: F401 - the `etcd` fixture
     fleet_of,
 )
 from tests.test_prevention import cured, declining
-from vkvagent.adapters.fleet_peers import READ_EVERY, RETRY_AFTER
 from vkvagent.adapters.fleet_flags import FleetTrials
+from vkvagent.adapters.fleet_peers import READ_EVERY, RETRY_AFTER
 from vkvagent.adapters.fleet_runs import FleetRuns, parse
-from vkvagent.engine.baseline import Baseline
+from vkvagent.engine.baseline import Baseline, BaselineSettings, Regime
 from vkvagent.engine.prevention import Track
 from vkvagent.knowledge.reconcile import Trial
 
 pytestmark = pytest.mark.fleet
+SETTINGS = BaselineSettings()
 
 
 class Clock:
@@ -47,12 +48,12 @@ def runs_of(
 def test_a_hosts_cured_runs_reach_its_peers_and_garbage_is_refused_by_name(etcd: Etcd) -> None:
     tracks = (cured(declining("a-1")), cured(declining("a-2", seed=2)), declining("a-3"))
     a, _ = runs_of(etcd, "gpu-a")
-    a.share("s", tracks)  # the run in progress (not cured) stays home
+    a.share("s", tracks, None, SETTINGS)  # the run in progress (not cured) stays home
     clock = Clock()
     b, said = runs_of(etcd, "gpu-b", clock)
-    b.share("s", (cured(declining("b-1", seed=3)),))
-    assert b.learned("s") == tracks[:2]  # gpu-a's, not its own
-    assert b.learned("another server") == ()
+    b.share("s", (cured(declining("b-1", seed=3)),), None, SETTINGS)
+    assert b.learned("s").runs == tracks[:2]  # gpu-a's, not its own
+    assert b.learned("another server").runs == ()
 
     # A peer's garbage: refused with an event naming it, once; the others still count.
     raw = fleet_of(etcd.url, "runs").client
@@ -60,9 +61,9 @@ def test_a_hosts_cured_runs_reach_its_peers_and_garbage_is_refused_by_name(etcd:
     liar = {"schema": 1, "host": "gpu-y", "server": "s",
             "runs": [Track(run="y", server="s", cured=False).to_json()]}  # fmt: skip
     raw.put(f"{b.prefix('s')}gpu-y", json.dumps(liar), "0")
-    assert b.learned("s") == tracks[:2]  # read again only every READ_EVERY
+    assert b.learned("s").runs == tracks[:2]  # read again only every READ_EVERY
     clock.now += READ_EVERY
-    assert b.learned("s") == tracks[:2]
+    assert b.learned("s").runs == tracks[:2]
     clock.now += READ_EVERY
     b.learned("s")
     refused = [
@@ -76,14 +77,14 @@ def test_a_hosts_cured_runs_reach_its_peers_and_garbage_is_refused_by_name(etcd:
     etcd.stop()
     try:
         clock.now += READ_EVERY
-        assert b.learned("s") == tracks[:2]
+        assert b.learned("s").runs == tracks[:2]
     finally:
         etcd.start()
-    a.share("s", (*tracks[:2], cured(declining("a-3", seed=4))))
+    a.share("s", (*tracks[:2], cured(declining("a-3", seed=4))), None, SETTINGS)
     clock.now += RETRY_AFTER / 2
-    assert b.learned("s") == tracks[:2]
+    assert b.learned("s").runs == tracks[:2]
     clock.now += RETRY_AFTER / 2
-    assert len(b.learned("s")) == 3
+    assert len(b.learned("s").runs) == 3
 
 
 @pytest.mark.parametrize(
@@ -112,7 +113,7 @@ def test_a_daemon_plans_from_its_peers_runs_then_shares_its_own(etcd: Etcd, tmp_
     peer, _ = runs_of(etcd, "gpu-peer", group="learning")
     hour_ago = time.time() - 3600  # the daemon plans on the wall clock: runs of this week
     theirs = tuple(cured(declining(f"p-{i}", seed=i), ended_at=hour_ago) for i in (1, 2))
-    peer.share("s", theirs)
+    peer.share("s", theirs, None, SETTINGS)
     daemon, _stream = daemon_with_fleet(tmp_path, etcd.url, group="learning")
     try:
         # A new host of server "s": a baseline, no run of its own yet.
@@ -127,7 +128,7 @@ def test_a_daemon_plans_from_its_peers_runs_then_shares_its_own(etcd: Etcd, tmp_
         later = Clock()
         later.now += READ_EVERY
         other, _ = runs_of(etcd, "gpu-other", later, group="learning")
-        assert other.learned("s") == (mine, *theirs)  # by host: gpu-here, gpu-peer
+        assert other.learned("s").runs == (mine, *theirs)  # by host: gpu-here, gpu-peer
     finally:
         daemon.close()
 
@@ -153,3 +154,53 @@ def test_a_hosts_flag_trials_reach_its_peers_and_garbage_is_refused_by_name(etcd
     assert b.learned() == ()
     refused = [(f["peer"], f["error"]) for n, _m, f in said.events if n == "fleet.peer_refused"]
     assert refused == [("gpu-x", "trial: KeyError: 'key'"), ("gpu-y", "it names another host")]
+
+
+def regimes(**per_regime: tuple[int, float]) -> dict[int, Regime]:
+    """Regimes by key ``r<key>``: (windows kept, mean ITL of each)."""
+    return {
+        int(key[1:]): Regime(count, {"itl": (itl,) * count, "per_request": (50.0,) * count})
+        for key, (count, itl) in per_regime.items()
+    }
+
+
+def test_a_hosts_fresh_baseline_reaches_its_peers_by_its_known_loads(etcd: Etcd) -> None:
+    """A run's fresh baseline goes out with its known loads' medians, again only when it
+    knows another load; a late one stays home; one of another server is refused."""
+    a, _ = runs_of(etcd, "gpu-a", group="baselines")
+    clock = Clock()
+    b, said = runs_of(etcd, "gpu-b", clock, group="baselines")
+    raw = fleet_of(etcd.url, "baselines").client
+
+    def revision() -> int:
+        return int(raw.call("kv/range", {"key": "eA=="})["header"]["revision"])
+
+    fresh = Baseline(run="start:1", regimes=regimes(r11=(12, 0.02), r13=(4, 0.03)),
+                     server="s", busy_from=900.0, last_added=5.0)  # fmt: skip
+    a.share("s", (), fresh, SETTINGS)
+    (theirs,) = b.learned("s").baselines
+    assert theirs.run == "start:1@gpu-a" and theirs.server == "s"
+    assert theirs.known_keys(SETTINGS) == [11] and 13 not in theirs.regimes  # r13: unknown
+    assert theirs.regimes[11].median("itl") == 0.02 and theirs.regimes[11].count == 12
+    # More windows at the loads it knows: nothing put.
+    before = revision()
+    a.share("s", (), replace(fresh, regimes=regimes(r11=(20, 0.021), r13=(6, 0.03))), SETTINGS)
+    assert revision() == before
+    # Another load known: put.
+    a.share("s", (), replace(fresh, regimes=regimes(r11=(20, 0.021), r13=(10, 0.03))), SETTINGS)
+    clock.now += READ_EVERY
+    (theirs,) = b.learned("s").baselines
+    assert theirs.known_keys(SETTINGS) == [11, 13]
+    # Learned late (it may hold a slowness), or of another server: not shared.
+    c, _ = runs_of(etcd, "gpu-c", group="baselines")
+    c.share("s", (), replace(fresh, busy_from=SETTINGS.learn_within + 1), SETTINGS)
+    c.share("s", (), replace(fresh, server="t"), SETTINGS)
+    clock.now += READ_EVERY
+    assert [x.run for x in b.learned("s").baselines] == ["start:1@gpu-a"]
+    liar = {"schema": 1, "host": "gpu-y", "server": "s", "runs": [],
+            "baseline": replace(fresh, server="t").to_json()}  # fmt: skip
+    raw.put(f"{b.prefix('s')}gpu-y", json.dumps(liar), "0")
+    clock.now += READ_EVERY
+    assert len(b.learned("s").baselines) == 1
+    refused = [(f["peer"], f["error"]) for n, _m, f in said.events if n == "fleet.peer_refused"]
+    assert refused == [("gpu-y", "a baseline of another server")]

@@ -2,16 +2,17 @@
 
 A run learns its own fresh baselines at the loads it sees; at a load it has not learned yet,
 the earlier fresh runs of the same server (``server_identity``: vLLM's version, the model, the
-cache config and the configured flags) stand in, once this run has proven at least
-``CARRY_SPEED`` as fast at every load both know. The same comparison of fresh speeds judges
-the restart between two runs: did it bring the fresh speed back (``restored``)?
+cache config and the configured flags), this host's or a fleet peer's, stand in, once this
+run has proven at least ``CARRY_SPEED`` as fast at every load both know. The same comparison
+of fresh speeds judges the restart between two runs: did it bring the fresh speed back
+(``restored``)?
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from vkvagent.engine.baseline import Baseline
@@ -51,6 +52,29 @@ def carried(settings: Settings, previous: Baseline | None, current: Baseline) ->
         return None
     speeds = fresh_speeds(settings, previous, current)
     return previous if speeds and min(speeds) >= CARRY_SPEED else None
+
+
+def stand_in(
+    settings: Settings, earlier: Sequence[Baseline | None], current: Baseline
+) -> Baseline | None:
+    """The ``earlier`` baselines that may stand in for this run's (``carried``), merged in
+    their order: the previous run's first, then the fleet's peers' of the same server
+    (``Observation.peer_baselines``), so that a new host, or the first run after an upgrade
+    that a peer has already run, is judged at the loads a peer learned while fresh."""
+    found = [b for b in earlier if b is not None and carried(settings, b, current) is not None]
+    if not found:
+        return None
+    merged = found[0]
+    for other in found[1:]:
+        merged = merged.merged(other, settings.baseline)
+    return merged
+
+
+def peer_of(run: str) -> str | None:
+    """The host whose baseline a run name is, for a peer's (``RUN@HOST``); None for this
+    host's own runs."""
+    _run, at, host = run.rpartition("@")
+    return host if at and host else None
 
 
 def restored(

@@ -114,6 +114,9 @@ class Observation:
     # The cured runs other hosts of the fleet published (prevention's evidence), for a host
     # with too few of its own: ``prevention.plan``'s ``peers``.
     peer_runs: Sequence[Track] = ()
+    # Their fresh baselines of this server (each run named ``RUN@HOST``), to stand in at loads
+    # this run has not learned when its previous run cannot (``carry.stand_in``).
+    peer_baselines: Sequence[Baseline] = ()
 
 
 @dataclass(frozen=True)
@@ -340,8 +343,8 @@ def decide(
         baseline = replace(baseline, seen_from=uptime)
     key = regime_of(stats, b) if stats else None
     # What this server does when fresh: this run's baselines, and at the loads it has not
-    # learned, the previous run's where they may stand in (``carry.carried``).
-    carried = carry.carried(settings, state.previous, baseline)
+    # learned, the previous run's or a peer's where they may stand in (``carry.stand_in``).
+    carried = carry.stand_in(settings, (state.previous, *observed.peer_baselines), baseline)
     reference = baseline if carried is None else baseline.merged(carried, b)
     regime = reference.known(key, b)
     # A load no fresh run learned: the speed the learned loads imply; not while this run is
@@ -854,7 +857,8 @@ def _baseline_of(
     if modelled:
         return "the learned loads' modelled"
     if borrowed is not None:
-        return "an earlier run's"
+        peer = carry.peer_of(borrowed)
+        return "an earlier run's" if peer is None else f"peer {peer}'s"
     if own.late(settings) and own.busy_from is not None:
         return f"this run's late (learned from {own.busy_from / 3600:.1f} h of uptime)"
     return "this run's"

@@ -278,6 +278,7 @@ class Daemon:
             # sample, where the baseline's is learned later.
             here = server_identity(sample.vllm, flags) if sample.vllm else _server(self.state)
             trials = () if p.fleet_trials is None else p.fleet_trials.learned()
+            peers = None if p.fleet_runs is None else p.fleet_runs.learned(here)
             due = self.flag_loop.due(p, plan, trials, here, sample.time)
             observed = Observation(
                 samples=tuple(self.recent.samples),
@@ -292,12 +293,16 @@ class Daemon:
                 flags_slower=self.flag_loop.slower(due),
                 stopped=down.get("stopped", ""),
                 exit_line=down.get("exit_line", ""),
-                peer_runs=() if p.fleet_runs is None else p.fleet_runs.learned(_server(self.state)),
+                peer_runs=peers.runs if peers else (),
+                peer_baselines=peers.baselines if peers else (),
             )
             decision = decide(p.settings, self.state, observed, now)
             self.state = decision.state
             if p.fleet_runs is not None:
-                p.fleet_runs.share(_server(self.state), self.state.past)
+                server = _server(self.state)
+                p.fleet_runs.share(
+                    server, self.state.past, self.state.baseline, p.settings.baseline
+                )
             slo = self.burn.report(p.settings.slo, decision, sample.time)
             self.flag_loop.judge(p, decision)
             if p.fleet_trials is not None:

@@ -231,8 +231,9 @@ def _parser() -> argparse.ArgumentParser:
         "--fleet-runs",
         type=Path,
         metavar="FILE",
-        help="the cured runs the [fleet] group shared, one host's a line (etcdctl get --prefix "
-        "--print-value-only PREFIX/GROUP/runs/SERVER/), as the daemon would have read them",
+        help="the cured runs and fresh baselines the [fleet] group shared, one host's a line "
+        "(etcdctl get --prefix --print-value-only PREFIX/GROUP/runs/SERVER/), as the daemon "
+        "would have read them",
     )
     replayer.add_argument(
         "--plot",
@@ -527,11 +528,11 @@ def _replay(args: argparse.Namespace, out: TextIO) -> int:
         store = query_range.load_files(args.files)
     else:
         raise UsageError("replay: give query_range FILEs, or --prometheus URL --match ...")
-    peer_runs = () if args.fleet_runs is None else fleet_runs.load(args.fleet_runs)
+    peers = None if args.fleet_runs is None else fleet_runs.load(args.fleet_runs)
     result = replay.run(
         settings,
         store,
-        peer_runs=peer_runs,
+        peers=peers,
         step=step,
         model=loaded.vllm.model,
         instance=args.instance,

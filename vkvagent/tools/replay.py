@@ -16,20 +16,22 @@ span: what the engine added to its tallies at each decision (``_counted``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vkvagent.adapters.query_range import ReplayError, Store
 from vkvagent.engine import Decision, EngineState, Observation, Recent, Settings, decide
 from vkvagent.engine.policy import WOULD_RESTART, RestartRecord
-from vkvagent.engine.prevention import Track
 from vkvagent.engine.samples import Sample, utc_text
 from vkvagent.engine.slo import EMPTY, OBJECTIVES, SloSettings, SloState, Tally
 from vkvagent.jsonsafe import finite
 from vkvagent.knowledge.reconcile import Change, FlagState, flags_key
 from vkvagent.tools.timeline import Timeline, timeline
+
+if TYPE_CHECKING:  # the fleet's client only where a fleet is
+    from vkvagent.adapters.fleet_runs import ServerKnowledge
 
 # -- the replay itself -------------------------------------------------------------------------
 
@@ -146,12 +148,12 @@ def replay(
     *,
     trace: bool = False,
     margin: float = 0.20,
-    peer_runs: Sequence[Track] = (),
+    peers: ServerKnowledge | None = None,
 ) -> Result:
     """Run the engine over the timeline, one decision per timestamp; ``trace`` keeps every
     evaluation's numbers in ``Result.trace``; ``margin``: [vllm] rollback_margin, for the
-    verdict on each flag change; ``peer_runs``: the fleet's runs, as the daemon read them
-    (``fleet_runs.load``)."""
+    verdict on each flag change; ``peers``: the fleet's runs and baselines, as the daemon
+    read them (``fleet_runs.load``)."""
     result = Result(settings, line.step, trace=Trace() if trace else None)
     flags = _FlagChanges(settings, margin)
     recent = Recent(settings.baseline, margin=2 * line.step)
@@ -174,7 +176,7 @@ def replay(
         now = datetime.fromtimestamp(sample.time, timezone.utc)
         observed = Observation(
             samples=tuple(recent.samples), memory=recent.memory, restarts=tuple(restarts),
-            peer_runs=peer_runs,
+            peer_runs=peers.runs if peers else (), peer_baselines=peers.baselines if peers else (),
         )  # fmt: skip
         decision = decide(settings, state, observed, now)
         result.slo = _counted(result.slo, state.slo, decision.state.slo)
@@ -398,9 +400,9 @@ def run(
     instance: str = "",
     trace: bool = False,
     margin: float = 0.20,
-    peer_runs: Sequence[Track] = (),
+    peers: ServerKnowledge | None = None,
 ) -> Result:
-    """Replay ``store``'s series with ``settings`` (and the fleet's ``peer_runs``)."""
+    """Replay ``store``'s series with ``settings`` (and the fleet's ``peers``)."""
     line = timeline(store.series(), step=step, model=model, instance=instance, seen=store.names)
     check_step(settings, line.step)
-    return replay(settings, line, trace=trace, margin=margin, peer_runs=peer_runs)
+    return replay(settings, line, trace=trace, margin=margin, peers=peers)
