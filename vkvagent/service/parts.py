@@ -59,7 +59,7 @@ class Parts:
             from vkvagent.adapters.fleet_flags import FleetTrials  # noqa: PLC0415 - as above
             from vkvagent.adapters.fleet_runs import FleetRuns  # noqa: PLC0415 - as above
 
-            self.fleet = fleet.Gate(cfg.fleet, emit)
+            self.fleet = fleet.Gate(cfg.fleet, emit, mono=mono, wall=wall)
             self.fleet_runs = FleetRuns(self.fleet.fleet, emit, mono)
             self.fleet_trials = FleetTrials(self.fleet.fleet, emit, mono)
         self.settings = cfg.engine_settings()
