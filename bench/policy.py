@@ -73,8 +73,10 @@ from vkvagent.engine import (
     VllmMetrics,
     decide,
 )  # fmt: skip
+from vkvagent.engine.baseline import Baseline
 from vkvagent.engine.diagnosis import FIXABLE
 from vkvagent.engine.policy import PolicySettings, RestartRecord, window_state
+from vkvagent.engine.prevention import Track
 from vkvagent.engine.slo import SloSettings
 from vkvagent.knowledge.config import Config, SloConfig
 from vkvagent.knowledge.flags import shown
@@ -356,6 +358,34 @@ class EngineRun:
     causes: dict[str, float] = field(default_factory=dict)  # minutes per named cause
     # The flags loop's verdicts: step, verdict, the new run's fresh speed over the previous's.
     verdicts: list[tuple[int, str, float | None]] = field(default_factory=list)
+    state: EngineState = field(default_factory=EngineState)  # the engine's at the end
+
+
+class Peers(NamedTuple):
+    """What a fleet's peers handed a new host through etcd (``Observation.peer_runs`` and
+    ``peer_baselines``)."""
+
+    runs: tuple[Track, ...] = ()
+    baselines: tuple[Baseline, ...] = ()
+
+
+NO_PEERS = Peers()
+
+
+def peer_knowledge(world: World, settings: Settings, seed: int = 1) -> Peers:
+    """A new host's peers' cured runs and fresh baselines (``World.peers_h``): vkvagent over
+    the same world ``peers_h`` earlier, for ``peers_h``; their runs' end times as of the new
+    host's clock, their baselines named as a peer's (``RUN@peer``)."""
+    if world.peers_h <= 0:
+        return NO_PEERS
+    before = replace(world, demand_shift_h=world.demand_shift_h + world.peers_h, peers_h=0.0)
+    state = run_vkvagent(Model(before, steps=round(world.peers_h * 60)), settings, seed).state
+    back = world.peers_h * 3600
+    runs = tuple(replace(t, ended=t.ended - back) for t in state.past
+                 if t.cured and t.ended is not None)  # fmt: skip
+    baselines = tuple(replace(b, run=f"{b.run}@peer") for b in (state.baseline, state.previous)
+                      if b is not None)  # fmt: skip
+    return Peers(runs, baselines)
 
 
 def process_started(model: Model) -> float:
@@ -366,7 +396,11 @@ def process_started(model: Model) -> float:
 
 
 def run_vkvagent(
-    model: Model, settings: Settings, seed: int = 1, margin: float | None = None
+    model: Model,
+    settings: Settings,
+    seed: int = 1,
+    margin: float | None = None,
+    peers: Peers = NO_PEERS,
 ) -> EngineRun:
     """The real engine, deciding every ``SAMPLE_EVERY`` seconds on synthesised samples; a
     restart it decides begins at the next step (a cold start, then a new process).
@@ -376,7 +410,8 @@ def run_vkvagent(
     before it have learned a load in common (``FlagState.judge``, ``margin``: ``[vllm]
     rollback_margin``); a slower one is due to be rolled back, which the engine proposes as a
     restart with cause ``flags`` (``Observation.flags_due``, ``apply_flags = next-window``),
-    and any restart the daemon makes while it is due carries it."""
+    and any restart the daemon makes while it is due carries it. ``peers``: a fleet's, for a
+    new host (``peer_knowledge``)."""
     vllm = Config().vllm
     assert vllm.apply_flags == "next-window"  # the default: a rollback waits for a window
     margin = vllm.rollback_margin if margin is None else margin
@@ -417,6 +452,8 @@ def run_vkvagent(
                 flags=configured,
                 flags_due=due,
                 flags_slower=flags.last.ratio if due and flags.last is not None else None,
+                peer_runs=peers.runs,
+                peer_baselines=peers.baselines,
             )
             now = datetime.fromtimestamp(sample.time, timezone.utc)
             began = time.process_time_ns()
@@ -455,6 +492,7 @@ def run_vkvagent(
                 if due:  # the restart carries the rollback, whatever its cause (reconcile.py)
                     rollback = True
                     flags = flags.rolled_back(f"done (action {len(restarts)})")
+    out.state = state
     return out
 
 
@@ -620,7 +658,7 @@ def score_world(
         "daily 04:00": walk(model, daily_0400(model)),
         "alert": walk(model, Alert()),
     }
-    engine = run_vkvagent(model, settings, seed)
+    engine = run_vkvagent(model, settings, seed, peers=peer_knowledge(world, settings, seed))
     paths["vkvagent"] = engine.path
     got = {name: attained(model, path, targets) for name, path in paths.items()}
     assert window[list(windowed.restarts)].all()

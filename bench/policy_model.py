@@ -185,7 +185,10 @@ class World:
     this long before the week began (the default: it came up, its cold start over, at START).
     ``onset_range_h``: (lowest, highest): each run's onset of ``uptime``, in hours of uptime,
     drawn uniformly from this range by a pseudo-random function of the step the run began at
-    (overrides ``onset_h``)."""
+    (overrides ``onset_h``). ``peers_h``: a new host of a fleet group, whose peers ran the
+    same server for this many hours before the week began (the same world, that much
+    earlier): vkvagent starts with their cured runs and fresh baselines, as etcd hands them
+    over (``bench.policy.peer_knowledge``)."""
 
     name: str
     summary: str
@@ -204,6 +207,7 @@ class World:
     prompt_shift: tuple[float, float] | None = None
     initial_uptime_h: float = 0.0
     onset_range_h: tuple[float, float] | None = None
+    peers_h: float = 0.0
     wrong: bool = False  # any restart here is a wrong restart (nothing a restart cures)
 
     def __post_init__(self) -> None:
@@ -254,6 +258,7 @@ BUSY_SHIFT_H = 7.0
 PROMPT_FACTOR = 3.4
 INSTALLED_UPTIME_H = 20.0  # installed-degraded: the server's uptime when the week begins
 ONSET_RANGE_H = (2.0, 10.0)  # varying-onset: each run's onset, uniformly in this range
+NEW_HOST_FROM_H = 48.0  # new host Wed: it joins the group on Wednesday 00:00
 
 
 def _at(day: int, hour: float) -> float:
@@ -374,6 +379,13 @@ WORLDS: tuple[World, ...] = (
         summary="uptime-decline whose onset varies from run to run: 2 to 10 h of uptime, "
         "pseudo-random by the run's first step",
         onset_range_h=ONSET_RANGE_H,
+    ),
+    replace(
+        slowed("uptime-decline", 5.0, "new host Wed"),
+        summary="uptime-decline on a new host of a fleet group, from a Wednesday (the "
+        "ServeGen week 48 h on), its peer having run the same server on Monday and Tuesday",
+        demand_shift_h=-NEW_HOST_FROM_H,
+        peers_h=NEW_HOST_FROM_H,
     ),
 )
 

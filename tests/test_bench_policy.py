@@ -18,6 +18,7 @@ import numpy as np
 from bench import policy_model
 from bench.policy import (
     BENCH_SLO,
+    NO_PEERS,
     POLICIES,
     SAMPLE_EVERY,
     Alert,
@@ -26,6 +27,7 @@ from bench.policy import (
     Synth,
     daily_0400,
     every_6h,
+    peer_knowledge,
     process_started,
     run_vkvagent,
     summary,
@@ -922,3 +924,22 @@ def test_the_ceilings_rule_restarts_each_run_from_its_uptime_at_the_first_lull()
     for f in found:
         got = attained(model, walk(model, f.restarts, f.drained, slo=True), slo)
         assert f.of_oracle == got.score(slo) and f.spent == got.spent(slo, "availability")
+
+
+def test_a_new_host_of_a_fleet_starts_on_wednesday_with_its_peers_runs_and_baselines() -> None:
+    world = world_named("new host Wed")
+    # Its week is the ServeGen week from Wednesday 00:00: the peers' Monday and Tuesday before.
+    model, plain = Model(world, steps=DAY_STEPS), Model(world_named("uptime-decline"))
+    assert list(model.rate) == list(plain.rate[2 * DAY_STEPS : 3 * DAY_STEPS])
+    peers = peer_knowledge(world, vkvagent_settings())
+    # The peer's cured runs ended before the new host's week, within prevention's reach, and
+    # its fresh baselines come named as a peer's.
+    assert peers.runs and all(t.cured and t.ended is not None for t in peers.runs)
+    assert all(START.timestamp() - 2 * 86400 < (t.ended or 0) < START.timestamp()
+               for t in peers.runs)  # fmt: skip
+    assert peers.baselines and all(b.run.endswith("@peer") for b in peers.baselines)
+    assert peer_knowledge(world_named("uptime-decline"), vkvagent_settings()) == NO_PEERS
+    # With them, its first run already has a plan from the peer's runs.
+    engine = run_vkvagent(Model(world, steps=2 * HOUR), vkvagent_settings(), peers=peers)
+    plan = engine.state.plan
+    assert plan is not None and plan.peers == len(peers.runs)
