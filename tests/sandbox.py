@@ -14,6 +14,9 @@ How the host is kept out of it:
   land in that tmpfs; the host's files are never written. The project directory (and the
   Python it runs on, when that lives on another file system) is bound in read-only, at the
   same path, so the project's venv python runs inside the container unchanged.
+- What vkvagent's packages install (``HIDDEN``: its config, state and program) is hidden from
+  the container by whiteouts in the overlay's upper layer, so that a test installing a
+  package on the host does not show through into another test's container meanwhile.
 - ``--private-network``: the container has its own loopback, so ``vllm.service`` in every
   sandbox listens on the real vLLM address 127.0.0.1:8000 without clashing with the host or
   another test, and no test traffic leaves loopback. The host cannot connect to that port, so
@@ -116,6 +119,10 @@ state=$1 name=$2
 shift 2
 mount -t tmpfs -o mode=0755 tmpfs "$state/ovl"
 mkdir "$state/ovl/upper" "$state/ovl/work"
+for hidden in $HIDDEN; do
+    mkdir -p "$state/ovl/upper/${hidden%/*}"
+    mknod "$state/ovl/upper/$hidden" c 0 0
+done
 mount -t overlay overlay \
     -o "lowerdir=/,upperdir=$state/ovl/upper,workdir=$state/ovl/work" "$state/root"
 mkdir -p /run/systemd
@@ -125,6 +132,11 @@ printf '%s\n' "$CGROUPS" | while IFS= read -r dir; do echo $$ > "$dir/cgroup.pro
 exec systemd-nspawn -D "$state/root" -M "$name" --register=no --keep-unit \
     --private-network --console=read-only "$@" /bin/sh -c "$INIT"
 """
+# What the packages install, hidden from every container by a whiteout in its upper layer: a
+# test that installs them on the host (tests/test_packaging.py) must not put its state, config
+# or program under a sandbox of another test running meanwhile (a ledger it planted once made
+# a sandbox's `vkvagent restart` fail: "file is not a database").
+HIDDEN = ("etc/vkvagent", "var/lib/vkvagent", "usr/lib/vkvagent", "usr/bin/vkvagent")
 # The container's PID 1 until it execs systemd. On a host with cgroup v1 controllers, nspawn
 # mounts the memory hierarchy read-only (rooted at the sandbox's own memory cgroup), so
 # systemd could not account memory and MemoryCurrent would stay unset; a writable mount lets
@@ -284,6 +296,7 @@ class Sandbox:
             **os.environ,
             "CGROUPS": "\n".join(str(directory) for directory in self.cgroups),
             "INIT": INIT,
+            "HIDDEN": " ".join(HIDDEN),
         }
         self.process = subprocess.Popen(
             [
