@@ -58,6 +58,7 @@ from bench.policy_model import (
     window_mask,
     within,
 )
+from vkvagent.adapters.fleet_runs import ServerKnowledge
 from vkvagent.adapters.gpu import GpuReader, RecordedBackend
 from vkvagent.engine import (
     Decision,
@@ -73,10 +74,8 @@ from vkvagent.engine import (
     VllmMetrics,
     decide,
 )  # fmt: skip
-from vkvagent.engine.baseline import Baseline
 from vkvagent.engine.diagnosis import FIXABLE
 from vkvagent.engine.policy import PolicySettings, RestartRecord, window_state
-from vkvagent.engine.prevention import Track
 from vkvagent.engine.slo import SloSettings
 from vkvagent.knowledge.config import Config, SloConfig
 from vkvagent.knowledge.flags import shown
@@ -361,21 +360,14 @@ class EngineRun:
     state: EngineState = field(default_factory=EngineState)  # the engine's at the end
 
 
-class Peers(NamedTuple):
-    """What a fleet's peers handed a new host through etcd (``Observation.peer_runs`` and
-    ``peer_baselines``)."""
-
-    runs: tuple[Track, ...] = ()
-    baselines: tuple[Baseline, ...] = ()
+NO_PEERS = ServerKnowledge()
 
 
-NO_PEERS = Peers()
-
-
-def peer_knowledge(world: World, settings: Settings, seed: int = 1) -> Peers:
-    """A new host's peers' cured runs and fresh baselines (``World.peers_h``): vkvagent over
-    the same world ``peers_h`` earlier, for ``peers_h``; their runs' end times as of the new
-    host's clock, their baselines named as a peer's (``RUN@peer``)."""
+def peer_knowledge(world: World, settings: Settings, seed: int = 1) -> ServerKnowledge:
+    """A new host's peer's cured runs and fresh baseline (``World.peers_h``), as the daemon
+    publishes them (``FleetRuns.share``): vkvagent over the same world ``peers_h`` earlier,
+    for ``peers_h``; its cured runs' end times as of the new host's clock; its newest fresh
+    baseline that knows a load, named as a peer's (``RUN@peer``)."""
     if world.peers_h <= 0:
         return NO_PEERS
     before = replace(world, demand_shift_h=world.demand_shift_h + world.peers_h, peers_h=0.0)
@@ -383,9 +375,10 @@ def peer_knowledge(world: World, settings: Settings, seed: int = 1) -> Peers:
     back = world.peers_h * 3600
     runs = tuple(replace(t, ended=t.ended - back) for t in state.past
                  if t.cured and t.ended is not None)  # fmt: skip
-    baselines = tuple(replace(b, run=f"{b.run}@peer") for b in (state.baseline, state.previous)
-                      if b is not None)  # fmt: skip
-    return Peers(runs, baselines)
+    fresh = [b for b in (state.baseline, state.previous)
+             if b is not None and b.known_keys(settings.baseline)
+             and not b.late(settings.baseline)]  # fmt: skip
+    return ServerKnowledge(runs, tuple(replace(b, run=f"{b.run}@peer") for b in fresh[:1]))
 
 
 def process_started(model: Model) -> float:
@@ -400,7 +393,7 @@ def run_vkvagent(
     settings: Settings,
     seed: int = 1,
     margin: float | None = None,
-    peers: Peers = NO_PEERS,
+    peers: ServerKnowledge = NO_PEERS,
 ) -> EngineRun:
     """The real engine, deciding every ``SAMPLE_EVERY`` seconds on synthesised samples; a
     restart it decides begins at the next step (a cold start, then a new process).

@@ -390,6 +390,11 @@ def test_a_new_host_is_judged_at_a_load_it_has_not_learned_by_a_peer_it_matches(
     decisions = judged_against(own, same_speed, peers=(peer,))
     assert all(d.evidence["baseline_run"] == own.run for d in decisions)
     assert all(d.ratio == pytest.approx(50 / 80) for d in decisions)
+    # Where the previous run did not learn the load compared at, the peer that did is named.
+    own_r11 = replace(own, regimes=known(r11=(0.02, 90.0)))
+    decisions = judged_against(own_r11, same_speed, peers=(peer,))
+    assert all(d.evidence["baseline_run"] == peer.run for d in decisions)
+    assert "speed 0.50 of peer gpu-a's fresh baseline at" in decisions[-1].reason
 
 
 def night_after_a_slow_evening(fault_at: float | None = None) -> list[Decision]:

@@ -152,6 +152,11 @@ def test_three_hosts_learn_from_each_other_see_each_other_and_go_on_without_etcd
             (refused,) = c.events("fleet.peer_refused")
             assert refused["peer"] == "gpu-x" and refused["error"] == "not JSON"
             assert c.daemon.state.plan is not None and c.daemon.state.plan.peers == 4
+            # ... and has its peers' fresh baselines of the server, to be judged by at the
+            # loads it has not learned.
+            assert c.daemon.parts.fleet_runs is not None
+            baselines = c.daemon.parts.fleet_runs.learned(server).baselines
+            assert sorted(b.run.rpartition("@")[2] for b in baselines) == ["gpu-a", "gpu-b"]
 
             # fleet status sees the three; a host gone silent is unknown once its entry is
             # older than it says it may be.

@@ -19,12 +19,14 @@ from tests.test_fleet import (  # noqa: F401 - the `etcd` fixture
     fleet_of,
 )
 from tests.test_prevention import cured, declining
+from vkvagent.actuation.actuator import Plan
 from vkvagent.adapters.fleet_flags import FleetTrials
 from vkvagent.adapters.fleet_peers import READ_EVERY, RETRY_AFTER
 from vkvagent.adapters.fleet_runs import FleetRuns, parse
 from vkvagent.engine.baseline import Baseline, BaselineSettings, Regime
 from vkvagent.engine.prevention import Track
-from vkvagent.knowledge.reconcile import Trial
+from vkvagent.knowledge.reconcile import FlagState, Trial
+from vkvagent.service.flag_loop import FlagLoop, FlagsDue
 
 pytestmark = pytest.mark.fleet
 SETTINGS = BaselineSettings()
@@ -146,8 +148,19 @@ def test_a_hosts_flag_trials_reach_its_peers_and_garbage_is_refused_by_name(etcd
     a.share([rejected])
     clock.now += READ_EVERY
     assert b.learned() == (rejected,)
-    a.share([])
+    # Its lease gone (etcd heard nothing from it for a lease's time): the keys went with it,
+    # and once the host has a lease again (its entry's next publish), they are put again.
     raw = fleet_of(etcd.url, "trials").client
+    raw.revoke(a.fleet.own_lease or "")
+    assert raw.range_prefix(a.prefix + "gpu-a") == []
+    a.fleet.put_own(f"{a.fleet.prefix}hosts/gpu-a", "{}", 60)
+    a.share([rejected])
+    assert [kv["key"] for kv in raw.range_prefix(a.prefix + "gpu-a")] == [a.prefix + "gpu-a"]
+    a.share([])
+    # A host that never tried a set writes nothing.
+    quiet = FleetTrials(fleet_of(etcd.url, "trials", name="gpu-q"), Recorded(), Clock())
+    quiet.share([])
+    assert raw.range_prefix(a.prefix + "gpu-q") == []
     raw.put(f"{b.prefix}gpu-x", json.dumps({"schema": 1, "host": "gpu-x", "trials": [{}]}), "0")
     raw.put(f"{b.prefix}gpu-y", json.dumps({"schema": 1, "host": "gpu-a", "trials": []}), "0")
     clock.now += READ_EVERY
@@ -191,6 +204,12 @@ def test_a_hosts_fresh_baseline_reaches_its_peers_by_its_known_loads(etcd: Etcd)
     clock.now += READ_EVERY
     (theirs,) = b.learned("s").baselines
     assert theirs.known_keys(SETTINGS) == [11, 13]
+    # Restarted, its new run knowing no load yet: the last fresh one stays with its runs.
+    young = Baseline(run="start:2", regimes=regimes(r11=(2, 0.02)), server="s", busy_from=900.0)
+    a.share("s", (cured(replace(declining("a-1"), server="s")),), young, SETTINGS)
+    clock.now += READ_EVERY
+    learned = b.learned("s")
+    assert len(learned.runs) == 1 and [x.run for x in learned.baselines] == ["start:1@gpu-a"]
     # Learned late (it may hold a slowness), or of another server: not shared.
     c, _ = runs_of(etcd, "gpu-c", group="baselines")
     c.share("s", (), replace(fresh, busy_from=SETTINGS.learn_within + 1), SETTINGS)
@@ -204,3 +223,28 @@ def test_a_hosts_fresh_baseline_reaches_its_peers_by_its_known_loads(etcd: Etcd)
     assert len(b.learned("s").baselines) == 1
     refused = [(f["peer"], f["error"]) for n, _m, f in said.events if n == "fleet.peer_refused"]
     assert refused == [("gpu-y", "a baseline of another server")]
+
+
+def test_of_two_hosts_about_to_apply_a_set_the_first_to_announce_goes(etcd: Etcd) -> None:
+    """Just before a restart that carries [vllm.flags], a host says it is trying the set and
+    reads its peers' trials afresh (``FlagLoop.announce``): the second host holds it back,
+    whatever its cached read said, and takes its word back."""
+    plan = Plan(unit="vllm.service", before=(), after=(), flags={"max-num-seqs": 20},
+                attestable=(), changed=True, changes={"max-num-seqs": 20})  # fmt: skip
+    due = FlagsDue("apply", "apply --max-num-seqs 20", plan, "k")
+    hosts = {name: FleetTrials(fleet_of(etcd.url, "announce", name=name), Recorded(), Clock())
+             for name in ("gpu-a", "gpu-b")}  # fmt: skip
+    loops = {name: FlagLoop(FlagState(), Recorded()) for name in hosts}
+    assert hosts["gpu-b"].learned() == ()  # cached: nothing yet
+    assert loops["gpu-a"].announce(hosts["gpu-a"], due, "s0", 1000.0) is due
+    assert loops["gpu-b"].announce(hosts["gpu-b"], due, "s0", 1001.0) is None
+    held = loops["gpu-b"].held
+    assert held is not None and (held.host, held.state, held.since) == ("gpu-a", "trying", 1000.0)
+    raw = fleet_of(etcd.url, "announce").client
+    said = {kv["key"].rsplit("/", 1)[1]: json.loads(kv["value"])["trials"]
+            for kv in raw.range_prefix(hosts["gpu-a"].prefix)}  # fmt: skip
+    assert said == {"gpu-a": [Trial("gpu-a", "k", "s0", "trying", 1000.0).to_json()],
+                    "gpu-b": []}  # fmt: skip
+    # A rollback is not announced: it puts back what ran before.
+    back = FlagsDue("rollback", "roll back", plan, "k")
+    assert loops["gpu-b"].announce(hosts["gpu-b"], back, "s0", 1002.0) is back

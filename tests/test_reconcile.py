@@ -4,6 +4,7 @@ the daemon, against a real systemd, is tests/test_flag_loop.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -120,20 +121,26 @@ def test_a_host_tells_its_group_the_set_it_tries_then_the_set_it_rejected() -> N
     server of the run before it, until the verdict; then a rejection, from that server."""
     state = FlagState().noticed(change(server_before="s0"))
     key = flags_key({"max-num-seqs": 20})
-    assert state.trials("gpu-a", "s1") == [Trial("gpu-a", key, "s0", "trying", APPLIED + 30)]
+    assert state.trials("gpu-a") == [Trial("gpu-a", key, "s0", "trying", APPLIED + 30)]
     judged, _ = judge(state, APPLIED + 20, 60.0)
-    (rejected,) = judged.trials("gpu-a", "s1")
+    (rejected,) = judged.trials("gpu-a")
     assert (rejected.key, rejected.server, rejected.state) == (key, "s0", "rejected")
     assert rejected.since is None and rejected.why.startswith("slower: 0.60")
     same, _ = judge(state, APPLIED + 20, 100.0)
-    assert same.trials("gpu-a", "s1") == []  # kept: nothing to tell
-    # A set vLLM did not start with: from the server the host still runs.
-    broken = FlagState().reject("k2", "vLLM did not start or run with them (action 9): x")
-    assert [(t.server, t.state) for t in broken.trials("gpu-a", "s0")] == [("s0", "rejected")]
-    # Round trip, and what is not a trial.
+    assert same.trials("gpu-a") == []  # kept: nothing to tell
+    # A set vLLM did not start with: from the server it was tried from; one whose server is
+    # not known (rejected before the fleet knew servers) stays home. Both survive engine.json.
+    broken = FlagState().reject("k2", "vLLM did not start or run with them (action 9): x", "s0")
+    broken = broken.reject("k3", "did not start")
+    assert [(t.key, t.server) for t in broken.trials("gpu-a")] == [("k2", "s0")]
+    assert FlagState.from_json(json.loads(json.dumps(broken.to_json()))) == broken
+    assert broken.desired("k2").origins == {"k2": "s0"}
+    # Round trip, and what is not a trial: a time that is not one included.
     assert Trial.from_json("gpu-a", json.loads(json.dumps(rejected.to_json()))) == rejected
+    trying = Trial("gpu-a", "k", "s0", "trying", 1000.0).to_json()
     for bad in ({"key": "k"}, {**rejected.to_json(), "state": "liked"},
-                {**rejected.to_json(), "since": 5.0}, "x"):  # fmt: skip
+                {**rejected.to_json(), "since": 5.0}, "x", {**trying, "since": 1e12},
+                {**trying, "since": float("inf")}, {**trying, "since": -1.0}):  # fmt: skip
         with pytest.raises(ValueError, match="trial: "):
             Trial.from_json("gpu-a", bad)
 
@@ -147,8 +154,17 @@ def test_a_peers_trial_holds_the_same_set_from_the_same_server_back() -> None:
     assert held_back([trying, rejected], "other set", "s0", now) is None
     # From another server (another vLLM, model, cache or flags): it says nothing here.
     assert held_back([trying, rejected], "k", "s1", now) is None
-    # A trial with no verdict after TRIAL_FOR holds nothing (its host stalled).
+    # A trial with no verdict after TRIAL_FOR holds nothing (its host stalled), nor one that
+    # says it begins later than now (a peer's clock, or a lie).
     assert held_back([trying], "k", "s0", now + TRIAL_FOR) is None
+    assert held_back([replace(trying, since=now + 60)], "k", "s0", now) is None
+    # Two hosts announcing at once: the earlier goes, and at the same second, the first name.
+    mine = Trial("gpu-c", "k", "s0", "trying", now)
+    assert held_back([trying], "k", "s0", now, mine) == trying
+    assert held_back([replace(trying, since=now + 1)], "k", "s0", now + 2, mine) is None
+    assert held_back([replace(trying, since=now)], "k", "s0", now, mine) is not None  # a < c
+    first = replace(mine, host="gpu-0")
+    assert held_back([replace(trying, since=now)], "k", "s0", now, first) is None
 
 
 def test_the_ledger_says_which_actions_changed_flags() -> None:

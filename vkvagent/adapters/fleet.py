@@ -478,6 +478,11 @@ class Fleet:
         read far more often."""
         return f"{self.prefix}hosts/"
 
+    @property
+    def own_lease(self) -> str | None:
+        """The lease this host's own keys are under (None before the first put)."""
+        return self._own_lease
+
     def put_own(self, key: str, value: str, ttl: int) -> None:
         """Put one of this host's own keys (its entry, its runs) under a lease of its own,
         renewed with each put, so that they leave ``ttl`` seconds after the last. Raises

@@ -23,21 +23,28 @@ from vkvagent.knowledge.reconcile import Trial
 
 SCHEMA = 1
 MAX_FLAGS = 4096  # bytes: a few trials of about 200 each
+# Hosts whose trials are read: 1,000 keys of an empty list (70 bytes) or a trial (250) stay
+# well within an answer's 1 MiB.
+PEERS_TRIALS = 1000
 
 
 class FleetTrials(PeerKeys[Trial]):
     """This host's flag trials shared with its group, and its peers' read back."""
 
     def share(self, trials: Sequence[Trial]) -> None:
-        """Put this host's trials when they changed (none: an empty list, so a trial that
-        ended is withdrawn)."""
+        """Put this host's trials when they changed: none is put only to withdraw what was
+        put, so a host that never tried a set writes nothing."""
+        key = self.prefix + self.fleet.host
+        if not trials and key not in self._shared:
+            return
         document = {"schema": SCHEMA, "host": self.fleet.host,
                     "trials": [t.to_json() for t in trials]}  # fmt: skip
-        self.put(self.prefix + self.fleet.host, json.dumps(document, separators=(",", ":")))
+        self.put(key, json.dumps(document, separators=(",", ":")))
 
-    def learned(self) -> tuple[Trial, ...]:
-        """The peers' trials."""
-        return self.read(self.prefix, parse, "flag trials")
+    def learned(self, fresh: bool = False) -> tuple[Trial, ...]:
+        """The peers' trials (all of them, up to PEERS_TRIALS: a trial from any host holds a
+        set back); ``fresh``: read now, not at most every READ_EVERY."""
+        return self.read(self.prefix, parse, "flag trials", peers=PEERS_TRIALS, fresh=fresh)
 
     @property
     def prefix(self) -> str:

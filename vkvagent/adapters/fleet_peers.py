@@ -35,36 +35,46 @@ class PeerKeys(Generic[T]):
 
     def __init__(self, fleet: Fleet, emit: Emit, mono: Callable[[], float] = time.monotonic):
         self.fleet, self.emit, self._mono = fleet, emit, mono
-        self._shared: dict[str, str] = {}  # key -> the value last put there
+        self._shared: dict[str, tuple[str, str | None]] = {}  # key -> value put, its lease
         self._read: dict[str, tuple[float, tuple[T, ...]]] = {}  # prefix -> when, what
         self._refused: set[tuple[str, str]] = set()  # (peer, digest of its value) told
         self._quiet_until = -float("inf")  # no request before: etcd did not answer
 
     def put(self, key: str, value: str) -> None:
-        """Put this host's ``value`` at ``key`` if it changed. A failed put is tried again
-        RETRY_AFTER later."""
-        if self._shared.get(key) == value or self._mono() < self._quiet_until:
+        """Put this host's ``value`` at ``key`` if it changed, or its lease did (an etcd that
+        did not hear from this host for a lease's time deleted the key with it). A failed put
+        is tried again RETRY_AFTER later."""
+        if self._shared.get(key) == (value, self.fleet.own_lease):
+            return
+        if self._mono() < self._quiet_until:
             return
         try:
             self.fleet.put_own(key, value, math.ceil(ENTRY_LEASE * PUBLISH_EVERY))
         except FleetError:
             self._quiet_until = self._mono() + RETRY_AFTER
             return
-        self._shared[key] = value
+        self._shared[key] = (value, self.fleet.own_lease)
 
     def read(
-        self, prefix: str, parse: Callable[[str, str], Sequence[T]], what: str, **fields: str
+        self,
+        prefix: str,
+        parse: Callable[[str, str], Sequence[T]],
+        what: str,
+        *,
+        peers: int = PEERS_READ,
+        fresh: bool = False,
+        **fields: str,
     ) -> tuple[T, ...]:
-        """What the peers put under ``prefix`` (``PEERS_READ`` of them, this host's own left
-        out), each value parsed by ``parse(peer, value)``: ValueError refuses it, told as
-        ``what`` ("gpu-b's WHAT refused: why", with the event's ``fields``). Read again every
-        READ_EVERY; what was last read while etcd does not answer."""
+        """What the peers put under ``prefix`` (``peers`` of them, this host's own left out),
+        each value parsed by ``parse(peer, value)``: ValueError refuses it, told as ``what``
+        ("gpu-b's WHAT refused: why", with the event's ``fields``). Read again every
+        READ_EVERY, or now if ``fresh``; what was last read while etcd does not answer."""
         now = self._mono()
         when, known = self._read.get(prefix, (-float("inf"), ()))
-        if now - when < READ_EVERY or now < self._quiet_until:
+        if (now - when < READ_EVERY and not fresh) or now < self._quiet_until:
             return known
         try:
-            found = self.fleet.client.range_prefix(prefix, PEERS_READ + 1)  # ours among them
+            found = self.fleet.client.range_prefix(prefix, peers + 1)  # ours among them
         except FleetError:
             self._quiet_until = now + RETRY_AFTER
             return known

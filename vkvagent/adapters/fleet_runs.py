@@ -94,12 +94,14 @@ class FleetRuns(PeerKeys[Learned]):
     ) -> dict[str, Any] | None:
         """``baseline``'s known loads by their medians, if it is a fresh one of ``server``;
         the same as last time while it knows the same loads, so that its medians moving
-        puts nothing."""
+        puts nothing; and the last one put of ``server`` while a new run knows no load yet
+        (or is late), so that a restart does not withdraw it from the peers."""
+        kept = self._digest[1] if self._digest and self._digest[0][0] == server else None
         if baseline is None or baseline.server != server or baseline.late(settings):
-            return None
+            return kept
         known = baseline.known_keys(settings)
         if not known:
-            return None
+            return kept
         facts = (server, baseline.run, tuple(known))
         if self._digest is None or self._digest[0] != facts:
             regimes = {k: Regime(baseline.regimes[k].count,

@@ -56,18 +56,28 @@ def carried(settings: Settings, previous: Baseline | None, current: Baseline) ->
 
 def stand_in(
     settings: Settings, earlier: Sequence[Baseline | None], current: Baseline
-) -> Baseline | None:
-    """The ``earlier`` baselines that may stand in for this run's (``carried``), merged in
-    their order: the previous run's first, then the fleet's peers' of the same server
+) -> tuple[Baseline, ...]:
+    """The ``earlier`` baselines that may stand in for this run's (``carried``), in their
+    order: the previous run's first, then the fleet's peers' of the same server
     (``Observation.peer_baselines``), so that a new host, or the first run after an upgrade
     that a peer has already run, is judged at the loads a peer learned while fresh."""
-    found = [b for b in earlier if b is not None and carried(settings, b, current) is not None]
-    if not found:
+    return tuple(b for b in earlier if b is not None and carried(settings, b, current) is not None)
+
+
+def merged(settings: Settings, standing: Sequence[Baseline]) -> Baseline | None:
+    """``standing`` as one baseline: at each load, the first that learned it."""
+    if not standing:
         return None
-    merged = found[0]
-    for other in found[1:]:
-        merged = merged.merged(other, settings.baseline)
-    return merged
+    found = standing[0]
+    for other in standing[1:]:
+        found = found.merged(other, settings.baseline)
+    return found
+
+
+def supplier(settings: Settings, standing: Sequence[Baseline], key: int | None) -> str:
+    """The run whose baseline stands in at regime ``key`` (the first's where none learned
+    it: a modelled load)."""
+    return next((b.run for b in standing if b.known(key, settings.baseline)), standing[0].run)
 
 
 def peer_of(run: str) -> str | None:

@@ -344,7 +344,8 @@ def decide(
     key = regime_of(stats, b) if stats else None
     # What this server does when fresh: this run's baselines, and at the loads it has not
     # learned, the previous run's or a peer's where they may stand in (``carry.stand_in``).
-    carried = carry.stand_in(settings, (state.previous, *observed.peer_baselines), baseline)
+    standing = carry.stand_in(settings, (state.previous, *observed.peer_baselines), baseline)
+    carried = carry.merged(settings, standing)
     reference = baseline if carried is None else baseline.merged(carried, b)
     regime = reference.known(key, b)
     # A load no fresh run learned: the speed the learned loads imply; not while this run is
@@ -353,7 +354,11 @@ def decide(
     if modelled:
         regime = reference.modelled(stats.generation_tokens_per_s if stats else None, b)
     own = baseline.known(key, b)
-    borrowed = carried.run if carried is not None and regime is not None and own is None else None
+    borrowed = (
+        carry.supplier(settings, standing, key)
+        if standing and regime is not None and own is None
+        else None
+    )
     comparison = compare(stats, key, regime) if stats and regime and key is not None else None
     capacity = reference.capacity(b)
     down, dead = _down(observed), None

@@ -123,6 +123,9 @@ class FlagState:
 
     last: Change | None = None
     rejected: Mapping[str, str] = field(default_factory=dict)  # flags_key -> why
+    # flags_key -> the server identity the rejected set was tried from, where known: what a
+    # peer of the fleet matches (``trials``)
+    origins: Mapping[str, str] = field(default_factory=dict)
 
     def noticed(self, change: Change) -> FlagState:
         """With ``change`` (the ledger's newest flag change) as the last, if it is new."""
@@ -130,14 +133,19 @@ class FlagState:
             return self
         return replace(self, last=change)
 
-    def reject(self, key: str, why: str) -> FlagState:
-        return replace(self, rejected={**self.rejected, key: why})
+    def reject(self, key: str, why: str, server: str = "") -> FlagState:
+        """With set ``key`` rejected (tried from ``server``, if known)."""
+        origins = {**self.origins, key: server} if server else self.origins
+        return replace(self, rejected={**self.rejected, key: why}, origins=origins)
 
     def desired(self, key: str) -> FlagState:
         """With [vllm.flags] asking for set ``key``: a rejection lasts until the config asks
         for another set, so only this set's is kept."""
         kept = {k: why for k, why in self.rejected.items() if k == key}
-        return self if kept == self.rejected else replace(self, rejected=kept)
+        if kept == self.rejected:
+            return self
+        return replace(self, rejected=kept, origins={k: self.origins[k] for k in kept
+                                                      if k in self.origins})  # fmt: skip
 
     def rolled_back(self, how: str) -> FlagState:
         assert self.last is not None
@@ -194,22 +202,20 @@ class FlagState:
                 change.key,
                 f"slower: {found.ratio:.2f} of the previous flags' fresh speed "
                 f"(action {change.action})",
+                change.server_before or "",
             )
         return state, concluded
 
-    def trials(self, host: str, server: str) -> list[Trial]:
+    def trials(self, host: str) -> list[Trial]:
         """What this host tells its group (``fleet_flags``): the set its run is trying, not
-        judged yet, and the sets it rejected, each with the server it was tried from (the
-        run before the change; for a set vLLM failed to start with, ``server``, the one it
-        still runs)."""
+        judged yet, and the sets it rejected, each with the server it was tried from (a
+        rejection whose server is not known stays home)."""
         last, told = self.last, []
         if last is not None and last.verdict == UNJUDGED and last.server_before:
             told.append(Trial(host, last.key, last.server_before, "trying", last.ended))
         for key, why in sorted(self.rejected.items()):
-            judged = last is not None and last.key == key and last.server_before
-            origin = last.server_before if judged and last is not None else server
-            if origin:
-                told.append(Trial(host, key, origin, "rejected", None, why))
+            if self.origins.get(key):
+                told.append(Trial(host, key, self.origins[key], "rejected", None, why))
         return told
 
     def _concluded(
@@ -221,6 +227,7 @@ class FlagState:
         return {
             "last": None if self.last is None else self.last.to_json(),
             "rejected": dict(self.rejected),
+            "origins": dict(self.origins),
         }
 
     @classmethod
@@ -231,9 +238,10 @@ class FlagState:
         try:
             last = None if data["last"] is None else Change.from_json(data["last"])
             rejected = {str(k): str(v) for k, v in data["rejected"].items()}
+            origins = {str(k): str(v) for k, v in (data.get("origins") or {}).items()}
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"flag state: {type(exc).__name__}: {exc}") from None
-        return cls(last, rejected)
+        return cls(last, rejected, origins)
 
 
 @dataclass(frozen=True)
@@ -261,10 +269,11 @@ class Trial:
                         optional_float(data.get("since")), str(data.get("why") or ""))  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"trial: {type(exc).__name__}: {exc}") from None
-        if trial.state not in TRIAL_STATES or (trial.state == "trying") != (
-            trial.since is not None
-        ):
+        trying = trial.state == "trying"
+        if trial.state not in TRIAL_STATES or trying != (trial.since is not None):
             raise ValueError(f"trial: state {trial.state!r} with since {trial.since!r}")
+        if trial.since is not None and not 0 < trial.since < LATEST:
+            raise ValueError(f"trial: since {trial.since!r} is not a time")
         return trial
 
 
@@ -272,16 +281,30 @@ TRIAL_STATES = ("trying", "rejected")
 # A peer's trial holds a set back for at most this long: a verdict comes within the run's
 # fresh period (hours), or "no verdict" once it is over; one older is a host that stalled.
 TRIAL_FOR = 2 * 86400.0
+LATEST = 1e11  # UTC seconds (the year 5138): a trial's time beyond is not one
 
 
-def held_back(trials: Sequence[Trial], key: str, server: str, now: float) -> Trial | None:
+def precedes(trial: Trial, since: float, host: str) -> bool:
+    """Whether ``trial`` began before a trial of ``host`` from ``since``: the earlier goes
+    first, and of two at once, the host whose name sorts first."""
+    return (trial.since or 0.0, trial.host) < (since, host)
+
+
+def held_back(
+    trials: Sequence[Trial], key: str, server: str, now: float, mine: Trial | None = None
+) -> Trial | None:
     """The peer's trial that holds set ``key`` back on a host that runs ``server``: one that
-    rejected it from the same server, else one still trying it (for TRIAL_FOR at most), so
-    that a change reaches one host of the group at a time and stops at the first that finds
-    it slower or broken."""
+    rejected it from the same server, else one that has been trying it for less than
+    TRIAL_FOR (one in the future is not a trial), so that a change reaches one host of the
+    group at a time and stops at the first that finds it slower or broken. ``mine``: this
+    host's own trial of it, announced: only a peer's that began before it holds it."""
     same = [t for t in trials if t.key == key and t.server == server]
     rejected = [t for t in same if t.state == "rejected"]
-    trying = [t for t in same if t.since is not None and now - t.since < TRIAL_FOR]
+    trying = [
+        t for t in same
+        if t.since is not None and 0 <= now - t.since < TRIAL_FOR
+        and (mine is None or precedes(t, mine.since or now, mine.host))
+    ]  # fmt: skip
     found = rejected or trying
     return found[0] if found else None
 

@@ -40,7 +40,7 @@ from vkvagent.adapters.systemd import SystemdError
 from vkvagent.apikey import KeyFileError
 from vkvagent.engine import Decision, EngineState, Observation, Recent, decide, server_identity
 from vkvagent.engine.liveness import CAUSES as DOWN
-from vkvagent.engine.policy import RestartRecord
+from vkvagent.engine.policy import FLAGS, RestartRecord
 from vkvagent.engine.progress import ProbeFacts
 from vkvagent.engine.samples import Sample
 from vkvagent.knowledge import config, status
@@ -274,9 +274,11 @@ class Daemon:
             actions = _recent_actions(p.ledger)
             self.flag_loop.notice(actions, self.state, p)
             flags = in_effect(p, plan)
-            # The server vLLM runs now, for the peers' flag trials: known from the first
-            # sample, where the baseline's is learned later.
-            here = server_identity(sample.vllm, flags) if sample.vllm else _server(self.state)
+            # The server this run is, for what the fleet's peers know of it: the baseline's,
+            # and before the baseline's first sample, vLLM's now.
+            here = _server(self.state) or (
+                server_identity(sample.vllm, flags) if sample.vllm else ""
+            )
             trials = () if p.fleet_trials is None else p.fleet_trials.learned()
             peers = None if p.fleet_runs is None else p.fleet_runs.learned(here)
             due = self.flag_loop.due(p, plan, trials, here, sample.time)
@@ -306,14 +308,25 @@ class Daemon:
             slo = self.burn.report(p.settings.slo, decision, sample.time)
             self.flag_loop.judge(p, decision)
             if p.fleet_trials is not None:
-                p.fleet_trials.share(self.flag_loop.trials(p.fleet_trials.fleet.host, here))
+                p.fleet_trials.share(self.flag_loop.trials(p.fleet_trials.fleet.host))
             if decision.probe_wanted:
                 self.probes.send(p, sample)
             self.restarts.judge(actions, decision, p.drain_flag_names())
             self.decisions.say(decision, p.config.agent.reminder)
             self.flag_loop.say(p, plan, due, decision)
             outcome = None
+            carried, withheld = None, False
             if decision.action == "restart" and p.actuator is not None:
+                # Any restart carries the change due, but an emergency's: that one must not
+                # risk vLLM's start on flags nobody has seen run.
+                emergency = decision.cause in (*p.settings.policy.emergency, *DOWN)
+                manual = p.config.vllm.apply_flags == "manual"
+                carried = None if emergency or manual else due
+                if carried is not None and p.fleet_trials is not None:
+                    carried = self.flag_loop.announce(p.fleet_trials, carried, here, sample.time)
+                    # A restart for the flags alone waits while a peer holds them back.
+                    withheld = carried is None and decision.cause == FLAGS
+            if decision.action == "restart" and p.actuator is not None and not withheld:
                 # Say "acting" for as long as the restart may take, before it begins.
                 acting = self._status(
                     sample,
@@ -328,22 +341,19 @@ class Daemon:
                 self._show(acting)
                 self.metrics.update(acting)  # /ready says so while the restart runs
                 self.restarter.acting = acting
-                # Any restart carries the change due, but an emergency's: that one must not
-                # risk vLLM's start on flags nobody has seen run.
-                emergency = decision.cause in (*p.settings.policy.emergency, *DOWN)
-                manual = p.config.vllm.apply_flags == "manual"
-                carried = None if emergency or manual else due
                 try:
                     outcome = self.restarter.restart(p, p.actuator, decision, carried)
                 finally:
                     self.restarter.acting = None
                 if carried is not None:
-                    self.flag_loop.carried(p.ledger, carried, outcome)
+                    self.flag_loop.carried(p.ledger, carried, outcome, here)
                 restarts = self.restarts.records(p.ledger, sample.time, sample.mono)
                 p.replan()
                 plan = p.flag_plan(version, invocation)
                 actions = _recent_actions(p.ledger)  # with this tick's action
                 self.flag_loop.notice(actions, self.state, p)
+            if decision.action == "restart" and p.actuator is not None:
+                trials = () if p.fleet_trials is None else p.fleet_trials.learned()
                 due = self.flag_loop.due(p, plan, trials, here, sample.time)
             self.last = decision
             self.metrics.count(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vkvagent.actuation.actuator import ActuatorError, Plan
 from vkvagent.actuation.outcome import Outcome
@@ -26,6 +26,9 @@ from vkvagent.knowledge.flags import rendered, shown
 from vkvagent.knowledge.reconcile import FlagState, Trial, change_of, flags_key, held_back
 from vkvagent.knowledge.vllm_command import VllmCommandError, parse_command
 from vkvagent.service.parts import Parts
+
+if TYPE_CHECKING:  # etcd's client only for a fleet
+    from vkvagent.adapters.fleet_flags import FleetTrials
 
 
 @dataclass(frozen=True)
@@ -110,9 +113,27 @@ class FlagLoop:
             return None
         return FlagsDue("apply", f"apply {shown(changes)}", plan, key)
 
-    def trials(self, host: str, server: str) -> list[Trial]:
+    def trials(self, host: str) -> list[Trial]:
         """What this host tells its group of its flag sets (``FlagState.trials``)."""
-        return self.state.trials(host, server)
+        return self.state.trials(host)
+
+    def announce(
+        self, group: FleetTrials, due: FlagsDue, server: str, now: float
+    ) -> FlagsDue | None:
+        """Just before a restart that would carry [vllm.flags] (``due``), tell the group this
+        host is trying the set, then read the peers' trials afresh: a peer that began trying
+        it first (or rejected it) holds it back, and this host's word is taken back. Two
+        hosts at once: the earlier goes (``reconcile.precedes``). None: held back."""
+        if due.kind != "apply":
+            return due
+        host = group.fleet.host
+        mine = Trial(host, due.key, server, "trying", now)
+        group.share([*self.trials(host), mine])
+        self.held = held_back(group.learned(fresh=True), due.key, server, now, mine)
+        if self.held is None:
+            return due
+        group.share(self.trials(host))
+        return None
 
     def slower(self, due: FlagsDue | None) -> float | None:
         """``Observation.flags_slower``: for a rollback, the speed the change was judged at."""
@@ -166,10 +187,12 @@ class FlagLoop:
                 else None,
             )
 
-    def carried(self, ledger: Ledger, due: FlagsDue, outcome: Outcome | None) -> None:
+    def carried(
+        self, ledger: Ledger, due: FlagsDue, outcome: Outcome | None, server: str = ""
+    ) -> None:
         """What a restart that carried a flag change did with it. A set is rejected only when
         vLLM failed with it (not ready, or not proven): a refused D-Bus call or a foreign
-        drop-in says nothing about the flags."""
+        drop-in says nothing about the flags. ``server``: the one it was tried from."""
         if outcome is None or outcome.result == "aborted":
             return  # nothing reached the unit: due again at the next restart
         if due.kind == "rollback":
@@ -186,7 +209,7 @@ class FlagLoop:
             return  # (GPUs held by other processes: the flags were never tried)
         why = f"vLLM did not start or run with them (action {outcome.action_id}): "
         why += outcome.vllm_error or outcome.message
-        self.state = self.state.reject(due.key, why)
+        self.state = self.state.reject(due.key, why, server)
         self.emit(
             "flags.refused",
             f"{due.what} refused, not tried again until [vllm.flags] changes: {why}",
