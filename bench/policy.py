@@ -58,7 +58,7 @@ from bench.policy_model import (
     window_mask,
     within,
 )
-from vkvagent.adapters.fleet_runs import ServerKnowledge
+from vkvagent.adapters.fleet_runs import ServerKnowledge, digest
 from vkvagent.adapters.gpu import GpuReader, RecordedBackend
 from vkvagent.engine import (
     Decision,
@@ -367,7 +367,7 @@ def peer_knowledge(world: World, settings: Settings, seed: int = 1) -> ServerKno
     """A new host's peer's cured runs and fresh baseline (``World.peers_h``), as the daemon
     publishes them (``FleetRuns.share``): vkvagent over the same world ``peers_h`` earlier,
     for ``peers_h``; its cured runs' end times as of the new host's clock; its newest fresh
-    baseline that knows a load, named as a peer's (``RUN@peer``)."""
+    baseline that knows a load, as its ``digest``, named as a peer's (``RUN@peer``)."""
     if world.peers_h <= 0:
         return NO_PEERS
     before = replace(world, demand_shift_h=world.demand_shift_h + world.peers_h, peers_h=0.0)
@@ -378,7 +378,8 @@ def peer_knowledge(world: World, settings: Settings, seed: int = 1) -> ServerKno
     fresh = [b for b in (state.baseline, state.previous)
              if b is not None and b.known_keys(settings.baseline)
              and not b.late(settings.baseline)]  # fmt: skip
-    return ServerKnowledge(runs, tuple(replace(b, run=f"{b.run}@peer") for b in fresh[:1]))
+    shared = (replace(digest(b, settings.baseline), run=f"{b.run}@peer") for b in fresh[:1])
+    return ServerKnowledge(runs, tuple(shared))
 
 
 def process_started(model: Model) -> float:
