@@ -23,17 +23,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import re
 import statistics
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import etcd_watches
+from bench.etcd_meter import IN_USE, SENT, SETTLE, EtcdMeter
 from tests.etcd import Etcd
 from vkvagent.adapters.fleet import ENTRIES_PAGE, LIST_EVERY, PUBLISH_EVERY, Fleet
 from vkvagent.knowledge.config import FleetConfig
@@ -41,10 +40,6 @@ from vkvagent.knowledge.fleet_view import FleetView, HostEntry
 from vkvagent.knowledge.status import LastRestart
 
 GROUP = "bench"
-SENT = "etcd_network_client_grpc_sent_bytes_total"
-IN_USE = "etcd_mvcc_db_total_size_in_use_in_bytes"
-SETTLE = 0.5  # seconds for etcd to commit its backend (every 100 ms) before it is measured
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def entry(host: str, now: float) -> str:
@@ -74,41 +69,25 @@ class Round:
     requests: int  # HTTP requests made in it
 
 
-class EtcdWatch:
-    """etcd's CPU (its /proc stat) and what its /metrics count."""
+def measure(
+    meter: EtcdMeter, calls: Sequence[Callable[[], object]], threads: int, per: int
+) -> Round:
+    """Run ``calls`` on ``threads`` threads; ``per``: HTTP requests each makes."""
 
-    def __init__(self, etcd: Etcd) -> None:
-        assert etcd.process is not None
-        self.pid, self.url = etcd.process.pid, etcd.url
-
-    def cpu(self) -> float:
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
-
-    def metric(self, name: str) -> float:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as answer:
-            page = answer.read().decode()
-        values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", page, re.MULTILINE)
-        return sum(float(v) for v in values)
-
-    def measure(self, calls: Sequence[Callable[[], object]], threads: int, per: int) -> Round:
-        """Run ``calls`` on ``threads`` threads; ``per``: HTTP requests each makes."""
-
-        def timed(call: Callable[[], object]) -> float:
-            began = time.perf_counter()
-            call()
-            return time.perf_counter() - began
-
-        sent, used = SENT, IN_USE
-        before = (self.cpu(), self.metric(sent), self.metric(used))
+    def timed(call: Callable[[], object]) -> float:
         began = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            seconds = list(pool.map(timed, calls))
-        wall = time.perf_counter() - began
-        time.sleep(SETTLE)
-        after = (self.cpu(), self.metric(sent), self.metric(used))
-        cpu, bytes_sent, grown = (b - a for a, b in zip(before, after))
-        return Round(seconds, wall, cpu, bytes_sent, grown, per * len(calls))
+        call()
+        return time.perf_counter() - began
+
+    before = (meter.cpu(), meter.metric(SENT), meter.metric(IN_USE))
+    began = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        seconds = list(pool.map(timed, calls))
+    wall = time.perf_counter() - began
+    time.sleep(SETTLE)
+    after = (meter.cpu(), meter.metric(SENT), meter.metric(IN_USE))
+    cpu, bytes_sent, grown = (b - a for a, b in zip(before, after))
+    return Round(seconds, wall, cpu, bytes_sent, grown, per * len(calls))
 
 
 def p99(values: Sequence[float]) -> float:
@@ -135,12 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle watching")
+    parser.add_argument("--restarts", type=int, default=20, help="restarts the watchers hear")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="vkv-bench-etcd.") as directory:
         etcd = Etcd(Path(directory)).start()
         try:
-            watch = EtcdWatch(etcd)
+            meter = EtcdMeter(etcd)
             cfg = FleetConfig(endpoints=(etcd.url,), group=GROUP, timeout=10.0)
             hosts = [Fleet.from_config(dataclasses.replace(cfg, name=f"gpu-{i:05}"))
                      for i in range(args.hosts)]  # fmt: skip
@@ -158,9 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return FleetView.of(GROUP, 1, time.time(), reader.entries(), reader.holders())
 
             for _ in range(args.rounds):
-                publish.append(watch.measure([publishing(h) for h in hosts], args.threads, 2))
-                slots.append(watch.measure([h.holders for h in hosts], args.threads, 1))
-                status.append(watch.measure([reading], 1, pages + 1))
+                publish.append(measure(meter, [publishing(h) for h in hosts], args.threads, 2))
+                slots.append(measure(meter, [h.holders for h in hosts], args.threads, 1))
+                status.append(measure(meter, [reading], 1, pages + 1))
+            watching = etcd_watches.measure(meter, hosts, args.idle, args.restarts)
         finally:
             etcd.stop()
 
@@ -193,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cpu = (puts * cpu_publish + lists * cpu_slots) * 100
         print(f"| {n:,} | {puts:.1f} | {lists:.1f} | {cpu:.1f} | "
               f"{puts * grown * 86400 / 1e6:,.0f} MB |")  # fmt: skip
+    etcd_watches.report(watching, args.hosts)
     return 0
 
 
