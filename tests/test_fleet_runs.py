@@ -5,13 +5,16 @@ etcd down."""
 from __future__ import annotations
 
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tests.etcd import Etcd
+from tests.httpserver import free_port
 from tests.test_fleet import (  # noqa: F401 - the `etcd` fixture
     Recorded,
     daemon_with_fleet,
@@ -225,26 +228,73 @@ def test_a_hosts_fresh_baseline_reaches_its_peers_by_its_known_loads(etcd: Etcd)
     assert refused == [("gpu-y", "a baseline of another server")]
 
 
+PLAN = Plan(unit="vllm.service", before=(), after=(), flags={"max-num-seqs": 20},
+            attestable=(), changed=True, changes={"max-num-seqs": 20})  # fmt: skip
+DUE = FlagsDue("apply", "apply --max-num-seqs 20", PLAN, "k")
+
+
 def test_of_two_hosts_about_to_apply_a_set_the_first_to_announce_goes(etcd: Etcd) -> None:
-    """Just before a restart that carries [vllm.flags], a host says it is trying the set and
-    reads its peers' trials afresh (``FlagLoop.announce``): the second host holds it back,
-    whatever its cached read said, and takes its word back."""
-    plan = Plan(unit="vllm.service", before=(), after=(), flags={"max-num-seqs": 20},
-                attestable=(), changed=True, changes={"max-num-seqs": 20})  # fmt: skip
-    due = FlagsDue("apply", "apply --max-num-seqs 20", plan, "k")
+    """Just before a restart that carries [vllm.flags], a host reads its peers' trials
+    afresh and says it is trying the set (``FlagLoop.announce``): the second host holds it
+    back, whatever its cached read said, and whatever its clock says. It tells nothing."""
     hosts = {name: FleetTrials(fleet_of(etcd.url, "announce", name=name), Recorded(), Clock())
              for name in ("gpu-a", "gpu-b")}  # fmt: skip
     loops = {name: FlagLoop(FlagState(), Recorded()) for name in hosts}
-    assert hosts["gpu-b"].learned() == ()  # cached: nothing yet
-    assert loops["gpu-a"].announce(hosts["gpu-a"], due, "s0", 1000.0) is due
-    assert loops["gpu-b"].announce(hosts["gpu-b"], due, "s0", 1001.0) is None
-    held = loops["gpu-b"].held
-    assert held is not None and (held.host, held.state, held.since) == ("gpu-a", "trying", 1000.0)
+    assert hosts["gpu-a"].learned() == ()  # cached: nothing yet
+    assert loops["gpu-b"].announce(hosts["gpu-b"], DUE, "s0", 1000.0) is DUE
+    # gpu-a's clock is behind, and its name sorts first: it still comes second.
+    assert loops["gpu-a"].announce(hosts["gpu-a"], DUE, "s0", 999.0) is None
+    held = loops["gpu-a"].held
+    assert held is not None and (held.host, held.state, held.since) == ("gpu-b", "trying", 1000.0)
     raw = fleet_of(etcd.url, "announce").client
     said = {kv["key"].rsplit("/", 1)[1]: json.loads(kv["value"])["trials"]
             for kv in raw.range_prefix(hosts["gpu-a"].prefix)}  # fmt: skip
-    assert said == {"gpu-a": [Trial("gpu-a", "k", "s0", "trying", 1000.0).to_json()],
-                    "gpu-b": []}  # fmt: skip
+    assert said == {"gpu-b": [Trial("gpu-b", "k", "s0", "trying", 1000.0).to_json()]}
+    assert raw.range_prefix(hosts["gpu-a"].fleet.prefix + "flag-turns/") == []  # let go
     # A rollback is not announced: it puts back what ran before.
-    back = FlagsDue("rollback", "roll back", plan, "k")
-    assert loops["gpu-b"].announce(hosts["gpu-b"], back, "s0", 1002.0) is back
+    back = FlagsDue("rollback", "roll back", PLAN, "k")
+    assert loops["gpu-a"].announce(hosts["gpu-a"], back, "s0", 1002.0) is back
+
+
+def test_of_hosts_announcing_a_set_at_once_one_goes(etcd: Etcd) -> None:
+    """Eight hosts announce the same set at the same moment, each in a thread of its own:
+    the set's turn lets exactly one go, whichever gets it first; the others are held back by
+    its trial, or by whichever host had the turn when they asked. Only its trial is told."""
+    names = [f"gpu-{i}" for i in range(8)]
+    hosts = {n: FleetTrials(fleet_of(etcd.url, "at-once", name=n), Recorded(), Clock())
+             for n in names}  # fmt: skip
+    loops = {n: FlagLoop(FlagState(), Recorded()) for n in names}
+    ready = threading.Barrier(len(names))
+
+    def announce(name: str) -> FlagsDue | None:
+        ready.wait()
+        return loops[name].announce(hosts[name], DUE, "s0", 1000.0)
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        went = dict(zip(names, pool.map(announce, names)))
+    (first,) = [n for n, due in went.items() if due is DUE]
+    assert all(loops[n].held is not None for n in names if n != first)
+    raw = fleet_of(etcd.url, "at-once").client
+    assert [kv["key"].rsplit("/", 1)[1] for kv in raw.range_prefix(hosts[first].prefix)] == [first]
+    assert raw.range_prefix(hosts[first].fleet.prefix + "flag-turns/") == []
+
+
+def test_a_set_whose_turn_a_peer_holds_waits_and_a_hosts_own_left_over_turn_does_not(
+    etcd: Etcd,
+) -> None:
+    """A peer that took the set's turn and died holds it until its lease ends; the turn this
+    host left behind (a daemon killed in the middle) is its own; etcd not answering lets the
+    host go on with what it knows."""
+    fleet = fleet_of(etcd.url, "turns", name="gpu-a")
+    host, loop = FleetTrials(fleet, Recorded(), Clock()), FlagLoop(FlagState(), Recorded())
+    key = f"{fleet.prefix}flag-turns/s0/k"
+    fleet.client.put(key, json.dumps({"host": "gpu-z", "since": 990.0}), "0")
+    assert loop.announce(host, DUE, "s0", 1000.0) is None
+    assert loop.held == Trial("gpu-z", "k", "s0", "trying", 990.0)
+    assert fleet.client.range_prefix(key)  # not its to take away
+    fleet.client.put(key, json.dumps({"host": "gpu-a", "since": 990.0}), "0")
+    assert loop.announce(host, DUE, "s0", 1000.0) is DUE
+    assert fleet.client.range_prefix(key) == []
+    closed = f"http://127.0.0.1:{free_port()}"
+    down = FleetTrials(fleet_of(closed, "turns", name="gpu-b"), Recorded(), Clock())
+    assert FlagLoop(FlagState(), Recorded()).announce(down, DUE, "s0", 1000.0) is DUE

@@ -8,15 +8,24 @@ goes in: a peer matches a set by its key, which it computes from its own [vllm.f
 host reads its peers' trials, and ``FlagLoop.due`` holds back a set of its [vllm.flags] that
 a peer running the same server rejected, or is still trying (``reconcile.held_back``).
 
+Just before the restart that would carry a set, a host takes the set's turn (``turn``): it
+creates ``PREFIX/GROUP/flag-turns/SERVER/KEY`` in one transaction, reads its peers' trials
+afresh and puts its own, then deletes the key. Of hosts announcing the same set at once, one
+creates the key and the others find it: the one that goes has read every earlier trial, and
+each later host reads its trial.
+
 A peer's key over MAX_FLAGS bytes, not JSON, of another schema, naming another host or with
 a trial that is not one is refused with a ``fleet.peer_refused`` event naming the peer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 
+from vkvagent.adapters.fleet import ENTRY_LEASE, PUBLISH_EVERY, FleetError
 from vkvagent.adapters.fleet_peers import PeerKeys
 from vkvagent.knowledge.fleet_view import published
 from vkvagent.knowledge.reconcile import Trial
@@ -26,6 +35,7 @@ MAX_FLAGS = 4096  # bytes: a few trials of about 200 each
 # Hosts whose trials are read: 1,000 keys of an empty list (70 bytes) or a trial (250) stay
 # well within an answer's 1 MiB.
 PEERS_TRIALS = 1000
+TAKE_TRIES = 3  # a set's turn taken and let go this often while a host asks: a busy one
 
 
 class FleetTrials(PeerKeys[Trial]):
@@ -46,9 +56,53 @@ class FleetTrials(PeerKeys[Trial]):
         set back); ``fresh``: read now, not at most every READ_EVERY."""
         return self.read(self.prefix, parse, "flag trials", peers=PEERS_TRIALS, fresh=fresh)
 
+    @contextlib.contextmanager
+    def turn(self, mine: Trial) -> Iterator[Trial | None]:
+        """This host's turn to announce its trial of a set (``mine``), for as long as the
+        ``with`` lasts: None when it has the turn (or etcd does not answer: the host goes on
+        with what it knows), else the trial of the peer that has it. The key is created under
+        this host's lease: a host that dies holding it lets go with its lease."""
+        key = f"{self.fleet.prefix}flag-turns/{mine.server}/{mine.key}"
+        try:
+            holder = None if self.quiet else self._take(key, mine)
+        except FleetError:
+            self.went_quiet()
+            holder = None
+        if holder is not None:
+            yield holder
+            return
+        try:
+            yield None
+        finally:
+            if not self.quiet:
+                with contextlib.suppress(FleetError):
+                    self.fleet.client.delete(key)
+
+    def _take(self, key: str, mine: Trial) -> Trial | None:
+        """Create the turn's ``key``: None once created (or found left over by this host),
+        else the holder's trial. Raises FleetError."""
+        value = json.dumps({"host": mine.host, "since": mine.since})
+        for _ in range(TAKE_TRIES):
+            if self.fleet.create_own(key, value, math.ceil(ENTRY_LEASE * PUBLISH_EVERY)):
+                return None
+            found = self.fleet.client.range_prefix(key, 1)
+            if found:  # else its holder let go in between: try again
+                holder = _holder(found[0]["value"], mine)
+                return None if holder.host == mine.host else holder
+        return Trial("another host", mine.key, mine.server, "trying", mine.since)
+
     @property
     def prefix(self) -> str:
         return f"{self.fleet.prefix}flags/"
+
+
+def _holder(raw: str, mine: Trial) -> Trial:
+    """The trial of the peer that has the turn of ``mine``'s set, from its key's value."""
+    try:
+        said = json.loads(raw)
+        return Trial(str(said["host"]), mine.key, mine.server, "trying", float(said["since"]))
+    except (ValueError, TypeError, KeyError):
+        return Trial("another host", mine.key, mine.server, "trying", mine.since)
 
 
 def parse(peer: str, raw: str) -> list[Trial]:

@@ -40,18 +40,27 @@ class PeerKeys(Generic[T]):
         self._refused: set[tuple[str, str]] = set()  # (peer, digest of its value) told
         self._quiet_until = -float("inf")  # no request before: etcd did not answer
 
+    @property
+    def quiet(self) -> bool:
+        """Whether etcd is left alone for now: it did not answer less than RETRY_AFTER ago."""
+        return self._mono() < self._quiet_until
+
+    def went_quiet(self) -> None:
+        """etcd did not answer: ask it nothing for RETRY_AFTER."""
+        self._quiet_until = self._mono() + RETRY_AFTER
+
     def put(self, key: str, value: str) -> None:
         """Put this host's ``value`` at ``key`` if it changed, or its lease did (an etcd that
         did not hear from this host for a lease's time deleted the key with it). A failed put
         is tried again RETRY_AFTER later."""
         if self._shared.get(key) == (value, self.fleet.own_lease):
             return
-        if self._mono() < self._quiet_until:
+        if self.quiet:
             return
         try:
             self.fleet.put_own(key, value, math.ceil(ENTRY_LEASE * PUBLISH_EVERY))
         except FleetError:
-            self._quiet_until = self._mono() + RETRY_AFTER
+            self.went_quiet()
             return
         self._shared[key] = (value, self.fleet.own_lease)
 
@@ -76,7 +85,7 @@ class PeerKeys(Generic[T]):
         try:
             found = self.fleet.client.range_prefix(prefix, peers + 1)  # ours among them
         except FleetError:
-            self._quiet_until = now + RETRY_AFTER
+            self.went_quiet()
             return known
         learned: list[T] = []
         for kv in found:

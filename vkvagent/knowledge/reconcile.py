@@ -282,29 +282,19 @@ TRIAL_STATES = ("trying", "rejected")
 # fresh period (hours), or "no verdict" once it is over; one older is a host that stalled.
 TRIAL_FOR = 2 * 86400.0
 LATEST = 1e11  # UTC seconds (the year 5138): a trial's time beyond is not one
+# Seconds a peer's clock may be ahead of this host's: a trial that begins later is not one.
+SKEW = 60.0
 
 
-def precedes(trial: Trial, since: float, host: str) -> bool:
-    """Whether ``trial`` began before a trial of ``host`` from ``since``: the earlier goes
-    first, and of two at once, the host whose name sorts first."""
-    return (trial.since or 0.0, trial.host) < (since, host)
-
-
-def held_back(
-    trials: Sequence[Trial], key: str, server: str, now: float, mine: Trial | None = None
-) -> Trial | None:
+def held_back(trials: Sequence[Trial], key: str, server: str, now: float) -> Trial | None:
     """The peer's trial that holds set ``key`` back on a host that runs ``server``: one that
     rejected it from the same server, else one that has been trying it for less than
-    TRIAL_FOR (one in the future is not a trial), so that a change reaches one host of the
-    group at a time and stops at the first that finds it slower or broken. ``mine``: this
-    host's own trial of it, announced: only a peer's that began before it holds it."""
+    TRIAL_FOR (one that begins more than SKEW after ``now`` is not a trial), so that a change
+    reaches one host of the group at a time and stops at the first that finds it slower or
+    broken."""
     same = [t for t in trials if t.key == key and t.server == server]
     rejected = [t for t in same if t.state == "rejected"]
-    trying = [
-        t for t in same
-        if t.since is not None and 0 <= now - t.since < TRIAL_FOR
-        and (mine is None or precedes(t, mine.since or now, mine.host))
-    ]  # fmt: skip
+    trying = [t for t in same if t.since is not None and -SKEW <= now - t.since < TRIAL_FOR]
     found = rejected or trying
     return found[0] if found else None
 

@@ -120,20 +120,19 @@ class FlagLoop:
     def announce(
         self, group: FleetTrials, due: FlagsDue, server: str, now: float
     ) -> FlagsDue | None:
-        """Just before a restart that would carry [vllm.flags] (``due``), tell the group this
-        host is trying the set, then read the peers' trials afresh: a peer that began trying
-        it first (or rejected it) holds it back, and this host's word is taken back. Two
-        hosts at once: the earlier goes (``reconcile.precedes``). None: held back."""
+        """Just before a restart that would carry [vllm.flags] (``due``), take the set's turn
+        in the group (``FleetTrials.turn``: one host at a time), read the peers' trials
+        afresh and, when none holds the set back, tell the group this host is trying it.
+        None: held back, by the peer that has the turn, is trying the set or rejected it."""
         if due.kind != "apply":
             return due
         host = group.fleet.host
         mine = Trial(host, due.key, server, "trying", now)
-        group.share([*self.trials(host), mine])
-        self.held = held_back(group.learned(fresh=True), due.key, server, now, mine)
-        if self.held is None:
-            return due
-        group.share(self.trials(host))
-        return None
+        with group.turn(mine) as other:
+            self.held = other or held_back(group.learned(fresh=True), due.key, server, now)
+            if self.held is None:
+                group.share([*self.trials(host), mine])
+        return due if self.held is None else None
 
     def slower(self, due: FlagsDue | None) -> float | None:
         """``Observation.flags_slower``: for a rollback, the speed the change was judged at."""
