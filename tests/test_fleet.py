@@ -29,12 +29,12 @@ from tests.etcd import Etcd, require_etcd
 from tests.httpserver import RawServer, free_port, read_request
 from tests.test_daemon import events_of, write_config
 from vkvagent.actuation.outcome import Outcome
-from vkvagent.adapters.fleet import EtcdClient, Fleet, FleetError, Gate
+from vkvagent.adapters.fleet import RETRY_AFTER, EtcdClient, Fleet, FleetError, Gate
 from vkvagent.engine import Decision, EngineState
 from vkvagent.knowledge import config, status, status_text
 from vkvagent.knowledge.config import FleetConfig
 from vkvagent.knowledge.events import CATALOGUE
-from vkvagent.service.daemon import Daemon
+from vkvagent.service.daemon import Clock, Daemon
 from vkvagent.tools.cli import main
 
 pytestmark = pytest.mark.fleet
@@ -260,12 +260,14 @@ def restart_decision(cause: str = "uptime_decline") -> Decision:
     )  # fmt: skip
 
 
-def daemon_with_fleet(tmp_path: Path, endpoint: str, **fleet: object) -> tuple[Daemon, io.StringIO]:
+def daemon_with_fleet(
+    tmp_path: Path, endpoint: str, clock: Clock | None = None, **fleet: object
+) -> tuple[Daemon, io.StringIO]:
     keys: dict[str, object] = {"endpoints": [endpoint], "timeout": 0.5, "name": "gpu-here"}
     keys.update(fleet)
     path = write_config(tmp_path, "http://127.0.0.1:9", fleet=keys)
     stream = io.StringIO()
-    return Daemon.offline(path, stream), stream
+    return Daemon.offline(path, stream, clock or Clock()), stream
 
 
 def fleet_events(stream: io.StringIO) -> list[dict[str, Any]]:
@@ -413,7 +415,9 @@ def test_etcd_down_then_back_holds_then_resumes(tmp_path: Path) -> None:
     (tmp_path / "etcd").mkdir()
     server = Etcd(tmp_path / "etcd").start()
     actuator = FakeActuator()
-    daemon, stream = daemon_with_fleet(tmp_path, server.url, group="outage")
+    later = [0.0]  # seconds the daemon's monotonic clock is ahead of the real one
+    clock = Clock(mono=lambda: time.monotonic() + later[0])
+    daemon, stream = daemon_with_fleet(tmp_path, server.url, clock, group="outage")
     try:
         assert daemon.restarter.restart(daemon.parts, actuator, restart_decision()) is not None  # type: ignore[arg-type]
         server.stop()
@@ -425,7 +429,10 @@ def test_etcd_down_then_back_holds_then_resumes(tmp_path: Path) -> None:
         exposed = generate_latest(daemon.metrics.registry).decode()
         assert 'vkvagent_fleet_state{group="outage",state="unreachable"} 1.0' in exposed
         server.start()
-        daemon.tick()  # the status listing notices etcd is back
+        daemon.tick()
+        assert status.read(tmp_path / "state").fleet.state == "unreachable"  # type: ignore[union-attr]
+        later[0] += RETRY_AFTER
+        daemon.tick()  # the status listing asks again, and notices etcd is back
         report = status.read(tmp_path / "state")
         assert report is not None and report.fleet is not None
         assert report.fleet.state == "idle"
@@ -576,6 +583,33 @@ def test_a_silent_or_wrong_peer_is_one_line_within_the_timeout_and_the_next_endp
         began = time.monotonic()
         assert fleet.holders() == []  # and is asked first from then on
         assert time.monotonic() - began < 0.25
+
+
+def test_a_hung_etcd_costs_the_tick_its_timeout_once_a_minute_not_at_every_tick() -> None:
+    """The status's listing of the holders: while etcd does not answer, asked again
+    RETRY_AFTER later, and the unreachable state and its event stand meanwhile."""
+
+    def silent(conn: socket.socket, stop: threading.Event) -> None:
+        read_request(conn)
+        stop.wait(5)
+
+    clock, said = [1000.0], Recorded()
+    with RawServer(silent) as hung:
+        cfg = FleetConfig(endpoints=(hung.url,), group="hung", timeout=0.3)
+        gate = Gate(cfg, said, mono=lambda: clock[0])
+
+        def report() -> float:
+            began = time.monotonic()
+            assert gate.report(wanting=False).state == "unreachable"
+            return time.monotonic() - began
+
+        assert report() >= 0.3  # asked, and no answer within the timeout
+        for _tick in range(5):
+            clock[0] += RETRY_AFTER / 6
+            assert report() < 0.1  # not asked
+        clock[0] += RETRY_AFTER / 6
+        assert report() >= 0.3
+    assert said.names() == ["fleet.unreachable"]
 
 
 def test_the_status_schema_names_every_state_a_gate_can_be_in() -> None:

@@ -23,8 +23,9 @@ from tests.test_fleet import (  # noqa: F401 - the `etcd` fixture
 )
 from tests.test_prevention import cured, declining
 from vkvagent.actuation.actuator import Plan
+from vkvagent.adapters.fleet import RETRY_AFTER
 from vkvagent.adapters.fleet_flags import FleetTrials
-from vkvagent.adapters.fleet_peers import READ_EVERY, RETRY_AFTER
+from vkvagent.adapters.fleet_peers import READ_EVERY
 from vkvagent.adapters.fleet_runs import FleetRuns, parse
 from vkvagent.engine.baseline import Baseline, BaselineSettings, Regime
 from vkvagent.engine.prevention import Track

@@ -58,6 +58,9 @@ from vkvagent.knowledge.status import FleetStatus, SlotHolder, StatusReport
 
 MAX_BODY = 1024 * 1024
 LIST_EVERY = 30.0  # seconds between two listings of the holders for the status, when idle
+# Seconds without asking etcd again, for the status or what the hosts share, after it did not
+# answer: a hung etcd costs a tick its timeout once a minute at most, not at every tick.
+RETRY_AFTER = 60.0
 PUBLISH_EVERY = 300.0  # seconds between two puts of this host's entry when it says the same
 ENTRY_LEASE = 3  # publishes an entry outlives its host by: it leaves the group after that
 ENTRIES_PAGE = 100  # entries a read: about 100 kB, and 550 kB were each as big as one may be
@@ -759,13 +762,13 @@ class Gate:
 
     def report(self, *, wanting: bool) -> FleetStatus:
         """The fleet's part of status.json. Lists the holders now and then (every
-        LIST_EVERY seconds; each tick while etcd does not answer)."""
+        LIST_EVERY seconds; RETRY_AFTER after etcd did not answer)."""
         if not wanting:
             self._waited = None
             if self.state == "waiting":
                 self.state = "idle"
         now = self._mono()
-        if not self._asked and (now >= self._next_list or self.state == "unreachable"):
+        if not self._asked and now >= self._next_list:
             try:
                 holders = self.fleet.holders()
             except FleetError as exc:
@@ -834,6 +837,7 @@ class Gate:
     def _failed(self, error: str) -> None:
         self.error = error
         self.state = "unreachable"
+        self._next_list = self._mono() + RETRY_AFTER
 
     def _tell_unreachable(self, effect: str, why: str) -> None:
         """Once per outage, and again when a restart is first held by it; each restart

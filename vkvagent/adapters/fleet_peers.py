@@ -19,13 +19,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from vkvagent.adapters.fleet import ENTRY_LEASE, PUBLISH_EVERY, Emit, Fleet, FleetError
+from vkvagent.adapters.fleet import (
+    ENTRY_LEASE,
+    PUBLISH_EVERY,
+    RETRY_AFTER,
+    Emit,
+    Fleet,
+    FleetError,
+)
 
 PEERS_READ = 20  # peers' values read a time: plenty for what one host learns from
 READ_EVERY = 1800.0  # seconds between two reads of the same prefix
-# Seconds without asking etcd again after it did not answer: the tick pays a request's
-# timeout once a minute at most while etcd is down.
-RETRY_AFTER = 60.0
 
 T = TypeVar("T")
 
