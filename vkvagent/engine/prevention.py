@@ -142,6 +142,7 @@ class Plan:
     outage: float  # seconds of service a restart costs
     runs: int  # cured runs it rests on
     peers: int = 0  # of them, the fleet's: other hosts' runs of this server
+    measured: bool = False  # ``outage`` was measured between runs, drain and all
 
     def cost_rate(self, period: float) -> float:
         """The share of the service lost by restarting every ``period`` seconds: one outage
@@ -220,7 +221,8 @@ def plan(
     outages = outages or sorted(t.outage for t in borrowed if t.outage is not None)
     outage = outages[len(outages) // 2] if outages else DEFAULT_OUTAGE
     at = math.sqrt(onset * onset + 2 * outage / rate)
-    return Plan(at=at, onset=onset, rate=rate, outage=outage, runs=len(cured), peers=len(borrowed))
+    return Plan(at=at, onset=onset, rate=rate, outage=outage, runs=len(cured),
+                peers=len(borrowed), measured=bool(outages))  # fmt: skip
 
 
 # A peer's run whose own decline reaches a tenth of the speed at an uptime this many times

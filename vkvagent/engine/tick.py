@@ -755,10 +755,13 @@ def _budget(
     now (the window's rate, else this hour's usual one) refused for the restart's outage and
     drain."""
     rate = stats.requests_per_s if stats is not None else None
-    outage = state.plan.outage if state.plan is not None else DEFAULT_OUTAGE
+    plan = state.plan
+    outage = plan.outage if plan is not None else DEFAULT_OUTAGE
     # A drain refuses new requests until the longest in flight is done: about twice the
-    # mean answer at this ITL, up to the drain's limit.
-    if stats is not None and stats.output_per_request and stats.itl:
+    # mean answer at this ITL, up to the drain's limit. An outage measured between two runs
+    # (from the last sample before the restart) holds its drain already.
+    measured = plan is not None and plan.measured
+    if not measured and stats is not None and stats.output_per_request and stats.itl:
         outage += min(settings.policy.drain_timeout, 2 * stats.output_per_request * stats.itl)
     return Budget(
         settings.slo,
