@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench.etcd_meter import SENT, SETTLE, EtcdMeter
+from bench.etcd_meter import SENT, SETTLE, TICKS, EtcdMeter
 from vkvagent.adapters.fleet import LIST_EVERY, Fleet, prefix_end
 
 DAY = 86400.0
-EVENTS = b'"events"'  # in each message etcd sends on a watch stream that carries events
+EVENT = b'"kv":'  # once in each event etcd sends (it may send several in one message)
 
 
 def _b64(text: str) -> str:
@@ -49,7 +49,7 @@ class Watchers:
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         )
         self.selector = selectors.DefaultSelector()
-        self.events = [0] * count  # event messages each stream has received
+        self.events = [0] * count  # events each stream has received
         self.created = [False] * count
         self._tails = [b""] * count  # the last bytes read: a marker may span two reads
         for i in range(count):
@@ -68,8 +68,8 @@ class Watchers:
                     raise RuntimeError(f"etcd closed watch stream {i}")
                 seen = self._tails[i] + data
                 self.created[i] = self.created[i] or b'"created":true' in seen
-                self.events[i] += seen.count(EVENTS) - self._tails[i].count(EVENTS)
-                self._tails[i] = seen[-len(EVENTS) :]
+                self.events[i] += seen.count(EVENT) - self._tails[i].count(EVENT)
+                self._tails[i] = seen[-len(EVENT) :]
 
     def wait(self, done: Callable[[], bool], timeout: float = 60.0) -> float:
         """Seconds until ``done()``; RuntimeError past ``timeout``."""
@@ -91,6 +91,7 @@ class Figures:
     open_s: float  # seconds until every stream was confirmed
     open_cpu: float  # etcd CPU seconds opening them
     idle_cpu: float  # etcd CPU seconds per second with them open and idle, over its own idle
+    resolution: float  # of idle_cpu: a tick of /proc's CPU times over the idle seconds
     bare: tuple[float, float]  # a restart with no watcher: etcd CPU seconds, bytes sent
     watched: tuple[float, float]  # a restart with every host watching: the same
     heard: list[float]  # each watched restart: seconds until every watcher had both events
@@ -128,7 +129,7 @@ def measure(meter: EtcdMeter, fleet: Sequence[Fleet], idle: float, restarts: int
         time.sleep(SETTLE)  # the opening settles before the idle is counted
         cpu, began = meter.cpu(), time.perf_counter()
         watchers.pump(began + idle)
-        idle_cpu = max(0.0, (meter.cpu() - cpu) / (time.perf_counter() - began) - alone)
+        idle_cpu = (meter.cpu() - cpu) / (time.perf_counter() - began) - alone
         heard: list[float] = []
 
         def watched() -> None:
@@ -141,7 +142,8 @@ def measure(meter: EtcdMeter, fleet: Sequence[Fleet], idle: float, restarts: int
         watched_cost = spent(meter, [watched] * restarts)
     finally:
         watchers.close()
-    return Figures(open_s, open_cpu, idle_cpu, bare, watched_cost, heard, listing)
+    resolution = 1 / TICKS / idle
+    return Figures(open_s, open_cpu, idle_cpu, resolution, bare, watched_cost, heard, listing)
 
 
 def report(figures: Figures, hosts: int) -> None:
@@ -151,7 +153,8 @@ def report(figures: Figures, hosts: int) -> None:
     print("| | seconds | etcd CPU (ms) | bytes etcd sent |")
     print("|---|---|---|---|")
     print(f"| open {hosts:,} watches | {f.open_s:.2f} | {f.open_cpu * 1000:.0f} | |")
-    print(f"| a second of them idle, over etcd's own idle | | {f.idle_cpu * 1000:.2f} | |")
+    print(f"| a second of them idle, over etcd's own idle (to {f.resolution * 1000:.1f}) | | "
+          f"{f.idle_cpu * 1000:.2f} | |")  # fmt: skip
     print(f"| a restart's slot, nobody watching | | {f.bare[0] * 1000:.1f} | {f.bare[1]:,.0f} |")
     print(
         f"| a restart's slot, until all {hosts:,} watchers heard both events: median "

@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=16)
-    parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle watching")
+    parser.add_argument("--idle", type=float, default=30.0, help="seconds of idle watching")
     parser.add_argument("--restarts", type=int, default=20, help="restarts the watchers hear")
     args = parser.parse_args(argv)
 

@@ -8,10 +8,14 @@ import io
 import time
 from pathlib import Path
 
+import pytest
+
 from bench import etcd_watches, fleet_etcd
 from bench.etcd_meter import EtcdMeter
 from tests.etcd import Etcd
 from vkvagent.adapters.fleet import EtcdClient, Fleet
+
+pytestmark = pytest.mark.fleet
 
 
 def test_every_watcher_hears_each_slot_taken_and_given_back(tmp_path: Path) -> None:
@@ -40,5 +44,7 @@ def test_a_small_run_prints_every_table() -> None:
         assert fleet_etcd.main(argv) == 0
     printed = out.getvalue()
     for line in ("| slots: `Fleet.holders` (the baseline) |", "| open 20 watches |",
-                 "until all 20 watchers heard both events", "| 200 | "):  # fmt: skip
+                 "until all 20 watchers heard both events"):  # fmt: skip
         assert line in printed
+    steady = printed.split("| hosts in the group | listing every 30 s | watching |")[1]
+    assert steady.count("\n| 20 | ") == 1 and steady.count("\n| 200 | ") == 1

@@ -23,14 +23,14 @@ from tests.test_fleet import (  # noqa: F401 - the `etcd` fixture
 )
 from tests.test_prevention import cured, declining
 from vkvagent.actuation.actuator import Plan
-from vkvagent.adapters.fleet import RETRY_AFTER
+from vkvagent.adapters.fleet import RETRY_AFTER, FleetError
 from vkvagent.adapters.fleet_flags import FleetTrials
 from vkvagent.adapters.fleet_peers import READ_EVERY
 from vkvagent.adapters.fleet_runs import FleetRuns, parse
 from vkvagent.engine.baseline import Baseline, BaselineSettings, Regime
 from vkvagent.engine.prevention import Track
-from vkvagent.knowledge.reconcile import FlagState, Trial
-from vkvagent.service.flag_loop import FlagLoop, FlagsDue
+from vkvagent.knowledge.reconcile import UNASKED, FlagState, Trial
+from vkvagent.service.flag_loop import FlagLoop, FlagsDue, held_words
 
 pytestmark = pytest.mark.fleet
 SETTINGS = BaselineSettings()
@@ -280,22 +280,38 @@ def test_of_hosts_announcing_a_set_at_once_one_goes(etcd: Etcd) -> None:
     assert raw.range_prefix(hosts[first].fleet.prefix + "flag-turns/") == []
 
 
-def test_a_set_whose_turn_a_peer_holds_waits_and_a_hosts_own_left_over_turn_does_not(
-    etcd: Etcd,
+def test_a_set_whose_turn_a_peer_holds_waits_for_it_and_etcd_not_answering_holds_it_too(
+    etcd: Etcd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A peer that took the set's turn and died holds it until its lease ends; the turn this
-    host left behind (a daemon killed in the middle) is its own; etcd not answering lets the
-    host go on with what it knows."""
+    """A peer holding the set's turn holds it back until its lease ends; without etcd's
+    answer to the turn, the read or the put, the set waits too (it is never tried untold),
+    and the turn is let go."""
     fleet = fleet_of(etcd.url, "turns", name="gpu-a")
     host, loop = FleetTrials(fleet, Recorded(), Clock()), FlagLoop(FlagState(), Recorded())
     key = f"{fleet.prefix}flag-turns/s0/k"
-    fleet.client.put(key, json.dumps({"host": "gpu-z", "since": 990.0}), "0")
+    lease, _ttl = fleet.client.grant(60)
+    assert fleet.client.create(key, json.dumps({"host": "gpu-z", "since": 990.0}), lease)
     assert loop.announce(host, DUE, "s0", 1000.0) is None
     assert loop.held == Trial("gpu-z", "k", "s0", "trying", 990.0)
     assert fleet.client.range_prefix(key)  # not its to take away
-    fleet.client.put(key, json.dumps({"host": "gpu-a", "since": 990.0}), "0")
+    fleet.client.revoke(lease)  # gpu-z let go (or its lease ended)
     assert loop.announce(host, DUE, "s0", 1000.0) is DUE
     assert fleet.client.range_prefix(key) == []
+
+    def refused(*_args: object) -> None:
+        raise FleetError("etcd unreachable: no answer within 0.5 s")
+
+    other = FleetTrials(fleet_of(etcd.url, "turns-put", name="gpu-b"), Recorded(), Clock())
+    monkeypatch.setattr(other.fleet.client, "put", refused)
+    loop = FlagLoop(FlagState(), Recorded())
+    assert loop.announce(other, DUE, "s0", 1001.0) is None  # its trial could not be told
+    assert loop.held is not None and loop.held.state == UNASKED
+    assert held_words(loop.held) == (
+        "the group could not be asked (etcd did not answer); it waits for etcd"
+    )
+    assert fleet.client.range_prefix(other.fleet.prefix) == []  # the turn let go all the same
     closed = f"http://127.0.0.1:{free_port()}"
-    down = FleetTrials(fleet_of(closed, "turns", name="gpu-b"), Recorded(), Clock())
-    assert FlagLoop(FlagState(), Recorded()).announce(down, DUE, "s0", 1000.0) is DUE
+    down = FleetTrials(fleet_of(closed, "turns", name="gpu-c"), Recorded(), Clock())
+    loop = FlagLoop(FlagState(), Recorded())
+    assert loop.announce(down, DUE, "s0", 1000.0) is None
+    assert loop.held is not None and loop.held.state == UNASKED

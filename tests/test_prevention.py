@@ -85,7 +85,7 @@ def test_a_run_in_progress_tells_its_own_decline_from_its_completed_half_hours()
 
 def test_the_plan_restarts_at_the_renewal_optimum() -> None:
     found = plan(SETTINGS, [cured(declining("a"))], "s", NOW)
-    assert found is not None and found.runs == 1 and found.outage == 200.0
+    assert found is not None and found.runs == 1 and found.outage == 200.0 and found.measured
     # T* = sqrt(u0^2 + 2 C / r): the uptime where the speed lost since the last restart
     # outweighs one more outage.
     assert found.at == pytest.approx(math.sqrt(found.onset**2 + 2 * 200.0 / found.rate))
@@ -115,7 +115,7 @@ def test_only_cured_recent_runs_of_the_same_server_count() -> None:
     long_gap = judged(ended((), run, "next", NOW - HOUR, 2 * HOUR), "next", True)
     assert long_gap[0].outage is None
     found = plan(SETTINGS, long_gap, "s", NOW)
-    assert found is not None and found.outage == DEFAULT_OUTAGE
+    assert found is not None and found.outage == DEFAULT_OUTAGE and not found.measured
     # Only the newest KEPT runs are kept.
     many: tuple[Track, ...] = ()
     for i in range(KEPT + 2):

@@ -24,7 +24,7 @@ from vkvagent.engine import (
 )
 from vkvagent.engine.baseline import WindowStats
 from vkvagent.engine.policy import Controls, evaluate
-from vkvagent.engine.prevention import Plan
+from vkvagent.engine.prevention import DEFAULT_OUTAGE, Plan
 from vkvagent.engine.rates import quantile
 from vkvagent.engine.slo import (
     Budget,
@@ -408,10 +408,10 @@ def test_an_outage_measured_between_runs_is_not_priced_with_a_second_drain() -> 
     """A restart's outage measured from the last run's last sample to the next run's first
     holds the drain it made; only the outage taken before any was measured is added one."""
     slow, settings = window_stats(itl=1.0), Settings(policy=PolicySettings(drain_timeout=120.0))
-    planned = Plan(at=36000.0, onset=18000.0, rate=1e-5, outage=240.0, runs=2)
+    planned = Plan(at=36000.0, onset=18000.0, rate=1e-5, outage=DEFAULT_OUTAGE, runs=2)
 
     def outage(plan: Plan) -> float:
         return _budget(settings, EngineState(plan=plan), slow, T0).outage
 
-    assert outage(planned) == 240.0 + 120.0  # DEFAULT_OUTAGE's stand-in: no restart measured
-    assert outage(replace(planned, measured=True)) == 240.0
+    assert outage(planned) == DEFAULT_OUTAGE + 120.0  # no restart measured yet
+    assert outage(replace(planned, outage=240.0, measured=True)) == 240.0

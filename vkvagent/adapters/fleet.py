@@ -164,10 +164,6 @@ class EtcdClient:
         """Put ``key`` with ``lease``, whatever it held."""
         self.call("kv/put", {"key": _b64(key), "value": _b64(value), "lease": lease})
 
-    def delete(self, key: str) -> None:
-        """Delete ``key``; one that does not exist is already gone."""
-        self.call("kv/deleterange", {"key": _b64(key)})
-
     def range_prefix(self, prefix: str, limit: int = 1000, start: str = "") -> list[dict[str, Any]]:
         """The keys under ``prefix`` (from ``start`` on, if given), at most ``limit``: key and
         value decoded, lease and revisions as given."""
@@ -494,17 +490,9 @@ class Fleet:
         """Put one of this host's own keys (its entry, its runs) under a lease of its own,
         renewed with each put, so that they leave ``ttl`` seconds after the last. Raises
         FleetError."""
-        self.client.put(key, value, self._renewed(ttl))
-
-    def create_own(self, key: str, value: str, ttl: int) -> bool:
-        """``put_own`` if ``key`` does not exist: whether it was put. Raises FleetError."""
-        return self.client.create(key, value, self._renewed(ttl))
-
-    def _renewed(self, ttl: int) -> str:
-        """This host's own lease, renewed, or a new one where it expired."""
         if self._own_lease is None or not self.client.keepalive(self._own_lease):
             self._own_lease, _granted = self.client.grant(ttl)
-        return self._own_lease
+        self.client.put(key, value, self._own_lease)
 
     def entries(self) -> list[tuple[str, str]]:
         """Every host's entry: (host, its value as published), ENTRIES_PAGE a read, so that

@@ -10,9 +10,10 @@ a peer running the same server rejected, or is still trying (``reconcile.held_ba
 
 Just before the restart that would carry a set, a host takes the set's turn (``turn``): it
 creates ``PREFIX/GROUP/flag-turns/SERVER/KEY`` in one transaction, reads its peers' trials
-afresh and puts its own, then deletes the key. Of hosts announcing the same set at once, one
-creates the key and the others find it: the one that goes has read every earlier trial, and
-each later host reads its trial.
+afresh and puts its own, then revokes the key's lease. Of hosts announcing the same set at
+once, one creates the key and the others find it: the one that goes has read every earlier
+trial, and each later host reads its trial. Without etcd's answer to any of these, the set
+waits: it is never tried untold.
 
 A peer's key over MAX_FLAGS bytes, not JSON, of another schema, naming another host or with
 a trial that is not one is refused with a ``fleet.peer_refused`` event naming the peer.
@@ -22,20 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from collections.abc import Iterator, Sequence
 
-from vkvagent.adapters.fleet import ENTRY_LEASE, PUBLISH_EVERY, FleetError
+from vkvagent.adapters.fleet import FleetError
 from vkvagent.adapters.fleet_peers import PeerKeys
 from vkvagent.knowledge.fleet_view import published
-from vkvagent.knowledge.reconcile import Trial
+from vkvagent.knowledge.reconcile import UNASKED, Trial
 
 SCHEMA = 1
 MAX_FLAGS = 4096  # bytes: a few trials of about 200 each
 # Hosts whose trials are read: 1,000 keys of an empty list (70 bytes) or a trial (250) stay
 # well within an answer's 1 MiB.
 PEERS_TRIALS = 1000
-TAKE_TRIES = 3  # a set's turn taken and let go this often while a host asks: a busy one
+# Tries to take a set's turn when its holder lets go between this host's create and read.
+TAKE_TRIES = 3
+TURN_TTL = 60  # seconds a turn outlives a host that died holding it (it takes a few requests)
 
 
 class FleetTrials(PeerKeys[Trial]):
@@ -59,37 +61,50 @@ class FleetTrials(PeerKeys[Trial]):
     @contextlib.contextmanager
     def turn(self, mine: Trial) -> Iterator[Trial | None]:
         """This host's turn to announce its trial of a set (``mine``), for as long as the
-        ``with`` lasts: None when it has the turn (or etcd does not answer: the host goes on
-        with what it knows), else the trial of the peer that has it. The key is created under
-        this host's lease: a host that dies holding it lets go with its lease."""
+        ``with`` lasts: None when it has the turn, else why not: the trial of the peer that
+        has it, or ``unanswered``'s. The key is under a lease of its own, revoked when the
+        ``with`` ends: a host that dies holding it lets go within TURN_TTL."""
         key = f"{self.fleet.prefix}flag-turns/{mine.server}/{mine.key}"
         try:
-            holder = None if self.quiet else self._take(key, mine)
+            lease, holder = (None, self.unanswered(mine)) if self.quiet else self._take(key, mine)
         except FleetError:
             self.went_quiet()
-            holder = None
-        if holder is not None:
+            lease, holder = None, self.unanswered(mine)
+        if lease is None:
             yield holder
             return
         try:
             yield None
         finally:
-            if not self.quiet:
-                with contextlib.suppress(FleetError):
-                    self.fleet.client.delete(key)
+            with contextlib.suppress(FleetError):  # else it ends by itself
+                self.fleet.client.revoke(lease)
 
-    def _take(self, key: str, mine: Trial) -> Trial | None:
-        """Create the turn's ``key``: None once created (or found left over by this host),
-        else the holder's trial. Raises FleetError."""
+    def unanswered(self, mine: Trial) -> Trial | None:
+        """What holds ``mine`` back while etcd does not answer (None when it does): a set
+        waits for its group rather than go untold, as a restart waits for a slot."""
+        if not self.quiet:
+            return None
+        return Trial("etcd", mine.key, mine.server, UNASKED, None, "etcd did not answer")
+
+    def _take(self, key: str, mine: Trial) -> tuple[str | None, Trial | None]:
+        """Create the turn's ``key`` under a new lease: (the lease, None) once created, else
+        (None, the holder's trial). Raises FleetError, the lease revoked."""
+        lease, _granted = self.fleet.client.grant(TURN_TTL)
         value = json.dumps({"host": mine.host, "since": mine.since})
-        for _ in range(TAKE_TRIES):
-            if self.fleet.create_own(key, value, math.ceil(ENTRY_LEASE * PUBLISH_EVERY)):
-                return None
-            found = self.fleet.client.range_prefix(key, 1)
-            if found:  # else its holder let go in between: try again
-                holder = _holder(found[0]["value"], mine)
-                return None if holder.host == mine.host else holder
-        return Trial("another host", mine.key, mine.server, "trying", mine.since)
+        taken = False
+        try:
+            for _ in range(TAKE_TRIES):
+                taken = self.fleet.client.create(key, value, lease)
+                if taken:
+                    return lease, None
+                found = self.fleet.client.range_prefix(key, 1)
+                if found:  # else its holder let go in between: try again
+                    return None, _holder(found[0]["value"], mine)
+            return None, Trial("another host", mine.key, mine.server, "trying", mine.since)
+        finally:
+            if not taken:  # or no answer: the create may have been done all the same
+                with contextlib.suppress(FleetError):
+                    self.fleet.client.revoke(lease)
 
     @property
     def prefix(self) -> str:

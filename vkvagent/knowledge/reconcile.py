@@ -278,23 +278,23 @@ class Trial:
 
 
 TRIAL_STATES = ("trying", "rejected")
+# Not a peer's: a set held back because its group could not be asked (etcd did not answer).
+UNASKED = "unasked"
 # A peer's trial holds a set back for at most this long: a verdict comes within the run's
 # fresh period (hours), or "no verdict" once it is over; one older is a host that stalled.
 TRIAL_FOR = 2 * 86400.0
 LATEST = 1e11  # UTC seconds (the year 5138): a trial's time beyond is not one
-# Seconds a peer's clock may be ahead of this host's: a trial that begins later is not one.
-SKEW = 60.0
 
 
 def held_back(trials: Sequence[Trial], key: str, server: str, now: float) -> Trial | None:
     """The peer's trial that holds set ``key`` back on a host that runs ``server``: one that
-    rejected it from the same server, else one that has been trying it for less than
-    TRIAL_FOR (one that begins more than SKEW after ``now`` is not a trial), so that a change
-    reaches one host of the group at a time and stops at the first that finds it slower or
-    broken."""
+    rejected it from the same server, else one that has been trying it within TRIAL_FOR of
+    ``now``, either way (a peer's clock may be ahead; one dated further ahead is a lie), so
+    that a change reaches one host of the group at a time and stops at the first that finds
+    it slower or broken."""
     same = [t for t in trials if t.key == key and t.server == server]
     rejected = [t for t in same if t.state == "rejected"]
-    trying = [t for t in same if t.since is not None and -SKEW <= now - t.since < TRIAL_FOR]
+    trying = [t for t in same if t.since is not None and abs(now - t.since) < TRIAL_FOR]
     found = rejected or trying
     return found[0] if found else None
 

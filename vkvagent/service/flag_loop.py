@@ -23,7 +23,14 @@ from vkvagent.engine import Decision, EngineState
 from vkvagent.engine.policy import FLAGS
 from vkvagent.knowledge import status
 from vkvagent.knowledge.flags import rendered, shown
-from vkvagent.knowledge.reconcile import FlagState, Trial, change_of, flags_key, held_back
+from vkvagent.knowledge.reconcile import (
+    UNASKED,
+    FlagState,
+    Trial,
+    change_of,
+    flags_key,
+    held_back,
+)
 from vkvagent.knowledge.vllm_command import VllmCommandError, parse_command
 from vkvagent.service.parts import Parts
 
@@ -123,7 +130,8 @@ class FlagLoop:
         """Just before a restart that would carry [vllm.flags] (``due``), take the set's turn
         in the group (``FleetTrials.turn``: one host at a time), read the peers' trials
         afresh and, when none holds the set back, tell the group this host is trying it.
-        None: held back, by the peer that has the turn, is trying the set or rejected it."""
+        None: held back, by the peer that has the turn, is trying the set or rejected it,
+        or by etcd not answering."""
         if due.kind != "apply":
             return due
         host = group.fleet.host
@@ -132,6 +140,7 @@ class FlagLoop:
             self.held = other or held_back(group.learned(fresh=True), due.key, server, now)
             if self.held is None:
                 group.share([*self.trials(host), mine])
+                self.held = group.unanswered(mine)  # the read or the put: the group not told
         return due if self.held is None else None
 
     def slower(self, due: FlagsDue | None) -> float | None:
@@ -319,6 +328,8 @@ def held_words(trial: Trial) -> str:
     """Why a peer's trial holds [vllm.flags] back, in words."""
     if trial.state == "rejected":
         return f"{trial.host} rejected it: {trial.why}"
+    if trial.state == UNASKED:
+        return f"the group could not be asked ({trial.why}); it waits for etcd"
     since = datetime.fromtimestamp(trial.since or 0.0, timezone.utc).strftime("%Y-%m-%d %H:%M")
     return f"{trial.host} is trying it since {since} UTC; its verdict first"
 
