@@ -586,8 +586,8 @@ def test_a_silent_or_wrong_peer_is_one_line_within_the_timeout_and_the_next_endp
 
 
 def test_a_hung_etcd_costs_the_tick_its_timeout_once_a_minute_not_at_every_tick() -> None:
-    """The status's listing of the holders: while etcd does not answer, asked again
-    RETRY_AFTER later, and the unreachable state and its event stand meanwhile."""
+    """The status's listing of the holders, and a slot for a restart: while etcd does not
+    answer, asked again RETRY_AFTER later; the unreachable state and its events stand."""
 
     def silent(conn: socket.socket, stop: threading.Event) -> None:
         read_request(conn)
@@ -604,12 +604,16 @@ def test_a_hung_etcd_costs_the_tick_its_timeout_once_a_minute_not_at_every_tick(
             return time.monotonic() - began
 
         assert report() >= 0.3  # asked, and no answer within the timeout
+        began = time.monotonic()
+        with gate.slot(cause="kv_pressure", reason="a restart", emergency=False) as turn:
+            assert not turn.allowed and "etcd unreachable: restart held" in turn.admission.why
+        assert time.monotonic() - began < 0.1  # not asked either
         for _tick in range(5):
             clock[0] += RETRY_AFTER / 6
             assert report() < 0.1  # not asked
         clock[0] += RETRY_AFTER / 6
         assert report() >= 0.3
-    assert said.names() == ["fleet.unreachable"]
+    assert said.names() == ["fleet.unreachable", "fleet.unreachable"]  # idle, then held
 
 
 def test_the_status_schema_names_every_state_a_gate_can_be_in() -> None:

@@ -58,8 +58,8 @@ from vkvagent.knowledge.status import FleetStatus, SlotHolder, StatusReport
 
 MAX_BODY = 1024 * 1024
 LIST_EVERY = 30.0  # seconds between two listings of the holders for the status, when idle
-# Seconds without asking etcd again, for the status or what the hosts share, after it did not
-# answer: a hung etcd costs a tick its timeout once a minute at most, not at every tick.
+# Seconds without asking etcd again after it did not answer (for a slot, the status or what
+# the hosts share): a hung etcd costs a tick its timeout once a minute at most, not each tick.
 RETRY_AFTER = 60.0
 PUBLISH_EVERY = 300.0  # seconds between two puts of this host's entry when it says the same
 ENTRY_LEASE = 3  # publishes an entry outlives its host by: it leaves the group after that
@@ -636,6 +636,7 @@ class Gate:
         self.holders: list[SlotHolder] = []
         self._listed_at: float | None = None  # UTC time of the holders shown
         self._next_list = -float("inf")
+        self._quiet_until = -float("inf")  # etcd is not asked before: it did not answer
         self._asked = False  # etcd was asked during this tick already
         self._waited: tuple[str, ...] | None = None
         self._unreachable_told: set[str] = set()  # effects told during this outage
@@ -661,13 +662,18 @@ class Gate:
 
     def _enter(self, *, cause: str, reason: str, emergency: bool) -> Admission:
         """Before a restart: take a slot. Not allowed when every slot is held, or when etcd
-        does not answer (unless on_unreachable = emergency-only and ``emergency``)."""
+        does not answer (unless on_unreachable = emergency-only and ``emergency``); etcd that
+        did not answer less than RETRY_AFTER ago is not asked again."""
         self._asked = True
         group, n = self.fleet.group, self.fleet.max_concurrent
+        quiet = self._mono() < self._quiet_until
         try:
+            if quiet:
+                raise FleetError(self.error or "etcd unreachable")
             slot, holders = self.fleet.acquire(cause, reason)
         except FleetError as exc:
-            self._failed(str(exc))
+            if not quiet:
+                self._failed(str(exc))
             if emergency and self.cfg.on_unreachable == "emergency-only":
                 why = (f"etcd unreachable; restarting without a slot: {cause} is an emergency "
                        "cause (on_unreachable = emergency-only)")  # fmt: skip
@@ -825,7 +831,7 @@ class Gate:
     def _failed(self, error: str) -> None:
         self.error = error
         self.state = "unreachable"
-        self._next_list = self._mono() + RETRY_AFTER
+        self._quiet_until = self._next_list = self._mono() + RETRY_AFTER
 
     def _tell_unreachable(self, effect: str, why: str) -> None:
         """Once per outage, and again when a restart is first held by it; each restart
