@@ -390,6 +390,30 @@ def test_prevention_goes_at_the_end_of_a_quiet_night_not_at_its_start() -> None:
         assert verdict(gated, 8.0, at(2), traffic=known, request_rate=0.0).action == "restart"
 
 
+def test_a_decline_diagnosed_in_a_quiet_night_goes_at_its_end_too() -> None:
+    # 02:00 in the window, the decline diagnosed, nights idle: as prevention, the restart
+    # waits for the last quiet minutes, and the next run starts the day fresh.
+    kw = dict(cause="uptime_decline", wanted=True, traffic=QUIET_NIGHTS, plan=None)
+    held = verdict(WINDOWED, 20.0, at(2), **kw)
+    assert (held.action, held.cause) == ("hold", "uptime_decline")
+    assert held.reason == (
+        "uptime_decline waits for the end of this host's quiet hours (2025-03-04T07:00:00Z), "
+        "to restart in their last 10 minutes"
+    )
+    late = verdict(WINDOWED, 24.9, at(6.9), **kw)
+    assert (late.action, late.cause) == ("restart", "uptime_decline")
+    assert late.reason == "restart: outside window, at the end of this host's quiet hours"
+    # Without the operator's opt-in the quiet hours may not end outside the windows: the
+    # window's start, as before. Another slowdown does not age with the quiet hours: at once.
+    never = PolicySettings(mode="enforce", windows=WINDOWED.windows)
+    assert verdict(never, 20.0, at(2), **kw).reason == "restart: in window"
+    kv = {**kw, "cause": "kv_pressure"}
+    assert verdict(WINDOWED, 20.0, at(2), **kv).reason == "restart: in window"
+    # Out of quiet hours (a busy night), it goes in the window as before.
+    busy = traffic({h: 4.0 for h in range(24)})
+    assert verdict(WINDOWED, 20.0, at(2), **{**kw, "traffic": busy}).action == "restart"
+
+
 def test_quiet_hours_are_the_hosts_local_ones_across_a_daylight_saving_change() -> None:
     # Berlin, 30 March 2025: clocks go from 02:00 to 03:00. The quiet hours (local 00-07)
     # end at 07:00 CEST, 05:00 UTC, 5 h after 00:00 UTC (01:00 CET), not 6.

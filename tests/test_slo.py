@@ -346,6 +346,68 @@ def test_a_young_period_spends_its_budget_paced_and_at_the_quietest_hour() -> No
     assert goes.action == "restart"
 
 
+def test_a_restart_saves_only_what_this_run_misses() -> None:
+    # The day missed 10 % for 2 s, the last hour 1 %, as fresh. Restarted an hour ago, the
+    # run misses no more than a fresh one: a restart now saves nothing. Not known when the
+    # run started, or a run a day old, the late hours count.
+    day = day_to(IN, 0.01)
+    run = Budget(SLO, day, IN.timestamp(), 1.0, 180.0, run_started=IN.timestamp() - 3600)
+    spend = run.spend(3600.0)
+    assert spend is not None and spend.saving == pytest.approx(0.0, abs=1e-4)
+    held = verdict(ENFORCE, IN, run)
+    assert held.action == "hold" and held.reason.endswith("no more than it spends")
+    # 9 % more requests late for an hour, of the 5 % a 28-day period may miss.
+    missed = pytest.approx(0.09 * 3600 / (28 * 86400 * 0.05), rel=0.01)
+    for started in (None, IN.timestamp() - 2 * 86400):
+        old = replace(run, run_started=started)
+        assert old.spend(3600.0).saving == missed  # type: ignore[union-attr]
+        assert verdict(ENFORCE, IN, old).action == "restart"
+    # Two hours into the run, one of them late: some of it, at most all.
+    two = replace(run, run_started=IN.timestamp() - 7200).spend(3600.0)
+    assert two is not None and two.saving is not None and 0.0001 < two.saving < 0.0027
+    # A start after now (the wall clock set back) is not known: the last day counts.
+    ahead = replace(run, run_started=IN.timestamp() + 60).spend(3600.0)
+    assert ahead is not None and ahead.saving == missed
+    # The engine dates the run by its uptime, however it knows it.
+    assert _budget(Settings(), EngineState(), None, IN, 3600.0).run_started == run.run_started
+    assert _budget(Settings(), EngineState(), None, IN).run_started is None
+
+
+def test_a_decline_at_the_end_of_a_quiet_night_is_held_by_the_budget_left_alone() -> None:
+    # Nights idle to 07:00, the operator opted in: a decline diagnosed at 03:00 waits for
+    # 06:50. There it goes though it saves no more than it spends (the day's misses were
+    # as fresh): the hour is the cheapest to come. The budget left still binds.
+    opted = replace(ENFORCE, outside_windows="when_cheaper")
+    nights = TrafficProfile({h: {rate_bin(0.0 if h < 7 else 1.0): 60.0} for h in range(24)})
+    end = IN.replace(hour=6, minute=55)
+
+    def decided(now: datetime, state: SloState):  # type: ignore[no-untyped-def]
+        return evaluate(
+            opted, cause="uptime_decline", wanted=True, uptime=20 * 3600.0, request_rate=0.1,
+            history=(), controls=Controls(), now=now, budget=budget(state, now, rate=0.1),
+            traffic=nights,
+        )  # fmt: skip
+
+    assert decided(IN, day_to(IN, 0.01, miss=0.01)).reason.startswith("uptime_decline waits")
+    flat = day_to(end, 0.01, miss=0.01)
+    assert budget(flat, end, rate=0.1).spend(3600.0).saving == 0.0  # type: ignore[union-attr]
+    went = decided(end, flat)
+    assert (went.action, went.reason) == (
+        "restart", "restart: outside window, at the end of this host's quiet hours"
+    )  # fmt: skip
+    spent = decided(end, day_to(end, 0.01, failed=2.9, miss=0.01))
+    assert spent.action == "hold" and spent.reason.endswith("the budget left does not cover it")
+    # So is a preventive restart there: no later hour is cheaper (the one after midnight
+    # would be held for this one again).
+    due = Plan(at=6 * 3600.0, onset=5 * 3600.0, rate=1e-5, outage=180.0, runs=2)
+    planned = evaluate(
+        opted, cause=None, wanted=False, uptime=20 * 3600.0, request_rate=0.1, history=(),
+        controls=Controls(), now=end, budget=budget(flat, end, rate=0.1), traffic=nights,
+        plan=due,
+    )  # fmt: skip
+    assert (planned.action, planned.cause) == ("restart", "prevention")
+
+
 def test_a_leak_about_to_reach_memorymax_goes_whatever_the_budget_says() -> None:
     """The one slowdown that crosses the windows also goes in one the budget would hold: the
     kernel's OOM kill would cut off every request."""

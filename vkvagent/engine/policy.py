@@ -330,15 +330,17 @@ def evaluate(
     restart once ``plan`` (this server's past runs) says so: from its uptime T*, in the last
     window before it, or at the end of this host's quiet hours (``_prevention``); else a
     scheduled restart once the uptime passes ``max_uptime``; all wait for a window like any
-    cause. ``loss``: the share of speed a diagnosed ``uptime_decline`` or flags due for a
-    rollback cost, weighed against a restart outside the windows. ``harm_in``: the seconds
+    cause, and a diagnosed ``uptime_decline`` in quiet hours for their end too. ``loss``: the
+    share of speed a diagnosed ``uptime_decline`` or flags due for a rollback cost, weighed
+    against a restart outside the windows. ``harm_in``: the seconds
     until the harm a cause foretells (a leak reaching MemoryMax); its restart waits for the
     last window that opens well before it. ``traffic``: this host's rates by local hour, for
     the percentile gate and the quiet hours. ``mono``: the monotonic time of ``now``, which
     the intervals, cooldown, budget and back-off are measured on for every restart that has
     one (``RestartRecord.age``). ``budget``: the operator's objectives ([slo]): a restart that
     is no emergency goes only while the availability budget left covers it and, for a cause
-    diagnosed, when it saves more latency budget than it spends (``_budget_holds``). A vLLM
+    diagnosed, when it saves more latency budget than it spends, but at the end of quiet
+    hours (``_budget_holds``). A vLLM
     that serves nothing (``liveness.CAUSES``: dead, a hung start, a crash loop) interrupts
     nobody: it goes at any hour, without a drain, the minimum interval or the cooldown, but
     within the daily budget, and a crash loop's starts back off (``_crash_backoff``) within
@@ -419,7 +421,16 @@ def evaluate(
             )
         if cause == PREVENTION and prevention == HELD:
             return verdict("hold", held)
-        if not is_open and prevention == QUIET_END and cause == PREVENTION:
+        quiet_end = cause == PREVENTION and prevention == QUIET_END
+        # A decline with uptime diagnosed in quiet hours costs next to nothing there either:
+        # as prevention, it goes in their last minutes, and the next run starts the busy
+        # hours fresh.
+        if cause == "uptime_decline":
+            end, waits = _quiet_stretch(settings, traffic, now)
+            if end is not None and waits:
+                return verdict("hold", f"{cause} {_quiet_wait(end)}")
+            quiet_end = end is not None
+        if not is_open and quiet_end:
             cheaper = "outside window, at the end of this host's quiet hours"
         elif not is_open:
             cheaper = _before_harm(cause, upcoming, now, harm_in) or _cheaper_now(
@@ -433,7 +444,7 @@ def evaluate(
         elif not_yet := _not_yet(harm_in, upcoming, now):
             return verdict("hold", not_yet)
         if budget is not None and harm_in is None:  # a foretold OOM kill goes regardless
-            spent = _budget_holds(settings, cause, budget, upcoming, now, traffic)
+            spent = _budget_holds(settings, cause, budget, upcoming, now, traffic, quiet_end)
             if spent:
                 return verdict("hold", spent)
         if settings.max_request_rate > 0:
@@ -550,17 +561,11 @@ def _prevention(
         return "", ""
     floor = max(settings.cooldown, DAY / settings.max_per_day)
     at = max(plan.at, floor)
-    end = None
-    if _quiet_hours_apply(settings) and uptime >= floor:
-        end = _quiet_end(traffic, now, settings.zone)
-    if end is not None and (end - now).total_seconds() > QUIET_LAST:
+    end, waits = _quiet_stretch(settings, traffic, now) if uptime >= floor else (None, False)
+    if end is not None and waits:
         if uptime < at:
             return "", ""
-        ends = utc_text(end.timestamp())
-        return HELD, (
-            f"prevention waits for the end of this host's quiet hours ({ends}), to restart in "
-            f"their last {QUIET_LAST / 60:.0f} minutes"
-        )
+        return HELD, f"prevention {_quiet_wait(end)}"
     if end is not None:
         return (QUIET_END, "") if uptime + DAY >= at else ("", "")
     if uptime >= at:
@@ -573,11 +578,29 @@ def _prevention(
     return "", ""
 
 
+def _quiet_stretch(
+    settings: PolicySettings, traffic: TrafficProfile | None, now: datetime
+) -> tuple[datetime | None, bool]:
+    """When the quiet stretch of this host's traffic ``now`` falls in ends, where restarts
+    keep to quiet hours (``_quiet_hours_apply``; else None), and whether a restart waits for
+    it: it ends later than QUIET_LAST from now."""
+    end = _quiet_end(traffic, now, settings.zone) if _quiet_hours_apply(settings) else None
+    return end, end is not None and (end - now).total_seconds() > QUIET_LAST
+
+
+def _quiet_wait(end: datetime) -> str:
+    return (
+        f"waits for the end of this host's quiet hours ({utc_text(end.timestamp())}), to "
+        f"restart in their last {QUIET_LAST / 60:.0f} minutes"
+    )
+
+
 def _quiet_hours_apply(settings: PolicySettings) -> bool:
-    """Whether prevention keeps to this host's quiet hours: only where restarts may go outside
-    the windows (``when_cheaper``, with windows set: the stretch may end outside them), and
-    without traffic gates, which pick the quiet moment by the operator's own measure (the
-    stretch's last minutes, just before the busy hours, are the likeliest to be gated)."""
+    """Whether prevention and a diagnosed ``uptime_decline`` keep to this host's quiet hours:
+    only where restarts may go outside the windows (``when_cheaper``, with windows set: the
+    stretch may end outside them), and without traffic gates, which pick the quiet moment by
+    the operator's own measure (the stretch's last minutes, just before the busy hours, are
+    the likeliest to be gated)."""
     return (
         settings.outside_windows == "when_cheaper"
         and bool(settings.parsed)
@@ -689,18 +712,24 @@ def _budget_holds(
     upcoming: datetime | None,
     now: datetime,
     traffic: TrafficProfile | None,
+    quiet_end: bool = False,
 ) -> str:
     """Why the operator's objectives hold a restart the windows allow: the availability
     budget left to spend does not cover it; for a cause diagnosed (a planned one has no
     latency to show yet), it would save no more latency budget before the next window than
     it spends; or a quieter hour to come costs less, the latency lost waiting for it
-    included (``_quieter_later``). "" to go, and when nothing is counted yet."""
+    included (``_quieter_later``). At a ``quiet_end`` (the last minutes of this host's quiet
+    hours) the budget left alone binds: no later hour is cheaper, and a decline with uptime
+    is weighed as prevention is, by the busy hours to come, which its past misses do not
+    show. "" to go, and when nothing is counted yet."""
     wait = (upcoming - now).total_seconds() if upcoming is not None else DAY
     spend = budget.spend(wait)
     if spend is None:
         return ""
     if spend.cost > spend.left:
         return f"error budget: {spend.words()}; the budget left does not cover it"
+    if quiet_end:
+        return ""
     if cause not in PLANNED and spend.saving is not None and spend.saving <= spend.cost:
         return f"error budget: {spend.words()}; no more than it spends"
     return _quieter_later(settings, spend, now, traffic)

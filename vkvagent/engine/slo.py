@@ -533,10 +533,14 @@ def scraped_interval(old: VllmMetrics | None, new: VllmMetrics, seconds: float) 
     )
 
 
-def _busy_hours(hourly: Mapping[int, Tally], day: Tally, now: float) -> list[Tally]:
-    """The last day's hours that carried at least their share of its requests (1/24)."""
-    first = math.floor(now / 3600.0) - 23
-    return [t for i, t in hourly.items() if i >= first and t[1] * 24 >= day[1] > 0]
+def _busy_hours(
+    hourly: Mapping[int, Tally], span: Tally, seconds: float, now: float
+) -> list[Tally]:
+    """The hours of the last ``seconds`` before ``now`` (``span``: their tally) that carried
+    at least their share of its requests."""
+    first = math.ceil((now - seconds) / 3600.0)
+    hours = seconds / 3600.0
+    return [t for i, t in hourly.items() if i >= first and t[1] * hours >= span[1] > 0]
 
 
 # Before a whole period is counted, a restart may spend this share of the period's budget at
@@ -583,13 +587,14 @@ class Budget:
     now: float  # UTC
     rate: float | None  # requests/s a restart now would refuse
     outage: float  # seconds it refuses them: vLLM's start, and the drain before it
+    run_started: float | None = None  # UTC; None: not known, the last day counts
 
     def spend(self, horizon: float) -> Spend | None:
         """A restart now: its cost (the requests refused in its outage and drain) over the
-        period's availability budget (``SloState.scale``), what is left to
-        spend (paced: ``UP_FRONT`` of it at once, the rest as the period is counted), and
-        what it saves of the latency objectives' budgets over ``horizon`` seconds (the last
-        hour's or day's miss rate, the higher, down to the last fresh run's). None without an
+        period's availability budget (``SloState.scale``), what is left to spend (paced:
+        ``UP_FRONT`` of it at once, the rest as the period is counted), and what it saves of
+        the latency objectives' budgets over ``horizon`` seconds (this run's miss rate over
+        its last hour or day, the higher, down to the last fresh run's). None without an
         availability objective, or before any request was counted."""
         s, state, now = self.settings, self.state, self.now
         if s.availability is None:
@@ -607,11 +612,14 @@ class Budget:
         # ``horizon``'s share of the period, over the share the objective may miss. The miss
         # rate now is the worst of the last hour's, the last day's and its busiest hours':
         # a quiet hour hides what the busy ones miss, and a server that slows with uptime
-        # misses more at its next peak than on average at its last.
+        # misses more at its next peak than on average at its last. This run's misses only:
+        # a restart cannot save what the run before it missed.
         saving: float | None = None
         fresh = state.fresh_miss()
-        recent = [state.over(s, 3600.0, now), day := state.over(s, DAY, now)]
-        recent += _busy_hours(state.rings[1], day, now)
+        started = self.run_started
+        age = DAY if started is None or started > now else min(DAY, now - started)
+        recent = [state.over(s, min(3600.0, age), now), day := state.over(s, age, now)]
+        recent += _busy_hours(state.rings[1], day, age, now)
         for i, name in enumerate(OBJECTIVES):
             shares = [x for x in (_share(t, i) for t in recent) if x is not None]
             if name == "availability" or name not in fresh or not shares:

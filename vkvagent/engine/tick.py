@@ -475,7 +475,7 @@ def decide(
         plan=state.plan,
         loss=_loss(dstate, comparison, diagnosis, observed),
         harm_in=diagnosis.harm_in,
-        budget=_budget(settings, state, stats, now) if settings.slo.declared else None,
+        budget=_budget(settings, state, stats, now, uptime) if settings.slo.declared else None,
         crash_window=settings.liveness.crash_loop_window,
     )
     action, reason = _action(
@@ -749,11 +749,15 @@ def _expected_rate(policy: PolicySettings, state: EngineState, now: datetime) ->
 
 
 def _budget(
-    settings: Settings, state: EngineState, stats: WindowStats | None, now: datetime
+    settings: Settings,
+    state: EngineState,
+    stats: WindowStats | None,
+    now: datetime,
+    uptime: float | None = None,
 ) -> Budget:
     """What a restart now would cost in the objectives' budgets: the requests this host sends
     now (the window's rate, else this hour's usual one) refused for the restart's outage and
-    drain."""
+    drain; and what it saves, from this run's ``uptime`` on."""
     rate = stats.requests_per_s if stats is not None else None
     plan = state.plan
     outage = plan.outage if plan is not None else DEFAULT_OUTAGE
@@ -769,6 +773,7 @@ def _budget(
         now.timestamp(),
         rate if rate is not None else _expected_rate(settings.policy, state, now),
         outage,
+        now.timestamp() - uptime if uptime is not None else None,
     )
 
 
