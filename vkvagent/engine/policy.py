@@ -326,25 +326,23 @@ def evaluate(
     crash_window: float = 3600.0,
 ) -> Verdict:
     """The verdict for a diagnosed ``cause``; ``wanted`` says a restart would fix it. With no
-    such cause, a flag change (``flags_due`` says which) is proposed, else a preventive
-    restart once ``plan`` (this server's past runs) says so: from its uptime T*, in the last
-    window before it, or at the end of this host's quiet hours (``_prevention``); else a
-    scheduled restart once the uptime passes ``max_uptime``; all wait for a window like any
-    cause, and a diagnosed ``uptime_decline`` in quiet hours for their end too. ``loss``: the
-    share of speed a diagnosed ``uptime_decline`` or flags due for a rollback cost, weighed
-    against a restart outside the windows. ``harm_in``: the seconds
-    until the harm a cause foretells (a leak reaching MemoryMax); its restart waits for the
-    last window that opens well before it. ``traffic``: this host's rates by local hour, for
-    the percentile gate and the quiet hours. ``mono``: the monotonic time of ``now``, which
-    the intervals, cooldown, budget and back-off are measured on for every restart that has
-    one (``RestartRecord.age``). ``budget``: the operator's objectives ([slo]): a restart that
-    is no emergency goes only while the availability budget left covers it and, for a cause
-    diagnosed, when it saves more latency budget than it spends, but at the end of quiet
-    hours (``_budget_holds``). A vLLM
-    that serves nothing (``liveness.CAUSES``: dead, a hung start, a crash loop) interrupts
-    nobody: it goes at any hour, without a drain, the minimum interval or the cooldown, but
-    within the daily budget, and a crash loop's starts back off (``_crash_backoff``) within
-    ``crash_window``."""
+    such cause, a flag change (``flags_due`` says which) is proposed, else a preventive restart
+    once ``plan`` (this server's past runs) says so: from its uptime T*, in the last window
+    before it, or at the end of this host's quiet hours (``_prevention``); else a scheduled
+    restart once the uptime passes ``max_uptime``; all wait for a window like any cause, and a
+    diagnosed ``uptime_decline`` in quiet hours for their end too. ``loss``: the share of speed
+    a diagnosed ``uptime_decline`` or flags due for a rollback cost, weighed against a restart
+    outside the windows. ``harm_in``: the seconds until the harm a cause foretells (a leak
+    reaching MemoryMax); its restart waits for the last window that opens well before it.
+    ``traffic``: this host's rates by local hour, for the percentile gate and the quiet hours.
+    ``mono``: the monotonic time of ``now``, which the intervals, cooldown, budget and back-off
+    are measured on for every restart that has one (``RestartRecord.age``). ``budget``: the
+    operator's objectives ([slo]): a restart that is no emergency goes only while the
+    availability budget left covers it and, for a cause diagnosed, when it saves more latency
+    budget than it spends, but at the end of quiet hours (``_budget_holds``). A vLLM that serves
+    nothing (``liveness.CAUSES``: dead, a hung start, a crash loop) interrupts nobody: it goes
+    at any hour, without a drain, the minimum interval or the cooldown, but within the daily
+    budget, and a crash loop's starts back off (``_crash_backoff``) within ``crash_window``."""
     is_open, upcoming = window_state(settings, now)
 
     def verdict(action: str, reason: str, drain: int | None = None) -> Verdict:
