@@ -84,7 +84,9 @@ def units() -> dict[str, str]:
     haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
     made = {
         "haproxy-test.service": (
-            f"[Service]\nExecStart={haproxy} -W -db -f /etc/haproxy-test.cfg\n"
+            # -Ws: it tells systemd it is ready once it listens, so `systemctl start` returns
+            # only then (with -W, traffic could reach the port before HAProxy bound it).
+            f"[Service]\nType=notify\nExecStart={haproxy} -Ws -db -f /etc/haproxy-test.cfg\n"
         ),
     }
     for name, (port, _ready) in HOSTS.items():
