@@ -41,7 +41,7 @@ from tests.test_actuator import actions, cmdline, unit
 from tests.test_daemon_systemd import AGENT, agent_unit, log
 from tests.test_vllm_drain import (
     ATTEMPTS,
-    HOLD,
+    HELD,
     configure,
     nothing_cut_off,
     restart_when_the_engine_holds_a_young_stream,
@@ -186,7 +186,7 @@ def test_a_restart_drains_the_streams_in_flight_through_podman(box: Sandbox) -> 
     # A restart while the engine holds a young stream (as test_vllm_drain, tried again when
     # the stop came after that stream ended).
     box.run("mkdir", "-p", "/var/lib/lb")
-    configure(box, f"pre_stop = {json.dumps(HOLD)}")
+    configure(box, *HELD)
     for _attempt in range(ATTEMPTS):
         said, costs, streams, young, _let_go = restart_when_the_engine_holds_a_young_stream(
             box, clients=3

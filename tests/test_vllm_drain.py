@@ -110,6 +110,10 @@ def running(box: Sandbox) -> float:
 ASKED, GO = "/var/lib/lb/asked", "/var/lib/lb/go"  # the pre_stop hook's and the test's marks
 # A pre_stop hook that holds the restart until the test lets it go.
 HOLD = ["/bin/sh", "-c", f"touch {ASKED}; while [ ! -e {GO} ]; do sleep 0.01; done"]
+YOUNG_WAIT = 60.0  # s the test waits for a young stream before it lets the restart go anyway
+# [restart]'s lines for that hook, with a timeout above the wait: a premise missed lets the
+# restart go and is tried again, where vkvagent's 60 s default would kill the hook and abort.
+HELD = (f"pre_stop = {json.dumps(HOLD)}", f"hook_timeout = {2 * YOUNG_WAIT:g}")
 # The most restarts tried to meet the drain tests' premise (about 80 s each).
 ATTEMPTS = 5
 YOUNG = 0.3  # s since a stream's first token: most of its answer (about 1.4 s) still ahead
@@ -150,7 +154,9 @@ def restart_when_the_engine_holds_a_young_stream(
             if not asked.exists():  # the restart ended before its hook: its own failure
                 raise AssertionError(f"no pre_stop hook ran: {restarting.result()}")
             try:
-                wait_until(engine_holds_a_young_stream, 60, "a young stream in the engine", 0.01)
+                wait_until(
+                    engine_holds_a_young_stream, YOUNG_WAIT, "a young stream in the engine", 0.01
+                )
             except AssertionError as missed:
                 print(f"\n{missed}; clients: {streams.outcomes()}")
                 young.clear()
@@ -200,7 +206,7 @@ def test_a_drained_restart_lets_the_streams_in_flight_finish(vllm_box: Sandbox) 
     stream): then the premise was missed, not the promise, and the restart is tried again, up
     to ATTEMPTS times in all."""
     vllm_box.run("mkdir", "-p", "/var/lib/lb")
-    configure(vllm_box, f"pre_stop = {json.dumps(HOLD)}")
+    configure(vllm_box, *HELD)
     for attempt in range(1, ATTEMPTS + 1):
         said, costs, streams, young, let_go = restart_when_the_engine_holds_a_young_stream(
             vllm_box, clients=3
