@@ -29,6 +29,7 @@ from tests.realvllm import (
     HOME,
     MODEL,
     PYTHON,
+    QUICK_START,
     SERVED,
     START_TIMEOUT,
     complete,
@@ -58,7 +59,7 @@ INTERVAL = 2.0  # the daemon's seconds between samples
 STALL_AFTER = 20.0
 FLAGS = (
     "--model", str(MODEL), "--served-model-name", SERVED, "--host", "127.0.0.1", "--port",
-    "8000", "--enforce-eager", *BASE_FLAGS, "--shutdown-timeout", str(DRAIN),
+    "8000", *QUICK_START, *BASE_FLAGS, "--shutdown-timeout", str(DRAIN),
 )  # fmt: skip
 ENGINE = ("--ipc=host", "--tmpfs", "/tmp", "-e", "HOME=/tmp")
 

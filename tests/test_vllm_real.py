@@ -4,8 +4,8 @@ with vLLM's own words in the journal, a restart under client traffic with vkvage
 it measured, a crashed engine left to systemd's Restart=, and the request mix vkvagent reads
 from vLLM's counters.
 
-One container for the module (every vLLM start costs 40 to 70 s); the tests run in file order
-and each leaves vLLM serving. 6 to 7 minutes in all."""
+One container for the module (every vLLM start costs 20 to 70 s); the tests run in file order
+and each leaves vLLM serving. About 5 minutes in all."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.realvllm import (
     MODEL,
     PYTHON,
+    QUICK_START,
     SERVED,
     START_TIMEOUT,
     VERSION,
@@ -62,7 +63,7 @@ COMMAND_TIMEOUT = 2 * START_TIMEOUT + 60  # an apply that fails, then rolls back
 # The unit's command line without the flags vkvagent manages.
 UNMANAGED = (
     str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL),
-    "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", "8000", "--enforce-eager",
+    "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", "8000", *QUICK_START,
 )  # fmt: skip
 FLAGS: dict[str, object] = {
     "gpu-memory-utilization": 0.15,
