@@ -16,10 +16,10 @@ What differs from the simulator, and why each setting below is there:
   found it failed to load it), and a test is about vkvagent, not vLLM's compiler.
 - ``--gpu-memory-utilization`` is, on the CPU backend, the share of the host's memory vLLM
   reserves; its default (0.92) cannot be had on a shared machine.
-- ``--kv-cache-memory-bytes`` (256 MiB, 262,144 tokens: 64 answers of the longest length the
-  tests allow) sizes the KV cache itself, so the share sizes nothing. With the size given and
-  ``--enforce-eager``, vLLM skips its warm-up, and its start took 18 s where the share's
-  1.7 GiB took 37 (19 s of them filling the cache and warming up).
+- ``--kv-cache-memory-bytes`` (256 MiB: 262,144 tokens of the tiny model, where the tests hold
+  at most 8 sequences of 1,024) sizes the KV cache itself, so the share sizes nothing. With
+  the size given and ``--enforce-eager``, vLLM skips its warm-up, and its start took 18 s
+  where the share's 1.7 GiB took 37 (19 s of them filling the cache and warming up).
 - ``HOME`` is the unit's state directory, so nothing vLLM caches outlives the container.
 - The container's ``/tmp`` is an empty tmpfs, so the venv and the model live elsewhere (the
   overlay of the host's root shows them read-only).
@@ -55,8 +55,8 @@ SERVED = "tiny-llama"  # --served-model-name: what clients and the probe ask for
 START_TIMEOUT = 300.0  # boot to /health 200; one start measured 18 s idle, 70 s loaded
 ENTRYPOINT = "vllm.entrypoints.openai.api_server"
 
-# The unit's own command line: the flags the tests leave alone (a quick start, above), then the
-# base vkvagent's [vllm.flags] are applied to.
+# The unit's own command line: the flags of a quick start (above), which vkvagent does not
+# manage, then the base that the tests' [vllm.flags] are applied to.
 QUICK_START = ("--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20))
 BASE_FLAGS = ("--gpu-memory-utilization", "0.1", "--max-model-len", "512", "--max-num-seqs", "8")
 
