@@ -175,13 +175,13 @@ def test_a_restarts_cut_off_requests_go_from_the_ledger_to_the_engine(tmp_path: 
     daemon = Daemon.offline(path, io.StringIO())
     try:
         found = [
-            (r.cause, r.cut_off, r.refused)
+            (r.cause, r.cut_off, r.refused, r.ended)
             for r in daemon.restarts.records(daemon.parts.ledger, now, 1000.0)
         ]
     finally:
         daemon.close()
-    assert found == [
-        ("stall", 4.0, 90.0),
-        ("uptime_decline", 0.0, None),
-        ("kv_pressure", None, None),
+    assert found == [  # ended: the span the refused requests were counted over
+        ("stall", 4.0, 90.0, now - 30 * 60 + 5),
+        ("uptime_decline", 0.0, None, now - 20 * 60 + 5),
+        ("kv_pressure", None, None, now - 10 * 60 + 5),
     ]

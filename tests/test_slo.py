@@ -167,6 +167,19 @@ def test_counts_placed_late_keep_the_newer_buckets() -> None:
     # Older than a ring holds: that ring leaves it out, the coarser ones count it.
     late = state.add(SLO, 1600.0 - 7 * 3600, Counts(failed=1), late=True)
     assert late.rings[0] == state.rings[0] and late.over(SLO, 8 * 3600, 1600.0)[1] == 64.0
+    # Late counts never date the first events counted.
+    assert SloState().add(SLO, 1000.0, Counts(failed=1), late=True).since is None
+
+
+def test_a_clock_set_back_by_a_whole_ring_keeps_what_comes_after() -> None:
+    """The buckets ahead of a sample's time are the clock's error, whatever the step."""
+    newest = 100 * 86400.0
+    for back in (6 * 3600.0 - 300, 6 * 3600.0, 6 * 3600.0 + 300, 29 * 86400.0, 30 * 86400.0):
+        state = SloState().add(SLO, newest, Counts(answered=10))
+        at = newest - back
+        state = state.add(SLO, at, Counts(answered=5))
+        assert state.over(SLO, 300, at + 1)[:2] == (5.0, 5.0), back
+        assert state.over(SLO, 28 * 86400, at + 1)[:2] == (5.0, 5.0), back
 
 
 def test_settings_are_checked() -> None:
@@ -238,11 +251,51 @@ def test_requests_a_restart_cut_off_are_counted_once() -> None:
     start = T0.timestamp() - 3600
     samples = [Sample(T0.timestamp() + 10 * i, 1000.0 + 10 * i, metrics(100 * i, start=start))
                for i in range(5)]  # fmt: skip
-    cut = RestartRecord(T0.timestamp() - 60, "stall", cut_off=7.0, refused=90.0)
-    state, settings = run_ticks(samples, restarts=(cut, RestartRecord(T0.timestamp() - 90, "x")))
+    cut = RestartRecord(T0.timestamp() + 15, "stall", cut_off=7.0, refused=90.0)
+    # The ledger's restarts from before the counting began (the [slo] newly declared) belong
+    # to no period counted: they neither count nor date the period's start.
+    before = RestartRecord(T0.timestamp() - 20 * 86400, "stall", cut_off=5.0, refused=300.0)
+    ledger = (cut, RestartRecord(T0.timestamp() + 12, "x"), before)
+    state, settings = run_ticks(samples, restarts=ledger)
     tally = state.slo.over(settings.slo, 3600, samples[-1].time)
-    assert tally[1] - tally[0] == 97.0  # counted on the first tick, never again
-    assert state.slo.counted == cut.time
+    assert tally[1] - tally[0] == 97.0  # counted once
+    assert state.slo.over(settings.slo, 28 * 86400, samples[-1].time)[1] - tally[1] == 0.0
+    assert state.slo.counted == cut.time and state.slo.since == samples[1].time
+
+
+def test_an_outage_a_restart_record_counts_is_not_counted_again_from_the_samples() -> None:
+    """An operator's `vkvagent restart` while the daemon samples: the actuator's estimate of
+    the requests refused stands for the down samples of its span."""
+    start = T0.timestamp() - 3600
+    samples = [Sample(T0.timestamp() + 10 * i, 1000.0 + 10 * i, metrics(100 * i, start=start))
+               for i in range(5)]  # fmt: skip
+    down = [Sample(T0.timestamp() + 40 + 10 * k, 1040.0 + 10 * k, None, "connection refused")
+            for k in range(1, 13)]  # fmt: skip
+    again = down[-1].time + 10
+    back = Sample(again, down[-1].mono + 10, metrics(50, start=again - 5))
+    record = RestartRecord(T0.timestamp() + 45, "manual", refused=120.0, ended=again - 2)
+    state, settings = run_ticks([*samples, *down, back], restarts=(record,))
+    good, total = state.slo.over(settings.slo, 3600, back.time)[:2]
+    assert total - good == 120.0
+    # Without the record's span, the samples count the outage: 10 requests/s for 120 s.
+    state, settings = run_ticks([*samples, *down, back], restarts=(replace(record, ended=None),))
+    good, total = state.slo.over(settings.slo, 3600, back.time)[:2]
+    assert total - good == 120.0 + 1200.0
+
+
+def test_a_stall_keeps_the_rate_its_clients_sent_for_the_requests_it_refuses() -> None:
+    start = T0.timestamp() - 3600
+    busy = [Sample(T0.timestamp() + 10 * i, 1000.0 + 10 * i, metrics(100 * i, start=start))
+            for i in range(31)]  # fmt: skip
+    frozen = metrics(3000, start=start)  # two requests running, nothing completes
+    stalled = [Sample(busy[-1].time + 10 * k, busy[-1].mono + 10 * k, frozen)
+               for k in range(1, 121)]  # fmt: skip
+    state, settings = run_ticks([*busy, *stalled])
+    assert state.slo.last_rate == pytest.approx(10.0)
+    good, total = state.slo.over(settings.slo, 3600, stalled[-1].time)[:2]
+    refused = total - good
+    # Once it is a stall, every 10 s refuses what the clients sent before it: 100.
+    assert refused > 0 and refused % 100 == pytest.approx(0.0, abs=1e-6)
 
 
 # -- spending the budget -----------------------------------------------------------------------
@@ -344,6 +397,24 @@ def test_a_young_period_spends_its_budget_paced_and_at_the_quietest_hour() -> No
         traffic=TrafficProfile(late),
     )  # fmt: skip
     assert goes.action == "restart"
+
+
+def test_a_restart_that_costs_nothing_now_does_not_wait_for_an_hour_that_costs_nothing() -> None:
+    # Availability alone (no latency saved, nothing lost by waiting), and the window's hours
+    # idle: a scheduled restart there refuses nothing, and so would one at any later hour of
+    # it. It goes now, in every hour of the window, not at the next one.
+    alone = SloSettings(availability=0.999)
+    idle = TrafficProfile({h: {rate_bin(0.0 if h in (2, 3, 4) else 1.0): 60.0} for h in range(24)})
+    scheduled = replace(ENFORCE, max_uptime=3600.0)
+    for minutes in (10, 70, 150):
+        now = IN.replace(hour=2) + timedelta(minutes=minutes)
+        day = SloState().add(alone, now.timestamp() - 86400, Counts(answered=1e5))
+        went = evaluate(
+            scheduled, cause=None, wanted=False, uptime=20 * 3600.0, request_rate=0.0,
+            history=(), controls=Controls(), now=now, traffic=idle,
+            budget=Budget(alone, day, now.timestamp(), 0.0, 180.0),
+        )  # fmt: skip
+        assert went.action == "restart", (now, went.reason)
 
 
 def test_a_restart_saves_only_what_this_run_misses() -> None:

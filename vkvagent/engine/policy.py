@@ -53,7 +53,7 @@ DAY = 86400.0
 @dataclass(frozen=True)
 class RestartWindow:
     """Days of the week (0 = Monday) and a local start and end in minutes after midnight. An
-    end at or before the start crosses midnight: the window belongs to the day it starts."""
+    end before the start crosses midnight: the window belongs to the day it starts."""
 
     days: frozenset[int]
     start: int
@@ -91,7 +91,8 @@ _WINDOW = re.compile(r"^\s*(\S+)\s+(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$
 def parse_window(text: str) -> RestartWindow:
     """``DAYS HH:MM-HH:MM``: DAYS is ``daily``, ``*``, a day (``mon``), a range (``mon-fri``,
     ``fri-mon`` wraps) or a comma list of those (``mon,wed,fri-sun``); the end may be
-    ``24:00``, and one at or before the start means the window crosses midnight.
+    ``24:00``, and one before the start means the window crosses midnight from the days
+    named (``sun 23:00-01:00``: Sunday 23:00 to Monday 01:00).
     ValueError (one line) otherwise."""
     found = _WINDOW.match(text)
     if not found:
@@ -201,10 +202,12 @@ class RestartRecord:
     # the boot's id): ages are then immune to steps of the wall clock.
     mono: float | None = None
     # What it cost the clients, availability spent: the requests in flight it cut off, and
-    # those estimated to have arrived while vLLM was down (the actuator's counts; the
-    # daemon's own restarts leave no sample of that time). None: not known.
+    # those estimated to have arrived while vLLM was down (the actuator's counts, which stand
+    # for any sample of that time: the daemon's own restarts leave none, an operator's
+    # `vkvagent restart` may). None: not known.
     cut_off: float | None = None
     refused: float | None = None
+    ended: float | None = None  # UTC when it ended, vLLM answering again: ``refused``'s span
 
     def age(self, at: float, mono: float | None) -> float:
         """Seconds since it began: on the monotonic clock when both ends have it, else on
@@ -758,7 +761,8 @@ def _quieter_later(
         total = rate * spend.per_rate + spend.losing * (at - now).total_seconds()
         if best is None or total < best[0]:
             best = (total, at)
-    if best is None or best[0] > QUIETER * spend.cost:
+    # Strictly cheaper: a restart that costs nothing now has nothing to wait for.
+    if best is None or best[0] >= QUIETER * spend.cost:
         return ""
     return (
         f"error budget: a restart at {utc_text(best[1].timestamp())}, this host's quieter "

@@ -255,7 +255,7 @@ class SloState:
         for (size, kept), held in zip(self._sizes(settings), self.rings):
             index = math.floor(at / size)
             ring = held
-            if not late and max(held, default=index) > index + kept:
+            if not late and max(held, default=index) >= index + kept:
                 ring = {i: t for i, t in held.items() if i <= index}
             newest = max(index, max(ring, default=index))
             if index <= newest - kept:  # older than the ring holds (a late restart record)
@@ -267,7 +267,8 @@ class SloState:
                 new = {i: t for i, t in ring.items() if newest - kept < i}
             new[index] = _plus(new.get(index, EMPTY), tally)
             rings.append(new)
-        return replace(self, rings=tuple(rings), since=at if self.since is None else self.since)
+        since = at if self.since is None and not late else self.since
+        return replace(self, rings=tuple(rings), since=since)
 
     def counted_fresh(self, run: str, counts: Counts) -> SloState:
         """The state with ``counts`` in run ``run``'s fresh tally; a new run's first counts
@@ -470,17 +471,22 @@ def count_samples(
     """The objectives' tallies with the samples not read before, and the requests restarts
     cut off or refused: each interval between two answers of one run by its counters' and
     histograms' deltas; one in which vLLM was down, loading, stalled or unresponsive as the
-    requests this host sends then (``down_rate``); a new run's first answer from its process
+    requests this host sends then (``down_rate``), but within a restart whose record counts
+    the requests it refused; a new run's first answer from its process
     start, when that came after the answer before (else its counters hold what vLLM served
     before the agent looked). ``fresh_run``: this run is fresh, its latency is what a
     restart brings back."""
     for record in sorted(observed.restarts, key=lambda r: r.time):
         failed = (record.cut_off or 0.0) + (record.refused or 0.0)
-        if failed > 0 and (slo.counted is None or record.time > slo.counted):
+        # A restart from before the counting began is not of the period being counted.
+        begun = slo.since is not None and record.time >= slo.since
+        if failed > 0 and begun and (slo.counted is None or record.time > slo.counted):
             slo = replace(slo.add(settings, record.time, Counts(failed=failed), late=True),
                           counted=record.time)  # fmt: skip
     if not fresh:
         return slo
+    # The outages whose refusals a restart's record counts already.
+    charged = [(r.time, r.ended) for r in observed.restarts if r.refused and r.ended]
     first, seen = fresh[0].mono, None
     before = next((x for x in reversed(observed.samples) if x.mono < first), None)
     valid = next((x for x in reversed(observed.samples) if x.mono < first and x.vllm), None)
@@ -491,7 +497,8 @@ def count_samples(
             # Down, loading, stalled or hung: what this host's clients send meanwhile is
             # refused. A scrape that only timed out (vLLM silent) is not, until vLLM is
             # unresponsive: the next answer's counters say what it served meanwhile.
-            if metrics is not None or not sample.vllm_silent or unresponsive:
+            refusing = metrics is not None or not sample.vllm_silent or unresponsive
+            if refusing and not any(a <= sample.time <= b for a, b in charged):
                 gap = sample.mono - before.mono if before is not None else 0.0
                 found = Interval(gap, refused_rate=down_rate)
         elif valid is not None and valid.vllm and not is_reset(valid.vllm, metrics):

@@ -445,20 +445,22 @@ def decide(
     )  # fmt: skip
     state = _planned(settings.prevention, state, now.timestamp(), observed.peer_runs)
     if settings.slo.declared:
-        state = replace(
-            state,
-            slo=count_samples(
-                settings.slo,
-                state.slo,
-                observed,
-                fresh,
-                stalled=diagnosis.cause == "stall",
-                unresponsive=diagnosis.cause == "unresponsive",
-                down_rate=_expected_rate(settings.policy, state, now),
-                fresh_run=_fresh(b, baseline, uptime) and baseline.busy_from is not None,
-                rate=stats.requests_per_s if stats else None,
-            ),
+        slo = count_samples(
+            settings.slo,
+            state.slo,
+            observed,
+            fresh,
+            stalled=diagnosis.cause == "stall",
+            unresponsive=diagnosis.cause == "unresponsive",
+            down_rate=_expected_rate(settings.policy, state, now),
+            fresh_run=_fresh(b, baseline, uptime) and baseline.busy_from is not None,
+            rate=stats.requests_per_s if stats else None,
         )
+        # A stalled or silent vLLM completes nothing: what it answered is not what its
+        # clients send, and must not stand in for it while it refuses them.
+        if situation.stall.seconds > 0 or diagnosis.cause in ("stall", "unresponsive"):
+            slo = replace(slo, last_rate=state.slo.last_rate)
+        state = replace(state, slo=slo)
 
     verdict = policy.evaluate(
         settings.policy,

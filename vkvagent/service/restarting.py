@@ -80,6 +80,7 @@ class RestartBook:
                 mono=placed[a.id],
                 cut_off=_cost(a.detail, "aborted"),
                 refused=_cost(a.detail, "missed"),
+                ended=a.ended,
             )
             for a in reversed(actions)
             if a.kind in RESTART_KINDS
