@@ -219,12 +219,13 @@ def test_nagios_runs_it_as_a_check_in_every_state(tmp_path: Path) -> None:
     assert seen("impaired")[:2] == (1, "vkvagent 0.1.0: IMPAIRED (systemd failing)")
     assert seen("down")[:2] == (2, "vkvagent 0.1.0: CRITICAL")
     # UNKNOWN says why on its first line too (NRPE shows "no output" for an empty stdout).
-    assert seen("none") == (
-        3,
+    # ... and which file it read, where a wrong state_dir would show.
+    state, line, perf = seen("none")
+    assert (state, perf) == (3, "") and line.startswith(
         "vkvagent 0.1.0: UNKNOWN - no status yet: the daemon has not run (or cannot write its "
-        "state)",
-        "",
+        "state) (/"
     )
+    assert line.endswith("/none/state/status.json)")
     state, line, _perf = seen("stale")
     assert state == 3 and re.fullmatch(
         r"vkvagent 0\.1\.0: UNKNOWN \(stale: last update \d+ s ago, daemon not running\)", line

@@ -63,6 +63,28 @@ def test_dropins_are_read_in_name_order_and_later_wins_key_by_key(etc: Path) -> 
     ]
 
 
+def test_a_directory_whose_toml_files_would_not_be_read_is_refused(etc: Path) -> None:
+    # conf.d named in place of the directory above it: its files are not read as drop-ins.
+    write(etc / "conf.d" / "50-enforce.toml", "[policy]\nmode = 'enforced'\n")
+    with pytest.raises(config.ConfigError, match=r"conf.d: 50-enforce.toml would not be read: "):
+        config.load(etc / "conf.d", as_root=False)
+    with pytest.raises(config.ConfigError, match=r"mode"):  # read from the directory above
+        config.load(etc, as_root=False)
+    # An empty directory holds nothing to miss: the defaults.
+    (etc / "empty").mkdir()
+    assert config.load(etc / "empty", as_root=False) == config.Config()
+
+
+def test_a_vllm_url_the_client_cannot_read_is_refused(etc: Path) -> None:
+    for url in ("ftp://x", "http://", "http://host:port", "http://host:99999"):
+        write(etc / "config.toml", f"[vllm]\nurl = '{url}'\n")
+        with pytest.raises(config.ConfigError, match=r"is not an http\(s\) URL"):
+            config.load(etc, as_root=False)
+    for url in ("https://vllm.internal:8443", "127.0.0.1:8000", "http://[::1]:8000/v"):
+        write(etc / "config.toml", f"[vllm]\nurl = '{url}'\n")
+        assert config.load(etc, as_root=False).vllm.url == url
+
+
 def test_a_single_file_is_read_alone(etc: Path) -> None:
     write(etc / "conf.d" / "10.toml", "[gpu]\nenabled = false\n")
     single = write(etc / "other.toml", "[gpu]\ndevices = [0, 3]\n")

@@ -77,6 +77,28 @@ def test_values_out_of_range_are_refused_at_their_line(
     assert expected in problem, problem
 
 
+def test_a_share_or_period_without_its_objective_is_a_warning(
+    etc: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(etc / "config.toml", "[slo]\nperiod_days = 7\nttft_share = 0.99\n")
+    notes: list[str] = []
+    assert config.load(etc, as_root=False, notes=notes).slo.settings().declared == ()
+    assert notes == [
+        f"{path}:2: slo.period_days: set without availability, ttft_seconds or itl_seconds: "
+        f"{config.UNDECLARED}",
+        f"{path}:3: slo.ttft_share: set without slo.ttft_seconds: {config.UNDECLARED}",
+    ]
+    assert main(["config", "check", str(etc)]) == 0
+    err = capsys.readouterr().err
+    assert f"vkvagent: warning: {path}:3: slo.ttft_share: set without slo.ttft_seconds" in err
+    # Declared, the period shapes it; the ITL share still shapes nothing. A default written
+    # out (as `config check` prints it) says nothing new.
+    write(etc / "config.toml", "[slo]\navailability = 0.99\nperiod_days = 7\nitl_share = 0.95\n")
+    notes.clear()
+    config.load(etc, as_root=False, notes=notes)
+    assert notes == []
+
+
 def test_what_the_engine_refuses_is_located_at_the_key() -> None:
     # Beyond the config's own ranges only by building the section directly: the engine's
     # rules stay the last word, and are reported where the key was set.

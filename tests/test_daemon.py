@@ -330,6 +330,11 @@ def test_status_command_exit_codes_and_pause_resume(tmp_path: Path) -> None:
     resumed = controls.read(tmp_path / "state")
     assert resumed.paused_until is None and resumed.resumed_at is not None
     assert main(["pause", "--until", "2001-01-01T00:00:00Z", "--config", str(path)], out, err) == 2
+    # A duration without its unit is refused, not read as seconds: nothing is paused.
+    err = io.StringIO()
+    assert main(["pause", "--for", "6", "--config", str(path)], out, err) == 2
+    assert "'6' has no unit (e.g. 30m, 6h, 2d)" in err.getvalue()
+    assert controls.read(tmp_path / "state").paused_until is None
 
 
 # -- `vkvagent run` as a process, with this test as systemd's notify socket --------------------

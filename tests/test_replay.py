@@ -692,6 +692,7 @@ def test_availability_over_a_replay_counts_the_5xx_vllm_answered(tmp_path: Path)
     assert o["attainment"] == pytest.approx(answered / (answered + errors), abs=1e-9)
     assert o["budget_spent"] == pytest.approx(errors / ((answered + errors) * 0.001))
     assert 1 < o["budget_spent"] < 2  # 11 of about 7,000: over a 99.9 % objective's budget
+    assert o["counted_from"] == "http_requests_total"
 
 
 def test_availability_over_a_replay_counts_the_requests_refused_while_vllm_loaded(
@@ -705,7 +706,11 @@ def test_availability_over_a_replay_counts_the_requests_refused_while_vllm_loade
     o = got["availability"]
     refused = o["events"] * (1 - o["attainment"])
     assert refused == pytest.approx(4 * 30 * 2.0, rel=0.2)
-    assert lines[-1].endswith(f", {o['budget_spent'] * 100:.0f} % of its error budget spent (over)")
+    assert o["counted_from"] == "request_success_total"  # and the text says what that misses
+    assert lines[-1].endswith(
+        f", {o['budget_spent'] * 100:.0f} % of its error budget spent (over); no "
+        "http_requests_total in the data: 5xx answers not counted"
+    )
     calm, _lines = slo_replay(tmp_path, history("healthy", 1.0, step=30.0), slo)
     assert calm["availability"]["attainment"] == 1.0 and calm["availability"]["budget_spent"] == 0
 

@@ -276,6 +276,7 @@ def test_thresholds_read_the_plugin_guidelines_ranges(
     [
         ("0.8", "a bare number is the range 0..0.8 (an alert above it); for an alert below it"),
         ("fast:", "expected [@]start:end"),
+        ("abc", "threshold 'abc': expected [@]start:end"),
         ("0.9:0.1", "its start is above its end"),
     ],
 )
@@ -666,9 +667,11 @@ def test_garbage_is_one_status_error_naming_its_place(change: dict[str, Any], pr
 def test_read_tells_a_damaged_file_from_a_document_that_does_not_fit(tmp_path: Path) -> None:
     assert status.read(tmp_path) is None  # none yet
     status.path(tmp_path).write_text("{half a docu")
-    assert status.read(tmp_path) is None  # damaged: as if none, as before
+    with pytest.raises(StatusError, match=r"status\.json: damaged, not JSON \(the daemon rewr"):
+        status.read(tmp_path)
     status.path(tmp_path).write_text(json.dumps(document("healthy", version=2)))
-    assert status.read(tmp_path) is None  # another version's
+    with pytest.raises(StatusError, match=r"status version 2, this one reads 1\): restart the"):
+        status.read(tmp_path)
     status.path(tmp_path).write_text(json.dumps(full_report().to_json()))
     assert status.read(tmp_path) == full_report()
     status.path(tmp_path).write_text(json.dumps(document("healthy", unit_name=None)))

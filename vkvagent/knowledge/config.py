@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from vkvagent import hooks
@@ -98,6 +99,19 @@ def _check_unit(name: str) -> str | None:
     return None
 
 
+def _check_url(url: str) -> str | None:
+    """A base URL the vLLM client can read (``adapters.vllm.base_url``): http or https, a
+    host, a port that is a number."""
+    try:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number or out of range, a bracket unclosed
+        valid = False
+    if not valid:
+        return f"{url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)"
+    return None
+
+
 def _check_flag(key: str, value: Any) -> str | None:
     try:
         flags.validate({key: value}, None, check_versions=False)
@@ -120,6 +134,7 @@ class VllmConfig:
         "http://127.0.0.1:8000",
         "Base URL of vLLM's OpenAI server; /metrics and /version are read below it. https:// "
         "for a vLLM started with --ssl-certfile; its certificate is verified.",
+        check=_check_url,
     )
     ca_file: str = setting(
         "", "CA bundle that signed an https vLLM's certificate; empty: the system's."
@@ -498,8 +513,8 @@ class PolicyConfig:
     windows: tuple[str, ...] = setting(
         _P.windows,
         "When non-emergency restarts may happen: 'DAYS HH:MM-HH:MM', DAYS as daily, *, mon, "
-        "mon-fri, fri-mon or a comma list; an end at or before the start crosses midnight. "
-        "Empty: emergencies only.",
+        "mon-fri, fri-mon or a comma list; an end before the start crosses midnight, from "
+        "the days named (sun 23:00-01:00 ends Monday 01:00). Empty: emergencies only.",
         item=str, check=_check_window,
     )  # fmt: skip
     max_request_rate: float = setting(
@@ -841,10 +856,20 @@ def load(
     if path is not None and not path.exists():
         raise ConfigError([f"{path}: no such file or directory"])
     files = config_files(path)
+    if path is not None and not files and path.is_dir():
+        # conf.d itself, or a directory of loose files: none of them would be read.
+        loose = sorted(p.name for p in path.glob("*.toml"))
+        if loose:
+            raise ConfigError([
+                f"{path}: {', '.join(loose)} would not be read: a directory is read as its "
+                f"{MAIN_FILE} and {DROPIN_DIR}/*.toml; name a file, or the directory that "
+                f"holds {DROPIN_DIR}/"
+            ])  # fmt: skip
     notes += [f"{p}: {SKIPPED}" for p in skipped_files(path)]
     built: Config  # of the valid keys: contradictions show too
     built, origins, problems = read(Config, files, as_root=as_root, notes=notes)
     problems += _engine_problems(built, origins)
+    notes += _undeclared(built.slo, origins)
     if problems:
         raise ConfigError(problems)
     return built
@@ -869,6 +894,24 @@ def _engine_problems(built: Config, origins: Mapping[tuple[str, ...], str]) -> l
             message = str(exc).removeprefix(f"{name}: ")
             problems.append(_located(name, message, getattr(built, name), origins))
     return problems
+
+
+UNDECLARED = "no objective is declared without its target: nothing is enforced"
+
+
+def _undeclared(slo: SloConfig, origins: Mapping[tuple[str, ...], str]) -> list[str]:
+    """[slo] keys set to other than their default where no target declares the objective
+    they shape: the operator meant one, and none is enforced."""
+    targets = {"ttft_share": "ttft_seconds", "itl_share": "itl_seconds"}
+    declared = (slo.availability, slo.ttft_seconds, slo.itl_seconds) != (None, None, None)
+    notes = []
+    for key in ("period_days", *targets):
+        target = targets.get(key)
+        meant = getattr(slo, key) != getattr(SloConfig(), key) and ("slo", key) in origins
+        if meant and (not declared if target is None else getattr(slo, target) is None):
+            needs = f"slo.{target}" if target else "availability, ttft_seconds or itl_seconds"
+            notes.append(f"{origins[('slo', key)]}: slo.{key}: set without {needs}: {UNDECLARED}")
+    return notes
 
 
 def _located(name: str, message: str, values: Any, origins: Mapping[tuple[str, ...], str]) -> str:

@@ -632,19 +632,26 @@ def path(state_dir: Path) -> Path:
 
 
 def read(state_dir: Path) -> StatusReport | None:
-    """The last status the daemon wrote; None when there is none (or it is damaged, or of
-    another version). StatusError: unreadable, or not a status document."""
+    """The last status the daemon wrote; None when there is none. StatusError: unreadable,
+    damaged, another version's, or not a status document."""
+    where = path(state_dir)
     try:
-        data = json.loads(path(state_dir).read_text(encoding="utf-8"))
+        data = json.loads(where.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
     except PermissionError:
         raise StatusError(
-            f"{path(state_dir)}: permission denied (the state is readable by root and the "
-            "vkvagent group)"
+            f"{where}: permission denied (the state is readable by root and the vkvagent group)"
         ) from None
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("version") != VERSION:
-        return None
+    except OSError as exc:
+        raise StatusError(f"{where}: {exc.strerror or exc}") from None
+    except ValueError:  # the daemon writes it whole: something else wrote this
+        raise StatusError(f"{where}: damaged, not JSON (the daemon rewrites it)") from None
+    if isinstance(data, dict) and data.get("version") != VERSION:
+        raise StatusError(
+            f"{where}: written by another version of vkvagent (status version "
+            f"{data.get('version')}, this one reads {VERSION}): restart the daemon after an upgrade"
+        )
     try:
         return StatusReport.from_json(data)
     except StatusError as exc:

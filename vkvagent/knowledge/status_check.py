@@ -25,6 +25,14 @@ from vkvagent.knowledge.status import (
 )
 
 
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Range:
     """A threshold in the monitoring-plugins' range syntax: ``[@]start:end``, ``~`` for no
@@ -40,19 +48,20 @@ class Range:
         """StatusError for anything else, and for a bare number: the guidelines read ``0.8`` as
         0..0.8, alerting on a speed ratio above 0.8, never what a speed threshold means."""
         body = text[1:] if text.startswith("@") else text
-        if ":" not in body:
+        expected = f"threshold {text!r}: expected [@]start:end (e.g. 0.8: alerts below 0.8)"
+        if ":" not in body and _number(body):
             raise StatusError(
                 f"threshold {text!r}: a bare number is the range 0..{body} (an alert above it);"
                 f" for an alert below it, write {body}:"
             )
-        start, _, end = body.partition(":")
+        start, colon, end = body.partition(":")
         try:
+            if not colon:
+                raise ValueError(body)
             low = -math.inf if start == "~" else float(start or 0)
             high = math.inf if end == "" else float(end)
         except ValueError:
-            raise StatusError(
-                f"threshold {text!r}: expected [@]start:end (e.g. 0.8: alerts below 0.8)"
-            ) from None
+            raise StatusError(expected) from None
         if low > high or math.isnan(low) or math.isnan(high):
             raise StatusError(f"threshold {text!r}: its start is above its end")
         return cls(text, low, high, inside=text.startswith("@"))

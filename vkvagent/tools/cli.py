@@ -155,7 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(command=_later("actions", "plan"))
 
     apply = commands.add_parser(
-        "apply", help="apply [vllm.flags] now: drop-in, restart, attest; rolled back on failure"
+        "apply",
+        help="apply [vllm.flags] (--now, or --at-next-window): drop-in, restart, attest; "
+        "rolled back on failure",
     )
     when = apply.add_mutually_exclusive_group(required=True)
     when.add_argument("--now", action="store_true", help="apply immediately")
@@ -253,8 +255,8 @@ def _parser() -> argparse.ArgumentParser:
 
     status_cmd = commands.add_parser(
         "status",
-        help="the daemon's verdict, with the figures behind it (exit 0 healthy, 1 degraded or "
-        "acting, 2 escalated or critical, 3 unknown)",
+        help="the daemon's verdict, with the figures behind it (exit 0 healthy, 1 degraded, "
+        "acting or impaired, 2 escalated or critical, 3 unknown)",
     )
     status_cmd.add_argument("--json", action="store_true", help="print the status as JSON")
     status_cmd.add_argument(
@@ -312,7 +314,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="a simulated vLLM degrading and the real agent loop diagnosing it, on a fast "
-        "clock (about a minute; no root, GPU or systemd)",
+        "clock (about 30 s; no root, GPU or systemd)",
     )
     demo.add_argument(
         "--time-scale",
@@ -341,6 +343,7 @@ def _parser() -> argparse.ArgumentParser:
         "sim",
         help="a vLLM stand-in for tests and the demo: `vkvagent sim serve MODEL [vLLM flags]` "
         "(`vkvagent sim serve --help` lists its options)",
+        usage="vkvagent sim serve MODEL [vLLM flags] (vkvagent sim serve --help: its options)",
     )
     sim.set_defaults(command=_usage(sim))
     return parser
@@ -423,7 +426,7 @@ def _status(args: argparse.Namespace, out: TextIO) -> int:
     code = status.StatusCode.UNKNOWN
     try:
         while True:
-            now, problem = time.time(), status.NO_STATUS
+            now, problem = time.time(), f"{status.NO_STATUS} ({status.path(state_dir)})"
             try:
                 report = status.read(state_dir)
             except status.StatusError as exc:
@@ -463,6 +466,9 @@ def _pause(args: argparse.Namespace, out: TextIO) -> int:
 
     now = time.time()
     try:
+        # A pause of "6" is most likely meant in hours, not seconds: no unit is a mistake.
+        if args.duration and args.duration.strip()[-1:].isdigit():
+            raise ValueError(f"{args.duration!r} has no unit (e.g. 30m, 6h, 2d)")
         until = (
             now + parse_duration(args.duration) if args.duration else parse_time(args.until, now)
         )

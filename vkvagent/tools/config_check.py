@@ -26,7 +26,7 @@ def check(args: argparse.Namespace, out: TextIO) -> int:
     notes: list[str] = []
     loaded = config.load(args.path, notes=notes)
     files = config.config_files(args.path)
-    warnings = [note for note in notes if note.endswith(config.SKIPPED)]
+    warnings = [note for note in notes if note.endswith((config.SKIPPED, config.UNDECLARED))]
     sandbox = hardening.Sandbox.installed()
     refused = hardening.refusals(loaded, sandbox) if sandbox is not None else []
     warnings += [f"{r.key}: {r.message}" for r in refused]

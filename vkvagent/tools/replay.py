@@ -101,6 +101,7 @@ class Result:
     trace: Trace | None = None  # every evaluation, when asked for (``--plot``)
     # The [slo] objectives' events over the whole span, as the engine counted them.
     slo: Tally = EMPTY
+    http_seen: bool = False  # the data had http_requests_total: 5xx counted for availability
     server: str = ""  # the server identity of the last run learned: its fleet runs' key
 
     def summary(self) -> dict[str, Any]:
@@ -133,7 +134,7 @@ class Result:
                 }
                 for c in self.flag_changes
             ],
-            "slo": slo_summary(self.settings.slo, self.slo),
+            "slo": slo_summary(self.settings.slo, self.slo, self.http_seen),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -180,6 +181,7 @@ def replay(
         )  # fmt: skip
         decision = decide(settings, state, observed, now)
         result.slo = _counted(result.slo, state.slo, decision.state.slo)
+        result.http_seen |= sample.vllm is not None and sample.vllm.http_requests_total is not None
         counted = False
         if decision.action == "hold" and decision.reason.startswith(WOULD_RESTART):
             enforcing = replace(observed, restarts=tuple(held))
@@ -275,11 +277,19 @@ def _counted(total: Tally, before: SloState, after: SloState) -> Tally:
     return total
 
 
-def slo_summary(settings: SloSettings, tally: Tally) -> dict[str, dict[str, float | None]]:
+# What availability's requests were counted from (``summary.slo.availability.counted_from``).
+ANSWERED, FINISHED = "http_requests_total", "request_success_total"
+
+
+def slo_summary(
+    settings: SloSettings, tally: Tally, http: bool = True
+) -> dict[str, dict[str, Any]]:
     """Each declared objective over the replayed span: its target, its events, the share of
     them that were good (``attainment``) and the error budget they spent (the bad events over
-    events x (1 - target): 1.0 is all of it); None for both where the data has no events."""
-    out: dict[str, dict[str, float | None]] = {}
+    events x (1 - target): 1.0 is all of it); None for both where the data has no events.
+    Availability also says what its requests were counted from: ``http_requests_total``
+    (5xx counted), else vLLM's finished requests (``request_success_total``: no 5xx)."""
+    out: dict[str, dict[str, Any]] = {}
     for name in settings.declared:
         i = OBJECTIVES.index(name)
         good, events = tally[2 * i], tally[2 * i + 1]
@@ -291,6 +301,8 @@ def slo_summary(settings: SloSettings, tally: Tally) -> dict[str, dict[str, floa
             "attainment": min(1.0, good / events) if known else None,
             "budget_spent": max(0.0, events - good) / (events * (1 - target)) if known else None,
         }
+        if name == "availability":
+            out[name]["counted_from"] = ANSWERED if http else FINISHED
     return out
 
 
@@ -348,6 +360,8 @@ def describe(result: Result) -> str:
     return "\n".join(lines) + "\n"
 
 
+NO_5XX = "; no http_requests_total in the data: 5xx answers not counted"
+
 # What an objective's events are, in the text.
 _EVENTS = {"availability": "requests", "ttft": "requests", "itl": "output tokens"}
 
@@ -369,6 +383,7 @@ def slo_words(settings: SloSettings, summary: Mapping[str, Mapping[str, Any]]) -
             f"  {name}: {o['attainment'] * 100:.{decimals}f} % of {o['events']:,.0f} "
             f"{_EVENTS[name]} good ({objective}), {spent:.0f} % of its error budget spent"
             + (" (over)" if spent > 100 else "")
+            + (NO_5XX if o.get("counted_from") == FINISHED else "")
         )
     return lines
 
