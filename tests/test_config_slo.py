@@ -91,9 +91,14 @@ def test_a_share_or_period_without_its_objective_is_a_warning(
     assert main(["config", "check", str(etc)]) == 0
     err = capsys.readouterr().err
     assert f"vkvagent: warning: {path}:3: slo.ttft_share: set without slo.ttft_seconds" in err
-    # Declared, the period shapes it; the ITL share still shapes nothing. A default written
-    # out (as `config check` prints it) says nothing new.
-    write(etc / "config.toml", "[slo]\navailability = 0.99\nperiod_days = 7\nitl_share = 0.95\n")
+    # With availability declared, the period shapes it; an ITL share still shapes nothing,
+    # unless it is the default written out (as `config check` prints it).
+    text = "[slo]\navailability = 0.99\nperiod_days = 7\nitl_share = {}\nttft_share = 0.95\n"
+    write(etc / "config.toml", text.format(0.9))
+    notes.clear()
+    config.load(etc, as_root=False, notes=notes)
+    assert notes == [f"{path}:4: slo.itl_share: set without slo.itl_seconds: {config.UNDECLARED}"]
+    write(etc / "config.toml", text.format(0.95))
     notes.clear()
     config.load(etc, as_root=False, notes=notes)
     assert notes == []

@@ -28,7 +28,7 @@ from vkvagent import __version__
 from vkvagent.apikey import ApiKey
 from vkvagent.engine.samples import VllmMetrics
 from vkvagent.errors import VkvagentError
-from vkvagent.knowledge.config import VllmConfig
+from vkvagent.knowledge.config import VllmConfig, url_problem
 from vkvagent.knowledge.vllm_metrics import ExpositionError, Normaliser
 
 # Ask for the classic text format: vLLM serves it, and the normaliser reads it.
@@ -60,9 +60,10 @@ class PageError(ScrapeError):
 
 def base_url(url: str) -> str:
     """``http://host:port`` from a base URL or a full ``.../metrics`` URL."""
+    problem = url_problem(url)
+    if problem is not None:
+        raise ScrapeError(problem)
     parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ScrapeError(f"not an http(s) URL: {url!r}")
     path = parts.path.rstrip("/")
     if path.endswith("/metrics"):
         path = path[: -len("/metrics")]
@@ -87,10 +88,7 @@ class VllmClient:
         parts = urlsplit(self.base)
         self._https = parts.scheme == "https"
         self._host = parts.hostname or ""
-        try:
-            self._port = parts.port or (443 if self._https else 80)
-        except ValueError as exc:
-            raise ScrapeError(f"not an http(s) URL: {url!r}: {exc}") from None
+        self._port = parts.port or (443 if self._https else 80)
         self._prefix = parts.path
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout

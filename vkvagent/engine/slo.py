@@ -44,6 +44,9 @@ BURNS = {
 # Bucket sizes (seconds) and how many of each are kept; the daily ring is the period's length.
 RINGS = ((300.0, 72), (3600.0, 24))
 DAY = 86400.0
+# The stretches of refusals counted from samples that are kept, to tell a restart's record
+# whose outage the samples counted already (more than the ledger's restarts of a day).
+REFUSING_KEPT = 16
 # An interval longer than this (the agent itself was down) is not charged to vLLM beyond it.
 MAX_GAP = 120.0
 
@@ -240,6 +243,10 @@ class SloState:
     run: str = ""
     fresh: Tally = EMPTY
     last_fresh: Tally = EMPTY
+    # The newest stretches (UTC first, last) in which samples counted requests refused: a
+    # restart's record overlapping one (another process's, while the daemon sampled) adds
+    # its cut-offs only.
+    refusing: tuple[tuple[float, float], ...] = ()
 
     def add(
         self, settings: SloSettings, at: float, counts: Counts, *, late: bool = False
@@ -277,6 +284,14 @@ class SloState:
             kept = self.fresh if self.fresh[3] or self.fresh[5] else self.last_fresh
             return replace(self, run=run, fresh=counts.tally(), last_fresh=kept)
         return replace(self, fresh=_plus(self.fresh, counts.tally()))
+
+    def refused_until(self, at: float, gap: float) -> SloState:
+        """The state with the ``gap`` seconds to ``at`` (UTC) counted as refused: the newest
+        stretch carried on where it ended at the sample before, else a new one."""
+        kept = self.refusing[-REFUSING_KEPT:]
+        if kept and kept[-1][1] >= at - gap - 1:
+            return replace(self, refusing=(*kept[:-1], (kept[-1][0], at)))
+        return replace(self, refusing=(*kept[-REFUSING_KEPT + 1 :], (at - gap, at)))
 
     def fresh_miss(self) -> dict[str, float]:
         """Each latency objective's miss rate while the last run was fresh (this one's, once
@@ -350,6 +365,7 @@ class SloState:
             "run": self.run,
             "fresh": list(self.fresh),
             "last_fresh": list(self.last_fresh),
+            "refusing": [list(span) for span in self.refusing],
         }
 
     @classmethod
@@ -369,6 +385,7 @@ class SloState:
                 str(data["run"]),
                 _tally(data["fresh"]),
                 _tally(data["last_fresh"]),
+                tuple(_span(span) for span in data.get("refusing", ())),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"slo state: malformed ({type(exc).__name__}: {exc})") from None
@@ -384,6 +401,13 @@ def _tally(values: Any) -> Tally:
     if len(tally) != len(EMPTY) or not all(0 <= v < math.inf for v in tally):
         raise ValueError(f"bad tally {values!r}")
     return tally
+
+
+def _span(value: Any) -> tuple[float, float]:
+    first, last = (_time(v) for v in value)
+    if first is None or last is None or first > last:
+        raise ValueError(f"bad span {value!r}")
+    return first, last
 
 
 def _time(value: Any) -> float | None:
@@ -467,26 +491,32 @@ def count_samples(
     down_rate: float | None,
     fresh_run: bool,
     rate: float | None,
+    halted: bool,
 ) -> SloState:
     """The objectives' tallies with the samples not read before, and the requests restarts
     cut off or refused: each interval between two answers of one run by its counters' and
     histograms' deltas; one in which vLLM was down, loading, stalled or unresponsive as the
-    requests this host sends then (``down_rate``), but within a restart whose record counts
-    the requests it refused; a new run's first answer from its process
+    requests this host sends then (``down_rate``); a new run's first answer from its process
     start, when that came after the answer before (else its counters hold what vLLM served
-    before the agent looked). ``fresh_run``: this run is fresh, its latency is what a
-    restart brings back."""
+    before the agent looked). A restart's record adds its cut-offs, and the refusals the
+    actuator counted where no sample counted any (the daemon's own restarts leave none);
+    restarts from before the first sample read are not of the period counted.
+    ``fresh_run``: this run is fresh, its latency is what a restart brings back. ``rate``:
+    the requests/s clients send, else what the intervals answered; kept as it was while
+    ``halted`` (vLLM has work and completes none: what it answers is not what is sent)."""
+    if slo.since is None and fresh:
+        slo = replace(slo, since=fresh[0].time)
     for record in sorted(observed.restarts, key=lambda r: r.time):
-        failed = (record.cut_off or 0.0) + (record.refused or 0.0)
-        # A restart from before the counting began is not of the period being counted.
-        begun = slo.since is not None and record.time >= slo.since
-        if failed > 0 and begun and (slo.counted is None or record.time > slo.counted):
+        if record.time < (slo.since or math.inf) or record.time <= (slo.counted or -math.inf):
+            continue
+        ended = record.ended if record.ended is not None else record.time
+        sampled = any(a <= ended and record.time <= b for a, b in slo.refusing)
+        failed = (record.cut_off or 0.0) + (0.0 if sampled else record.refused or 0.0)
+        if failed > 0:
             slo = replace(slo.add(settings, record.time, Counts(failed=failed), late=True),
                           counted=record.time)  # fmt: skip
     if not fresh:
         return slo
-    # The outages whose refusals a restart's record counts already.
-    charged = [(r.time, r.ended) for r in observed.restarts if r.refused and r.ended]
     first, seen = fresh[0].mono, None
     before = next((x for x in reversed(observed.samples) if x.mono < first), None)
     valid = next((x for x in reversed(observed.samples) if x.mono < first and x.vllm), None)
@@ -497,10 +527,10 @@ def count_samples(
             # Down, loading, stalled or hung: what this host's clients send meanwhile is
             # refused. A scrape that only timed out (vLLM silent) is not, until vLLM is
             # unresponsive: the next answer's counters say what it served meanwhile.
-            refusing = metrics is not None or not sample.vllm_silent or unresponsive
-            if refusing and not any(a <= sample.time <= b for a, b in charged):
+            if metrics is not None or not sample.vllm_silent or unresponsive:
                 gap = sample.mono - before.mono if before is not None else 0.0
                 found = Interval(gap, refused_rate=down_rate)
+                slo = slo.refused_until(sample.time, gap)
         elif valid is not None and valid.vllm and not is_reset(valid.vllm, metrics):
             found = scraped_interval(valid.vllm, metrics, sample.mono - valid.mono)
         elif valid is not None and (metrics.process_start_time or 0) >= valid.time:
@@ -517,7 +547,7 @@ def count_samples(
         if metrics is not None:
             valid = sample
     rate = rate if rate is not None else seen
-    return slo if rate is None else replace(slo, last_rate=rate)
+    return slo if rate is None or halted else replace(slo, last_rate=rate)
 
 
 def scraped_interval(old: VllmMetrics | None, new: VllmMetrics, seconds: float) -> Interval:

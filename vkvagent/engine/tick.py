@@ -455,11 +455,8 @@ def decide(
             down_rate=_expected_rate(settings.policy, state, now),
             fresh_run=_fresh(b, baseline, uptime) and baseline.busy_from is not None,
             rate=stats.requests_per_s if stats else None,
+            halted=situation.stall.seconds > 0 or diagnosis.cause in ("stall", "unresponsive"),
         )
-        # A stalled or silent vLLM completes nothing: what it answered is not what its
-        # clients send, and must not stand in for it while it refuses them.
-        if situation.stall.seconds > 0 or diagnosis.cause in ("stall", "unresponsive"):
-            slo = replace(slo, last_rate=state.slo.last_rate)
         state = replace(state, slo=slo)
 
     verdict = policy.evaluate(

@@ -99,9 +99,9 @@ def _check_unit(name: str) -> str | None:
     return None
 
 
-def _check_url(url: str) -> str | None:
-    """A base URL the vLLM client can read (``adapters.vllm.base_url``): http or https, a
-    host, a port that is a number."""
+def url_problem(url: str) -> str | None:
+    """What keeps ``url`` from being vLLM's base URL (http or https, a host, a port from 1 to
+    65535), or None; ``adapters.vllm.base_url`` refuses the same."""
     try:
         parts = urlsplit(url if "://" in url else f"http://{url}")
         valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
@@ -134,7 +134,7 @@ class VllmConfig:
         "http://127.0.0.1:8000",
         "Base URL of vLLM's OpenAI server; /metrics and /version are read below it. https:// "
         "for a vLLM started with --ssl-certfile; its certificate is verified.",
-        check=_check_url,
+        check=url_problem,
     )
     ca_file: str = setting(
         "", "CA bundle that signed an https vLLM's certificate; empty: the system's."
@@ -896,12 +896,12 @@ def _engine_problems(built: Config, origins: Mapping[tuple[str, ...], str]) -> l
     return problems
 
 
-UNDECLARED = "no objective is declared without its target: nothing is enforced"
+UNDECLARED = "ignored: it shapes no objective declared"
 
 
 def _undeclared(slo: SloConfig, origins: Mapping[tuple[str, ...], str]) -> list[str]:
     """[slo] keys set to other than their default where no target declares the objective
-    they shape: the operator meant one, and none is enforced."""
+    they shape: the operator meant one that is not enforced."""
     targets = {"ttft_share": "ttft_seconds", "itl_share": "itl_seconds"}
     declared = (slo.availability, slo.ttft_seconds, slo.itl_seconds) != (None, None, None)
     notes = []

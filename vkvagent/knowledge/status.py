@@ -647,7 +647,7 @@ def read(state_dir: Path) -> StatusReport | None:
         raise StatusError(f"{where}: {exc.strerror or exc}") from None
     except ValueError:  # the daemon writes it whole: something else wrote this
         raise StatusError(f"{where}: damaged, not JSON (the daemon rewrites it)") from None
-    if isinstance(data, dict) and data.get("version") != VERSION:
+    if isinstance(data, dict) and "version" in data and data["version"] != VERSION:
         raise StatusError(
             f"{where}: written by another version of vkvagent (status version "
             f"{data.get('version')}, this one reads {VERSION}): restart the daemon after an upgrade"

@@ -55,9 +55,9 @@ class Range:
                 f" for an alert below it, write {body}:"
             )
         start, colon, end = body.partition(":")
+        if not colon:
+            raise StatusError(expected)
         try:
-            if not colon:
-                raise ValueError(body)
             low = -math.inf if start == "~" else float(start or 0)
             high = math.inf if end == "" else float(end)
         except ValueError:

@@ -281,9 +281,7 @@ def _counted(total: Tally, before: SloState, after: SloState) -> Tally:
 ANSWERED, FINISHED = "http_requests_total", "request_success_total"
 
 
-def slo_summary(
-    settings: SloSettings, tally: Tally, http: bool = True
-) -> dict[str, dict[str, Any]]:
+def slo_summary(settings: SloSettings, tally: Tally, http: bool) -> dict[str, dict[str, Any]]:
     """Each declared objective over the replayed span: its target, its events, the share of
     them that were good (``attainment``) and the error budget they spent (the bad events over
     events x (1 - target): 1.0 is all of it); None for both where the data has no events.
