@@ -202,9 +202,9 @@ class RestartRecord:
     # the boot's id): ages are then immune to steps of the wall clock.
     mono: float | None = None
     # What it cost the clients, availability spent: the requests in flight it cut off, and
-    # those estimated to have arrived while vLLM was down (the actuator's counts, which stand
-    # for any sample of that time: the daemon's own restarts leave none, an operator's
-    # `vkvagent restart` may). None: not known.
+    # those estimated to have arrived while vLLM was down (the actuator's counts: the
+    # daemon's own restarts leave no sample of that time; where the daemon sampled another
+    # process's restart, its samples count the refusals instead). None: not known.
     cut_off: float | None = None
     refused: float | None = None
     ended: float | None = None  # UTC when it ended, vLLM answering again: ``refused``'s span

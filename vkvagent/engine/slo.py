@@ -507,7 +507,9 @@ def count_samples(
     if slo.since is None and fresh:
         slo = replace(slo, since=fresh[0].time)
     for record in sorted(observed.restarts, key=lambda r: r.time):
-        if record.time < (slo.since or math.inf) or record.time <= (slo.counted or -math.inf):
+        if slo.since is None or record.time < slo.since:
+            continue  # from before the counting began
+        if slo.counted is not None and record.time <= slo.counted:
             continue
         ended = record.ended if record.ended is not None else record.time
         sampled = any(a <= ended and record.time <= b for a, b in slo.refusing)
