@@ -268,6 +268,17 @@ def test_requests_a_restart_cut_off_are_counted_once() -> None:
     assert state.slo.counted == cut.time and state.slo.since == samples[0].time
 
 
+def test_a_restart_on_a_host_idle_since_the_slo_was_declared_counts() -> None:
+    """Idle samples count no event, but the counting began with the first of them."""
+    start = T0.timestamp() - 3600
+    idle = [Sample(T0.timestamp() + 10 * i, 1000.0 + 10 * i, metrics(0, start=start))
+            for i in range(6)]  # fmt: skip
+    restart = RestartRecord(T0.timestamp() + 25, "stall", cut_off=7.0, refused=90.0)
+    state, settings = run_ticks(idle, restarts=lambda at: (restart,) if at > restart.time else ())
+    good, total = state.slo.over(settings.slo, 3600, idle[-1].time)[:2]
+    assert (good, total) == (0.0, 97.0) and state.slo.since == idle[0].time
+
+
 def test_an_outage_the_samples_counted_is_not_counted_again_from_its_restart_record() -> None:
     """An operator's `vkvagent restart` while the daemon samples: its record, open while it
     runs, gets the actuator's counts once vLLM is back. The samples counted the refusals
