@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 
 from vkvagent.engine.baseline import WindowStats
 from vkvagent.engine.samples import VllmMetrics
+from vkvagent.knowledge import hardening
 
 FIXTURES = Path(__file__).parent / "fixtures"
 METRIC_PAGES = FIXTURES / "metrics"
@@ -30,6 +31,15 @@ def counter(name: str, value: float, labels: str = 'model_name="m"') -> str:
 
 def gauge(name: str, value: float, labels: str = 'model_name="m"') -> str:
     return f"# HELP {name} help\n# TYPE {name} gauge\n{name}{{{labels}}} {value}\n"
+
+
+@pytest.fixture(autouse=True)
+def _no_unit_installed_on_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`config check` reads vkvagent.service's sandbox from this host, where tests/
+    test_packaging.py installs the deb for a while: a test beside it on another worker would
+    see that unit's sandbox and its warnings. Tests read an empty root; test_hardening's own
+    ``root`` fixture installs the unit where it wants it."""
+    monkeypatch.setattr(hardening, "ROOT", FIXTURES / "no-root")
 
 
 # No time limit on an example: on 2 cores shared by several test workers and a vLLM, a fast
