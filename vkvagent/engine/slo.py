@@ -288,10 +288,10 @@ class SloState:
     def refused_until(self, at: float, gap: float) -> SloState:
         """The state with the ``gap`` seconds to ``at`` (UTC) counted as refused: the newest
         stretch carried on where it ended at the sample before, else a new one."""
-        kept = self.refusing[-REFUSING_KEPT:]
-        if kept and kept[-1][1] >= at - gap - 1:
-            return replace(self, refusing=(*kept[:-1], (kept[-1][0], at)))
-        return replace(self, refusing=(*kept[-REFUSING_KEPT + 1 :], (at - gap, at)))
+        spans = self.refusing
+        if spans and spans[-1][1] >= at - gap - 1:
+            return replace(self, refusing=(*spans[:-1], (spans[-1][0], at)))
+        return replace(self, refusing=(*spans[-REFUSING_KEPT + 1 :], (at - gap, at)))
 
     def fresh_miss(self) -> dict[str, float]:
         """Each latency objective's miss rate while the last run was fresh (this one's, once
